@@ -1,0 +1,104 @@
+"""ckptkit: checkpoints for sharded large-model training.
+
+The pure parts (manifest, boxes, planner, verify, inspect) import without torch; ``save``,
+``load`` and ``ShardedTensor`` use torch and are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CkptkitError,
+    IntegrityError,
+    LayoutError,
+    ManifestError,
+    StorageError,
+)
+from .manifest import (
+    CheckpointInfo,
+    CodeVersion,
+    DataProgress,
+    DataVersion,
+    Manifest,
+    ModelInfo,
+    OptimizerInfo,
+    ParamGroup,
+    Topology,
+)
+from .sharded import ShardedTensor
+
+if TYPE_CHECKING:
+    from .loader import load
+    from .saver import save
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CkptkitError",
+    "CodeVersion",
+    "DataProgress",
+    "DataVersion",
+    "IntegrityError",
+    "LayoutError",
+    "Manifest",
+    "ManifestError",
+    "ModelInfo",
+    "OptimizerInfo",
+    "ParamGroup",
+    "ShardedTensor",
+    "StorageError",
+    "Topology",
+    "__version__",
+    "inspect",
+    "list_checkpoints",
+    "load",
+    "read_manifest",
+    "save",
+    "verify",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "save":
+        from .saver import save
+
+        return save
+    if name == "load":
+        from .loader import load
+
+        return load
+    raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
+
+
+def read_manifest(path: str) -> Manifest:
+    """Return the validated manifest of the committed checkpoint at `path` (or a root's latest)."""
+    from .catalog import read_manifest as _read, resolve
+
+    return _read(resolve(path))
+
+
+def verify(path: str, *, quick: bool = False) -> Any:
+    """Check a checkpoint against its manifest; return a ``VerifyReport`` listing every finding."""
+    from .verifier import verify as _verify
+
+    return _verify(path, quick=quick)
+
+
+def inspect(path: str) -> Any:
+    """Return a summary (``InspectReport``) of the committed checkpoint at `path`."""
+    from .inspector import inspect as _inspect
+
+    return _inspect(path)
+
+
+def list_checkpoints(root: str) -> Any:
+    """Return the committed checkpoints and leftovers under a root (a ``Listing``)."""
+    from .catalog import list_root
+
+    return list_root(root)

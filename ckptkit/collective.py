@@ -1,0 +1,68 @@
+"""The few collectives save needs: gather to rank 0 and broadcast from it.
+
+Two implementations: one process (no torch.distributed), and a torch.distributed process
+group. Objects travel between the job's own ranks in memory; nothing here is ever written
+into a checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Collective(Protocol):
+    rank: int
+    world_size: int
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Return every rank's `obj` on rank 0 (in rank order), None elsewhere."""
+
+    def broadcast(self, obj: Any) -> Any:
+        """Return rank 0's `obj` on every rank."""
+
+
+class SingleProcess:
+    rank = 0
+    world_size = 1
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        return [obj]
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+
+class TorchDistributed:
+    """Collectives over a torch.distributed process group (the default group when None)."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._root = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        self._dist.gather_object(obj, out, dst=self._root, group=self._group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=self._root, group=self._group)
+        return box[0]
+
+
+def default_collective(process_group: Any = None) -> Collective:
+    """Return collectives over `process_group`, or the default group when torch.distributed is up."""
+    if process_group is not None:
+        return TorchDistributed(process_group)
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return SingleProcess()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return TorchDistributed(None)
+    return SingleProcess()

@@ -1,0 +1,129 @@
+"""Plan a collective save (pure): check what the ranks hold, pick who writes what, name the files.
+
+Call order: every rank describes its local boxes (`ItemDesc`); rank 0 calls `plan_save` on all
+descriptions; each rank writes the files of its `RankPlan`; rank 0 builds the manifest.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .boxes import Box, tiling_problems
+from .dtypes import itemsize
+from .errors import LayoutError
+
+
+@dataclass(frozen=True, slots=True)
+class ItemDesc:
+    """One box a rank holds: tensor name, dtype, global shape, and the box."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    box: Box
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.volume * itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class FilePlan:
+    """One payload file: its path in the checkpoint and the (item, key) pairs it holds, in order."""
+
+    path: str
+    items: tuple[tuple[ItemDesc, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """Who writes which file; ``files[r]`` are the files of rank r."""
+
+    files: tuple[tuple[FilePlan, ...], ...]
+
+    def all_files(self) -> list[FilePlan]:
+        return [f for rank_files in self.files for f in rank_files]
+
+
+def plan_save(ranks: Sequence[Sequence[ItemDesc]], *, max_file_bytes: int | None = None) -> SavePlan:
+    """Check the boxes every rank holds and assign each distinct box to one writer.
+
+    Identical boxes held by several ranks (replicas) are written once, by the holder with
+    the least bytes assigned so far (largest boxes first), so ranks write about the same.
+
+    Raises:
+        LayoutError: a tensor's dtype or shape differs between ranks, or its distinct boxes
+            overlap or leave gaps; every problem is listed.
+    """
+    holders: dict[str, dict[Box, list[int]]] = defaultdict(dict)
+    meta: dict[str, ItemDesc] = {}
+    problems: list[str] = []
+    for rank, items in enumerate(ranks):
+        for item in items:
+            first = meta.setdefault(item.fqn, item)
+            if (first.dtype, first.shape) != (item.dtype, item.shape):
+                problems.append(
+                    f"{item.fqn}: rank {rank} has {item.dtype}{list(item.shape)}, another rank "
+                    f"{first.dtype}{list(first.shape)}"
+                )
+                continue
+            owners = holders[item.fqn].setdefault(item.box, [])
+            if rank not in owners:
+                owners.append(rank)
+    for fqn, boxes in holders.items():
+        for problem in tiling_problems(meta[fqn].shape, list(boxes)):
+            problems.append(f"{fqn}: {problem}")
+    if problems:
+        raise LayoutError(f"cannot save: {len(problems)} problem(s): " + "; ".join(problems[:20]))
+    assigned = _assign(holders, meta, len(ranks))
+    return SavePlan(tuple(_files(rank, items, max_file_bytes) for rank, items in enumerate(assigned)))
+
+
+def _assign(holders: dict[str, dict[Box, list[int]]], meta: dict[str, ItemDesc], world: int) -> list[list[ItemDesc]]:
+    load = [0] * world
+    out: list[list[ItemDesc]] = [[] for _ in range(world)]
+    shared = []
+    for fqn, boxes in holders.items():
+        for box, owners in boxes.items():
+            item = ItemDesc(fqn, meta[fqn].dtype, meta[fqn].shape, box)
+            if len(owners) == 1:
+                out[owners[0]].append(item)
+                load[owners[0]] += item.nbytes
+            else:
+                shared.append((item, owners))
+    shared.sort(key=lambda p: (-p[0].nbytes, p[0].fqn, p[0].box.offsets))
+    for item, owners in shared:
+        writer = min(owners, key=lambda r: (load[r], r))
+        out[writer].append(item)
+        load[writer] += item.nbytes
+    for items in out:
+        items.sort(key=lambda i: (i.fqn, i.box.offsets))
+    return out
+
+
+def _files(rank: int, items: list[ItemDesc], max_file_bytes: int | None) -> tuple[FilePlan, ...]:
+    groups: list[list[ItemDesc]] = [[]]
+    size = 0
+    for item in items:
+        if max_file_bytes and groups[-1] and size + item.nbytes > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item.nbytes
+    if not groups[-1]:
+        return ()
+    plans = []
+    for n, group in enumerate(groups):
+        path = f"rank{rank:05d}.safetensors" if len(groups) == 1 else f"rank{rank:05d}-{n:03d}.safetensors"
+        # Largest element size first keeps every tensor aligned to its element size in the file.
+        ordered = sorted(group, key=lambda i: -itemsize(i.dtype))
+        seen: dict[str, int] = defaultdict(int)
+        keyed = []
+        for item in ordered:
+            k = seen[item.fqn]
+            seen[item.fqn] += 1
+            keyed.append((item, item.fqn if k == 0 else f"{item.fqn}#{k}"))
+        plans.append(FilePlan(path, tuple(keyed)))
+    return tuple(plans)

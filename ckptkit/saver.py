@@ -1,0 +1,304 @@
+"""Save a nested state of tensors and JSON values as a committed checkpoint, in one process or collectively."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import __version__
+from .boxes import Box
+from .catalog import Location, locate, temp_name, write_latest
+from .checksum import Hasher
+from .collective import Collective, default_collective
+from .errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError
+from .manifest import (
+    KINDS,
+    MANIFEST_NAME,
+    CheckpointInfo,
+    FileEntry,
+    Manifest,
+    Producer,
+    TensorEntry,
+    TokenizerInfo,
+    Topology,
+    manifest_to_json,
+)
+from .safetensors_format import build_header
+from .save_plan import FilePlan, ItemDesc, SavePlan, plan_save
+from .shards import Shard, compact_shards
+from .storage import Storage
+from .torch_io import byte_view, dtype_name, host_contiguous, is_leaf, leaf_shards
+from .tree import flatten
+
+DEFAULT_KINDS = {"model": "param", "optimizer": "optimizer", "optim": "optimizer", "rng": "rng", "buffers": "buffer"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    path: str
+    size: int
+    checksum: str
+
+
+def save(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    step: int,
+    topology: Topology | None = None,
+    info: CheckpointInfo | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
+    kinds: Mapping[str, str] | None = None,
+    process_group: Any = None,
+    max_file_bytes: int | None = None,
+    update_latest: bool = True,
+) -> Manifest:
+    """Write `state` as the committed checkpoint directory `path`.
+
+    Under torch.distributed every rank of the group calls this with its own state: tensors
+    that are plain ``torch.Tensor`` are replicas of a whole tensor, ``ShardedTensor`` values
+    (or lists of them) are boxes of a global tensor; identical boxes are written once. Each
+    rank writes only its own payload files; rank 0 checks that the boxes tile every tensor,
+    writes the manifest last, renames the checkpoint into place and moves the root's
+    ``latest`` pointer. Non-tensor values must be JSON and are taken from rank 0.
+
+    Args:
+        state: nested dict with string keys; leaves are tensors, ShardedTensors or JSON values.
+        path: the checkpoint directory to create, e.g. ``ckpts/step_00000100``.
+        step: the training step recorded in the manifest.
+        topology: the job's parallel layout (default: plain data parallel over the group).
+        info: training assets (optimizer, scheduler, data progress, versions, model config).
+        tokenizer: a tokenizer file or directory copied into the checkpoint and hashed.
+        kinds: tensor kind by fqn prefix, overriding the defaults (model -> param,
+            optimizer/optim -> optimizer, rng -> rng, buffers -> buffer, else other).
+        process_group: torch.distributed group (default: the default group, if initialized).
+        max_file_bytes: start a new payload file when a rank's file would grow past this.
+        update_latest: move the root's ``latest`` pointer to this checkpoint.
+
+    Returns:
+        The manifest that was committed.
+
+    Raises:
+        LayoutError: boxes overlap or leave gaps, shapes or dtypes disagree across ranks,
+            or a value is neither a tensor nor JSON.
+        CheckpointExistsError: something already exists at `path`.
+        StorageError: a write failed; nothing was committed.
+    """
+    coll = default_collective(process_group)
+    loc = locate(path)
+    local, descs, objects, error = _describe(state)
+    gathered = coll.gather((descs, _digest(objects), error))
+    planned: tuple[str, Any] = ("ok", None)
+    if gathered is not None:
+        planned = _guard(lambda: _plan(gathered, loc, max_file_bytes, topology, coll))
+    plan, uid, topo = _unwrap(coll.broadcast(planned))
+    tmp = temp_name(loc.name, uid)
+    written = _guard(lambda: [_write_file(loc.storage, f"{tmp}/{f.path}", f, local) for f in plan.files[coll.rank]])
+    results = coll.gather(written)
+    outcome: tuple[str, Any] = ("ok", None)
+    if results is not None:
+        outcome = _guard(
+            lambda: _commit(results, plan, loc, tmp, step, topo, info, tokenizer, objects, kinds, update_latest)
+        )
+        if outcome[0] != "ok":
+            _discard(loc.storage, tmp)
+    return _unwrap(coll.broadcast(outcome))  # type: ignore[no-any-return]
+
+
+def _describe(state: Mapping[str, Any]) -> tuple[dict[tuple[str, Box], torch.Tensor], list[ItemDesc], dict[str, Any], str]:
+    try:
+        tensors, objects = flatten(state, is_leaf)
+        local: dict[tuple[str, Box], torch.Tensor] = {}
+        descs: list[ItemDesc] = []
+        for fqn, leaf in tensors.items():
+            for piece in leaf_shards(leaf):
+                item = ItemDesc(fqn, dtype_name(piece.local.dtype, fqn=fqn), piece.global_shape, piece.box)
+                local[(fqn, piece.box)] = piece.local
+                descs.append(item)
+        json.dumps(objects, allow_nan=False)
+    except CkptkitError as exc:
+        return {}, [], {}, f"{type(exc).__name__}: {exc}"
+    except (TypeError, ValueError) as exc:
+        return {}, [], {}, f"LayoutError: a non-tensor value is not JSON ({exc})"
+    return local, descs, objects, ""
+
+
+def _digest(objects: dict[str, Any]) -> str:
+    return json.dumps(objects, sort_keys=True, default=str)
+
+
+def _plan(
+    gathered: list[Any], loc: Location, max_file_bytes: int | None, topology: Topology | None, coll: Collective
+) -> tuple[SavePlan, str, Topology]:
+    errors = [f"rank {r}: {err}" for r, (_, _, err) in enumerate(gathered) if err]
+    if errors:
+        raise LayoutError("; ".join(errors))
+    differing = [r for r, (_, digest, _) in enumerate(gathered) if digest != gathered[0][1]]
+    if differing:
+        raise LayoutError(f"non-tensor values differ from rank 0's on ranks {differing}; save per-rank values as tensors")
+    if loc.storage.exists(loc.name):
+        committed = loc.storage.exists(loc.key(MANIFEST_NAME))
+        what = "a committed checkpoint" if committed else "an uncommitted directory"
+        raise CheckpointExistsError(f"{loc}: {what} already exists; choose another path or remove it")
+    topo = topology or Topology(world_size=coll.world_size, dp=coll.world_size)
+    if topo.world_size != coll.world_size or topo.tp * topo.pp * topo.dp * topo.cp != topo.world_size:
+        raise LayoutError(
+            f"topology tp={topo.tp} pp={topo.pp} dp={topo.dp} cp={topo.cp} world_size={topo.world_size} "
+            f"does not match {coll.world_size} saving rank(s)"
+        )
+    plan = plan_save([descs for descs, _, _ in gathered], max_file_bytes=max_file_bytes)
+    return plan, uuid.uuid4().hex[:12], topo
+
+
+def _write_file(storage: Storage, key: str, plan: FilePlan, local: dict[tuple[str, Box], torch.Tensor]) -> _Written:
+    prefix, _ = build_header(
+        [(k, item.dtype, item.box.lengths) for item, k in plan.items], {"format": "pt", "producer": "ckptkit"}
+    )
+    hasher = Hasher()
+
+    def chunks() -> Iterator[memoryview]:
+        first = memoryview(prefix)
+        hasher.update(first)
+        yield first
+        for item, _ in plan.items:
+            tensor = host_contiguous(local[(item.fqn, item.box)])
+            view = byte_view(tensor)
+            hasher.update(view)
+            yield view
+
+    size = storage.write(key, chunks())
+    return _Written(plan.path, size, hasher.digest())
+
+
+def _commit(
+    results: list[Any],
+    plan: SavePlan,
+    loc: Location,
+    tmp: str,
+    step: int,
+    topo: Topology,
+    info: CheckpointInfo | None,
+    tokenizer: str | os.PathLike[str] | None,
+    objects: dict[str, Any],
+    kinds: Mapping[str, str] | None,
+    update_latest: bool,
+) -> Manifest:
+    errors = [f"rank {r}: {res[1]}" for r, res in enumerate(results) if res[0] != "ok"]
+    if errors:
+        raise StorageError("payload writes failed, nothing committed: " + "; ".join(errors))
+    written = {w.path: w for _, ws in results for w in ws}
+    files = [FileEntry(path=f.path, size=written[f.path].size, checksum=written[f.path].checksum) for f in plan.all_files()]
+    index = {f.path: i for i, f in enumerate(files)}
+    tok_info = None
+    if tokenizer is not None:
+        tok_files = _copy_tokenizer(loc.storage, tmp, tokenizer)
+        files += tok_files
+        tok_info = TokenizerInfo(name=os.path.basename(os.fspath(tokenizer).rstrip("/")), files=tuple(f.path for f in tok_files))
+    manifest = Manifest(
+        checkpoint_id=uuid.uuid4().hex,
+        step=step,
+        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        producer=Producer(ckptkit=__version__, torch=torch.__version__, python=platform.python_version()),
+        topology=topo,
+        files=tuple(files),
+        tensors=_tensor_entries(plan, index, kinds or {}),
+        objects=objects,
+        info=info or CheckpointInfo(),
+        tokenizer=tok_info,
+    )
+    loc.storage.write(f"{tmp}/{MANIFEST_NAME}", [manifest_to_json(manifest)])
+    loc.storage.rename(tmp, loc.name)
+    if update_latest:
+        write_latest(loc.storage, loc.name)
+    return manifest
+
+
+def _tensor_entries(plan: SavePlan, index: dict[str, int], kinds: Mapping[str, str]) -> dict[str, TensorEntry]:
+    shards: dict[str, list[Shard]] = defaultdict(list)
+    meta: dict[str, ItemDesc] = {}
+    for f in plan.all_files():
+        for item, key in f.items:
+            shards[item.fqn].append(Shard(item.box, index[f.path], key))
+            meta[item.fqn] = item
+    return {
+        fqn: TensorEntry(
+            shape=meta[fqn].shape,
+            dtype=meta[fqn].dtype,
+            kind=kind_of(fqn, kinds),  # type: ignore[arg-type]
+            shards=compact_shards(meta[fqn].shape, shards[fqn]),
+        )
+        for fqn in sorted(shards)
+    }
+
+
+def kind_of(fqn: str, kinds: Mapping[str, str]) -> str:
+    """Return a tensor's kind: the longest matching user prefix, else the default for its top key."""
+    for prefix in sorted(kinds, key=len, reverse=True):
+        if fqn == prefix or fqn.startswith(prefix.rstrip("/") + "/"):
+            kind = kinds[prefix]
+            if kind not in KINDS:
+                raise LayoutError(f"kind {kind!r} for {prefix!r} is not one of {', '.join(KINDS)}")
+            return kind
+    return DEFAULT_KINDS.get(fqn.split("/", 1)[0], "other")
+
+
+def _copy_tokenizer(storage: Storage, tmp: str, source: str | os.PathLike[str]) -> list[FileEntry]:
+    src = os.fspath(source)
+    if os.path.isdir(src):
+        names = sorted(
+            os.path.relpath(os.path.join(d, n), src) for d, _, ns in os.walk(src) for n in ns
+        )
+        paths = [(os.path.join(src, n), n.replace(os.sep, "/")) for n in names]
+    elif os.path.isfile(src):
+        paths = [(src, os.path.basename(src))]
+    else:
+        raise StorageError(f"tokenizer {src}: no such file or directory")
+    entries = []
+    for file_path, rel in paths:
+        with open(file_path, "rb") as f:
+            data = f.read()
+        hasher = Hasher()
+        hasher.update(data)
+        key = f"tokenizer/{rel}"
+        storage.write(f"{tmp}/{key}", [data])
+        entries.append(FileEntry(path=key, size=len(data), checksum=hasher.digest(), role="tokenizer"))
+    return entries
+
+
+def _guard(fn: Any) -> tuple[str, Any]:
+    """Run `fn`; return ("ok", result) or ("error", (type name, message)) to share with other ranks."""
+    try:
+        return ("ok", fn())
+    except CkptkitError as exc:
+        return ("error", (type(exc).__name__, str(exc)))
+    except OSError as exc:
+        return ("error", ("StorageError", str(exc)))
+    except Exception as exc:  # shared with the other ranks so that none of them waits forever
+        return ("error", ("CkptkitError", f"{type(exc).__name__}: {exc}"))
+
+
+def _unwrap(outcome: tuple[str, Any]) -> Any:
+    status, value = outcome
+    if status == "ok":
+        return value
+    name, message = value
+    from . import errors
+
+    cls = getattr(errors, name, errors.CkptkitError)
+    raise cls(message)
+
+
+def _discard(storage: Storage, tmp: str) -> None:
+    try:
+        storage.delete(tmp)
+    except StorageError:
+        pass

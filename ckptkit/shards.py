@@ -1,0 +1,131 @@
+"""Shard specs of the manifest as boxes: expand, compact into grids, find the shards a box needs (pure)."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .boxes import Box, chunk_cuts
+from .manifest import BoxShard, BoxShards, FileRange, GridShards, TensorEntry
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """A box of a global tensor and where its bytes are: file index and key in that file."""
+
+    box: Box
+    file: int
+    key: str
+
+
+def grid_cuts(shape: Sequence[int], spec: GridShards) -> list[list[int]]:
+    """Return the explicit cut positions of every dim of a grid."""
+    cuts: list[list[int]] = []
+    for size, c in zip(shape, spec.cuts):
+        cuts.append(chunk_cuts(size, c) if isinstance(c, int) else list(c))
+    return cuts
+
+
+def grid_cell_count(shape: Sequence[int], spec: GridShards) -> int:
+    return math.prod(len(c) - 1 for c in grid_cuts(shape, spec))
+
+
+def grid_file(spec: GridShards, cell: int) -> int:
+    if isinstance(spec.files, FileRange):
+        return spec.files.start + cell * spec.files.step
+    return spec.files[cell]
+
+
+def iter_shards(entry: TensorEntry) -> Iterator[Shard]:
+    """Yield every non-empty shard of a tensor, whatever the spec's layout."""
+    spec = entry.shards
+    if isinstance(spec, BoxShards):
+        for b in spec.boxes:
+            box = Box(tuple(b.offsets), tuple(b.lengths))
+            if box.volume or not box.ndim:
+                yield Shard(box, b.file, b.key)
+        return
+    cuts = grid_cuts(entry.shape, spec)
+    ranges = [range(len(c) - 1) for c in cuts]
+    for cell, idx in enumerate(itertools.product(*ranges)):
+        box = _cell_box(cuts, idx)
+        if box.volume or not box.ndim:
+            yield Shard(box, grid_file(spec, cell), spec.key)
+
+
+def _cell_box(cuts: list[list[int]], idx: Sequence[int]) -> Box:
+    return Box(
+        tuple(c[i] for c, i in zip(cuts, idx)),
+        tuple(c[i + 1] - c[i] for c, i in zip(cuts, idx)),
+    )
+
+
+def shards_overlapping(entry: TensorEntry, box: Box) -> list[Shard]:
+    """Return the shards of `entry` that share at least one element with `box`.
+
+    Grids are searched by bisection per dim; explicit boxes by a scan.
+    """
+    spec = entry.shards
+    if isinstance(spec, BoxShards):
+        return [s for s in iter_shards(entry) if s.box.intersect(box) is not None or not box.ndim]
+    cuts = grid_cuts(entry.shape, spec)
+    ranges = []
+    for c, lo, n in zip(cuts, box.offsets, box.lengths):
+        first = bisect.bisect_right(c, lo) - 1
+        last = bisect.bisect_left(c, lo + n)
+        ranges.append(range(max(first, 0), min(last, len(c) - 1)))
+    strides = [math.prod(len(c) - 1 for c in cuts[d + 1 :]) for d in range(len(cuts))]
+    found = []
+    for idx in itertools.product(*ranges):
+        cell_box = _cell_box(cuts, idx)
+        if cell_box.volume or not cell_box.ndim:
+            cell = sum(i * s for i, s in zip(idx, strides))
+            found.append(Shard(cell_box, grid_file(spec, cell), spec.key))
+    return found
+
+
+def compact_shards(shape: Sequence[int], shards: Sequence[Shard]) -> BoxShards | GridShards:
+    """Return the smallest spec that describes `shards`: a grid when they form one, else boxes.
+
+    A grid needs every shard under one key, every cell present once and distinct files;
+    cut positions become a chunk count where torch.chunk would cut the same way, and the
+    file list an arithmetic range where it is one.
+    """
+    grid = _as_grid(tuple(shape), shards)
+    if grid is not None:
+        return grid
+    boxes = tuple(
+        BoxShard(offsets=s.box.offsets, lengths=s.box.lengths, file=s.file, key=s.key)
+        for s in sorted(shards, key=lambda s: s.box.offsets)
+    )
+    return BoxShards(boxes=boxes)
+
+
+def _as_grid(shape: tuple[int, ...], shards: Sequence[Shard]) -> GridShards | None:
+    if len(shards) < 2 or not shape or len({s.key for s in shards}) != 1:
+        return None
+    cuts = [sorted({s.box.offsets[d] for s in shards} | {shape[d]}) for d in range(len(shape))]
+    n_cells = math.prod(len(c) - 1 for c in cuts)
+    if n_cells != len(shards) or len({s.file for s in shards}) != len(shards):
+        return None
+    by_origin = {s.box.offsets: s for s in shards}
+    files = []
+    for idx in itertools.product(*(range(len(c) - 1) for c in cuts)):
+        cell = _cell_box(cuts, idx)
+        shard = by_origin.get(cell.offsets)
+        if shard is None or shard.box != cell:
+            return None
+        files.append(shard.file)
+    dims: list[int | tuple[int, ...]] = []
+    for size, c in zip(shape, cuts):
+        count = len(c) - 1
+        dims.append(count if chunk_cuts(size, count) == c else tuple(c))
+    step = files[1] - files[0]
+    if step >= 0 and all(f == files[0] + i * step for i, f in enumerate(files)):
+        file_spec: tuple[int, ...] | FileRange = FileRange(start=files[0], step=step)
+    else:
+        file_spec = tuple(files)
+    return GridShards(cuts=tuple(dims), files=file_spec, key=shards[0].key)

@@ -1,0 +1,28 @@
+"""Storage backends: a narrow protocol over keys relative to a root, and the backends that implement it."""
+
+from __future__ import annotations
+
+import os
+
+from .base import Capabilities, Storage, check_key
+from .local import LocalStorage
+from .memory import MemoryStorage
+
+__all__ = ["Capabilities", "LocalStorage", "MemoryStorage", "Storage", "check_key", "open_storage"]
+
+
+def open_storage(url: str | os.PathLike[str]) -> Storage:
+    """Return the storage backend for a root URL or local path.
+
+    Raises:
+        StorageError: the URL scheme has no backend.
+    """
+    from ..errors import StorageError
+
+    text = os.fspath(url)
+    if "://" in text:
+        scheme = text.split("://", 1)[0]
+        if scheme == "file":
+            return LocalStorage(text[len("file://") :])
+        raise StorageError(f"{text}: no storage backend for scheme {scheme!r} (supported: local paths, file://)")
+    return LocalStorage(text)

@@ -1,0 +1,189 @@
+"""Local file-system storage: temp name, fsync, atomic rename, directory fsync."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+
+from ..errors import StorageError
+from .base import Buffer, Capabilities, check_key
+
+
+class LocalStorage:
+    """Storage in a directory of a local or shared POSIX file system.
+
+    Keys are paths under the root; no key may resolve outside it, symlinks included.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.root!r})"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(rename=True)
+
+    def path(self, key: str) -> str:
+        """Return the file-system path of `key`, refusing keys that escape the root."""
+        check_key(key)
+        path = os.path.join(self.root, *key.split("/"))
+        real_root = os.path.realpath(self.root)
+        real = os.path.realpath(path)
+        if real != real_root and not real.startswith(real_root + os.sep):
+            raise StorageError(f"{key}: resolves outside the storage root {self.root} (symlink?)")
+        return path
+
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read() if length is None else f.read(length)
+        except OSError as exc:
+            raise StorageError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+        if length is not None and len(data) != length:
+            raise StorageError(f"{path}: short read, wanted {length} bytes at {offset}, got {len(data)}")
+        return data
+
+    def readinto(self, key: str, offset: int, buffer: memoryview) -> None:
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise StorageError(f"{path}: cannot open ({exc.strerror or exc})") from exc
+        try:
+            _pread_full(fd, buffer, offset, path)
+        finally:
+            os.close(fd)
+
+    def write(self, key: str, chunks: Iterable[Buffer]) -> int:
+        path = self.path(key)
+        parent = os.path.dirname(path)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            _makedirs(parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                size = 0
+                for chunk in chunks:
+                    size += _write_full(fd, memoryview(chunk).cast("B"))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            _fsync_dir(parent)
+        except OSError as exc:
+            _remove_quietly(tmp)
+            raise StorageError(f"{path}: cannot write ({exc.strerror or exc})") from exc
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        return size
+
+    def size(self, key: str) -> int:
+        path = self.path(key)
+        try:
+            return os.stat(path).st_size
+        except OSError as exc:
+            raise StorageError(f"{path}: cannot stat ({exc.strerror or exc})") from exc
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self.path(key))
+
+    def is_prefix(self, key: str) -> bool:
+        """Return True when `key` names a directory (a prefix holding keys)."""
+        return os.path.isdir(self.path(key))
+
+    def list(self, prefix: str = "", *, recursive: bool = True) -> list[str]:
+        base = self.path(prefix) if prefix else self.root
+        if not os.path.isdir(base):
+            return []
+        head = f"{prefix}/" if prefix else ""
+        if not recursive:
+            return sorted(head + e.name + ("/" if e.is_dir() else "") for e in os.scandir(base))
+        keys = []
+        for dirpath, _dirs, files in os.walk(base):
+            rel = os.path.relpath(dirpath, base)
+            sub = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            keys += [head + sub + name for name in files]
+        return sorted(keys)
+
+    def delete(self, prefix: str) -> None:
+        path = self.path(prefix)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StorageError(f"{path}: cannot delete ({exc.strerror or exc})") from exc
+        _fsync_dir(os.path.dirname(path))
+
+    def rename(self, src: str, dst: str) -> None:
+        src_path, dst_path = self.path(src), self.path(dst)
+        if os.path.lexists(dst_path):
+            raise StorageError(f"{dst_path}: already exists, refusing to replace it")
+        try:
+            _makedirs(os.path.dirname(dst_path))
+            os.rename(src_path, dst_path)
+        except OSError as exc:
+            raise StorageError(f"cannot rename {src_path} to {dst_path} ({exc.strerror or exc})") from exc
+        _fsync_dir(os.path.dirname(dst_path))
+
+
+def _write_full(fd: int, view: memoryview) -> int:
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+    return done
+
+
+def _pread_full(fd: int, buffer: memoryview, offset: int, path: str) -> None:
+    view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise StorageError(f"{path}: short read, wanted {len(view)} bytes at {offset}, got {done}")
+        done += n
+
+
+def _makedirs(path: str) -> None:
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass
+        _fsync_dir(os.path.dirname(d))
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
