@@ -45,22 +45,37 @@ class ShardedTensor:
         return Box(self.global_offsets, tuple(int(d) for d in self.local.shape))
 
     @classmethod
-    def from_flat(cls, local: Any, global_shape: Sequence[int], flat_offset: int) -> list[ShardedTensor]:
-        """Describe a 1-D tensor holding a flat row-major range of a global tensor (ZeRO / FSDP).
+    def from_flat(
+        cls,
+        local: Any,
+        global_shape: Sequence[int],
+        flat_offset: int,
+        *,
+        origin: Sequence[int] | None = None,
+        extent: Sequence[int] | None = None,
+    ) -> list[ShardedTensor]:
+        """Describe a 1-D tensor that holds a flat row-major range of a tensor (ZeRO / FSDP).
 
-        Returns the ShardedTensors (views of `local`, at most 2·ndim−1) for the boxes the
-        range covers; save them, or load into them, as one list-valued leaf.
+        The range ``[flat_offset, flat_offset + local.numel())`` counts elements of the box
+        at `origin` with shape `extent` (default: the whole global tensor; under TP, the
+        rank's TP shard). Returns ShardedTensors (views of `local`, at most 2·ndim−1) for
+        the boxes the range covers; save them, or load into them, as one list-valued leaf.
         """
         shape = tuple(int(d) for d in global_shape)
+        base = tuple(int(d) for d in origin) if origin is not None else (0,) * len(shape)
+        sub = tuple(int(d) for d in extent) if extent is not None else shape
         n = int(local.numel())
         if local.dim() != 1:
             raise LayoutError(f"from_flat: local tensor must be 1-D, got shape {list(local.shape)}")
-        if flat_offset < 0 or flat_offset + n > math.prod(shape):
-            raise LayoutError(f"from_flat: range [{flat_offset}, {flat_offset + n}) is outside shape {list(shape)}")
+        if not Box(base, sub).ndim == len(shape) or any(o + e > g for o, e, g in zip(base, sub, shape)):
+            raise LayoutError(f"from_flat: box at {list(base)} of size {list(sub)} is outside shape {list(shape)}")
+        if flat_offset < 0 or flat_offset + n > math.prod(sub):
+            raise LayoutError(f"from_flat: range [{flat_offset}, {flat_offset + n}) is outside a box of size {list(sub)}")
         pieces = []
         pos = 0
-        for box in flat_range_to_boxes(shape, flat_offset, flat_offset + n):
+        for box in flat_range_to_boxes(sub, flat_offset, flat_offset + n):
             view = local[pos : pos + box.volume].view(box.lengths)
-            pieces.append(cls(view, shape, box.offsets))
+            offsets = tuple(o + b for o, b in zip(box.offsets, base))
+            pieces.append(cls(view, shape, offsets))
             pos += box.volume
         return pieces

@@ -1,0 +1,48 @@
+"""Generate the published JSON Schemas (manifest and CLI reports) from the pydantic models.
+
+Run ``python -m ckptkit.schemas [DIR]`` to rewrite them (default: ./schemas); a test
+regenerates them and fails on any difference. Never edit the files by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from .inspector import InspectReport
+from .manifest import SCHEMA_MAJOR, manifest_json_schema
+from .reports import ListingReport
+from .verifier import VerifyReport
+
+
+def all_schemas() -> dict[str, dict[str, Any]]:
+    """Return relative file path -> JSON Schema for every published document."""
+    out = {f"manifest/v{SCHEMA_MAJOR}.schema.json": manifest_json_schema()}
+    for name, model in (("verify", VerifyReport), ("inspect", InspectReport), ("ls", ListingReport)):
+        schema = model.model_json_schema()
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        out[f"cli/{name}.v1.schema.json"] = schema
+    return out
+
+
+def render(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+def write_schemas(directory: str) -> list[str]:
+    """Write every schema under `directory`; return the paths written."""
+    written = []
+    for rel, schema in all_schemas().items():
+        path = os.path.join(directory, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(render(schema))
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    for p in write_schemas(sys.argv[1] if len(sys.argv) > 1 else "schemas"):
+        print(p)
