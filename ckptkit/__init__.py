@@ -76,18 +76,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
 
 
-def read_manifest(path: str) -> Manifest:
+def read_manifest(path: str, *, storage: Any = None) -> Manifest:
     """Return the validated manifest of the committed checkpoint at `path` (or a root's latest)."""
     from .catalog import read_manifest as _read, resolve
 
-    return _read(resolve(path))
+    return _read(resolve(path, storage))
 
 
-def verify(path: str, *, quick: bool = False) -> Any:
-    """Check a checkpoint against its manifest; return a ``VerifyReport`` listing every finding."""
+def verify(path: str, **options: Any) -> Any:
+    """Check a checkpoint against its manifest; return a ``VerifyReport`` listing every finding.
+
+    Options are those of :func:`ckptkit.verifier.verify` (quick, workers, progress, storage).
+    """
     from .verifier import verify as _verify
 
-    return _verify(path, quick=quick)
+    return _verify(path, **options)
 
 
 def inspect(path: str) -> Any:

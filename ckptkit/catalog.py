@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .errors import CheckpointNotFoundError, ManifestError, StorageError
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest
-from .storage import Storage, open_storage
+from .storage import Storage, check_key, open_storage
 
 LATEST_NAME = "latest"
 _TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<id>[0-9a-f]+)$")
@@ -41,8 +41,13 @@ class Location:
         return os.path.join(root, self.name) if root else self.name
 
 
-def locate(path: str | os.PathLike[str]) -> Location:
-    """Return the location of the checkpoint directory `path` (committed or not)."""
+def locate(path: str | os.PathLike[str], storage: Storage | None = None) -> Location:
+    """Return the location of the checkpoint directory `path` (committed or not).
+
+    With `storage`, `path` is the checkpoint's name under that storage's root.
+    """
+    if storage is not None:
+        return Location(storage, check_key(os.fspath(path)))
     text = os.path.abspath(os.fspath(path)) if "://" not in os.fspath(path) else os.fspath(path)
     parent, name = os.path.split(text.rstrip("/"))
     if not name:
@@ -50,18 +55,25 @@ def locate(path: str | os.PathLike[str]) -> Location:
     return Location(open_storage(parent), name)
 
 
-def resolve(path: str | os.PathLike[str]) -> Location:
+def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> Location:
     """Return the committed checkpoint at `path`, following ``path/latest`` for a root.
+
+    With `storage`, `path` is a checkpoint name under its root, or ``latest``.
 
     Raises:
         CheckpointNotFoundError: `path` is neither a committed checkpoint nor a root whose
             latest pointer names one.
     """
-    loc = locate(path)
+    if storage is not None and os.fspath(path) == LATEST_NAME:
+        name = read_latest(storage)
+        if not name:
+            raise CheckpointNotFoundError(f"{storage}: no {LATEST_NAME} pointer")
+        path = name
+    loc = locate(path, storage)
     if loc.storage.exists(loc.key(MANIFEST_NAME)):
         return loc
-    root = open_storage(str(loc))
-    if root.exists(LATEST_NAME):
+    if storage is None and loc.storage.exists(f"{loc.name}/{LATEST_NAME}"):
+        root = open_storage(str(loc))
         name = read_latest(root)
         if name and root.exists(f"{name}/{MANIFEST_NAME}"):
             return Location(root, name)

@@ -17,15 +17,13 @@ from .manifest import Manifest
 from .planner import LoadPlan, Read, plan_load
 from .safetensors_format import Header, header_length, parse_header
 from .sharded import ShardedTensor
+from .storage import Storage
 from .torch_io import byte_view, is_leaf, leaf_shards, torch_dtype
 from .tree import flatten, unflatten
 
-# Read the whole span of a source shard region when it is at most this much bigger than the
-# bytes needed: one large read beats many small ones on every storage.
-_SPAN_SLACK = 2.0
-
-
-def load(path: str | os.PathLike[str], target: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike[str], target: Mapping[str, Any] | None = None, *, storage: Storage | None = None
+) -> dict[str, Any]:
     """Load a committed checkpoint (or the one a root's ``latest`` names).
 
     Without `target`, return the saved nested dict with every tensor whole. With `target`
@@ -33,6 +31,7 @@ def load(path: str | os.PathLike[str], target: Mapping[str, Any] | None = None) 
     receives the whole tensor, a ``ShardedTensor`` (or list of them) exactly its box,
     whatever sharding the checkpoint was written with; only the needed byte ranges are read.
     Returns the target's structure with its tensors, plus every non-tensor value saved.
+    With `storage`, `path` is the checkpoint's name under that backend's root (or ``latest``).
 
     Raises:
         CheckpointNotFoundError: nothing committed at `path`.
@@ -40,7 +39,7 @@ def load(path: str | os.PathLike[str], target: Mapping[str, Any] | None = None) 
         IntegrityError: payload files disagree with the manifest.
         LayoutError: a target tensor is missing from the checkpoint or has another shape or dtype.
     """
-    loc = resolve(path)
+    loc = resolve(path, storage)
     manifest = read_manifest(loc)
     findings = manifest_findings(manifest)
     if findings:
@@ -111,29 +110,16 @@ def _copy(
     key = loc.key(path)
     runs = byte_runs(read.src_box, read.overlap, itemsize(dtype))
     dest = out[read.overlap.shifted(box.offsets).slices()] if out.dim() else out
-    if runs.n_runs == 1 and dest.is_contiguous():
-        loc.storage.readinto(key, entry.begin + runs.start, byte_view(dest))
-        return
-    if runs.end - runs.start <= _SPAN_SLACK * runs.nbytes:
-        span = torch.empty(runs.end - runs.start, dtype=torch.uint8)
-        loc.storage.readinto(key, entry.begin + runs.start, byte_view(span))
-        size = itemsize(dtype)
-        src = span.view(out.dtype).as_strided(
-            read.overlap.lengths, _elem_strides(read.src_box.lengths), 0
-        ) if size else span
-        dest.copy_(src)
-        return
-    buf = torch.empty(read.overlap.lengths, dtype=out.dtype)
+    # Runs concatenated in order are the overlap in row-major order: read them straight into a
+    # contiguous destination, else into one buffer of exactly the needed bytes. Never read more.
+    buf = dest if dest.is_contiguous() else torch.empty(read.overlap.lengths, dtype=out.dtype)
     view = byte_view(buf)
-    pos = 0
-    for offset in runs.offsets():
-        loc.storage.readinto(key, entry.begin + offset, view[pos : pos + runs.run_length])
-        pos += runs.run_length
-    dest.copy_(buf)
-
-
-def _elem_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    return tuple(strides)
+    if runs.n_runs == 1:
+        loc.storage.readinto(key, entry.begin + runs.start, view)
+    else:
+        pos = 0
+        for offset in runs.offsets():
+            loc.storage.readinto(key, entry.begin + offset, view[pos : pos + runs.run_length])
+            pos += runs.run_length
+    if buf is not dest:
+        dest.copy_(buf)

@@ -37,7 +37,7 @@ from .save_plan import FilePlan, ItemDesc, SavePlan, plan_save
 from .shards import Shard, compact_shards
 from .storage import Storage
 from .torch_io import byte_view, dtype_name, host_contiguous, is_leaf, leaf_shards
-from .tree import flatten
+from .tree import flatten, json_problems
 
 DEFAULT_KINDS = {"model": "param", "optimizer": "optimizer", "optim": "optimizer", "rng": "rng", "buffers": "buffer"}
 
@@ -61,6 +61,7 @@ def save(
     process_group: Any = None,
     max_file_bytes: int | None = None,
     update_latest: bool = True,
+    storage: Storage | None = None,
 ) -> Manifest:
     """Write `state` as the committed checkpoint directory `path`.
 
@@ -83,6 +84,7 @@ def save(
         process_group: torch.distributed group (default: the default group, if initialized).
         max_file_bytes: start a new payload file when a rank's file would grow past this.
         update_latest: move the root's ``latest`` pointer to this checkpoint.
+        storage: write through this backend; `path` is then the checkpoint's name under its root.
 
     Returns:
         The manifest that was committed.
@@ -94,7 +96,7 @@ def save(
         StorageError: a write failed; nothing was committed.
     """
     coll = default_collective(process_group)
-    loc = locate(path)
+    loc = locate(path, storage)
     local, descs, objects, error = _describe(state)
     gathered = coll.gather((descs, _digest(objects), error))
     planned: tuple[str, Any] = ("ok", None)
@@ -124,11 +126,11 @@ def _describe(state: Mapping[str, Any]) -> tuple[dict[tuple[str, Box], torch.Ten
                 item = ItemDesc(fqn, dtype_name(piece.local.dtype, fqn=fqn), piece.global_shape, piece.box)
                 local[(fqn, piece.box)] = piece.local
                 descs.append(item)
-        json.dumps(objects, allow_nan=False)
+        problems = json_problems(objects)
+        if problems:
+            raise LayoutError("values must be tensors or JSON: " + "; ".join(problems[:10]))
     except CkptkitError as exc:
         return {}, [], {}, f"{type(exc).__name__}: {exc}"
-    except (TypeError, ValueError) as exc:
-        return {}, [], {}, f"LayoutError: a non-tensor value is not JSON ({exc})"
     return local, descs, objects, ""
 
 

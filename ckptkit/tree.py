@@ -7,6 +7,7 @@ one JSON leaf.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,7 +46,7 @@ def _walk(node: Any, path: tuple[str, ...], is_tensor: Callable[[Any], bool], te
     if is_tensor(node):
         tensors[join(path)] = node
         return
-    if isinstance(node, Mapping) and _holds_tensor(node, is_tensor):
+    if isinstance(node, Mapping) and (not path or _holds_tensor(node, is_tensor)):
         for key, value in node.items():
             if not isinstance(key, str):
                 raise LayoutError(f"key {key!r} under {join(path) or '<root>'!r} is not a string; use string keys")
@@ -77,3 +78,30 @@ def unflatten(leaves: Mapping[str, Any]) -> dict[str, Any]:
             node = node.setdefault(key, {})
         node[parts[-1]] = value
     return root
+
+
+def json_problems(objects: Mapping[str, Any]) -> list[str]:
+    """Say which values are not plain JSON (string keys, finite numbers); empty when all are."""
+    problems: list[str] = []
+    for fqn, value in objects.items():
+        _check_json(value, fqn, problems)
+    return problems
+
+
+def _check_json(value: Any, where: str, problems: list[str]) -> None:
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            problems.append(f"{where}: {value} is not a finite number")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                problems.append(f"{where}: key {k!r} is not a string")
+            else:
+                _check_json(v, f"{where}/{escape(k)}", problems)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}/{i}", problems)
+    else:
+        problems.append(f"{where}: a {type(value).__name__} is neither a tensor nor JSON")

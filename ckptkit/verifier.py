@@ -21,6 +21,7 @@ from .errors import CkptkitError, IntegrityError, ManifestError, StorageError
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 from .safetensors_format import header_length, parse_header
 from .shards import iter_shards
+from .storage import Storage
 
 CHUNK = 16 << 20
 WORKERS = 4
@@ -63,6 +64,7 @@ def verify(
     quick: bool = False,
     workers: int = WORKERS,
     progress: Callable[[int], None] | None = None,
+    storage: Storage | None = None,
 ) -> VerifyReport:
     """Check the committed checkpoint at `path` and return every finding.
 
@@ -71,11 +73,12 @@ def verify(
         quick: skip the checksums (sizes, headers and tiling are still checked).
         workers: files hashed in parallel.
         progress: called with the number of bytes hashed as hashing proceeds.
+        storage: read through this backend; `path` is then a checkpoint name under its root.
 
     Raises:
         CheckpointNotFoundError: nothing committed at `path` (nothing to verify).
     """
-    loc = resolve(path)
+    loc = resolve(path, storage)
     findings: list[Finding] = []
     manifest = _manifest(loc, findings)
     if manifest is None:

@@ -37,7 +37,10 @@ class MemoryStorage:
 
     def readinto(self, key: str, offset: int, buffer: memoryview) -> None:
         view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
-        view[:] = self.read(key, offset, len(view))
+        data = self._get(key)
+        if offset + len(view) > len(data):
+            raise StorageError(f"{key}: short read, wanted {len(view)} bytes at {offset}, have {len(data)}")
+        view[:] = data[offset : offset + len(view)]
 
     def write(self, key: str, chunks: Iterable[Buffer]) -> int:
         check_key(key)

@@ -1,0 +1,36 @@
+# Two commands do all set-up from a fresh clone: `make demo` (the main job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench schemas fixtures lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ckptkit demo demo-out
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not multiprocess and not slow"
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
+
+schemas: $(STAMP)
+	$(PY) -m ckptkit.schemas schemas
+
+fixtures: $(STAMP)
+	$(PY) fixtures/make_fixtures.py
+
+lint: $(STAMP)
+	$(PY) -m mypy
+
+clean:
+	rm -rf $(VENV) demo-out bench-out

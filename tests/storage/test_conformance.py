@@ -1,0 +1,121 @@
+"""One conformance suite that every storage backend passes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckptkit.errors import StorageError
+from ckptkit.storage import LocalStorage, MemoryStorage, Storage
+
+
+@pytest.fixture(params=["local", "memory"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    return LocalStorage(tmp_path / "root") if request.param == "local" else MemoryStorage()
+
+
+def test_written_bytes_read_back_whole_and_by_range(storage: Storage) -> None:
+    assert storage.write("a/b.bin", [b"hello ", memoryview(b"world")]) == 11
+    assert storage.read("a/b.bin") == b"hello world"
+    assert storage.read("a/b.bin", 6, 5) == b"world"
+    assert storage.size("a/b.bin") == 11
+
+
+def test_readinto_fills_the_buffer_from_an_offset(storage: Storage) -> None:
+    storage.write("k", [bytes(range(100))])
+    buf = bytearray(10)
+    storage.readinto("k", 90, memoryview(buf))
+    assert bytes(buf) == bytes(range(90, 100))
+
+
+def test_reading_past_the_end_is_an_error(storage: Storage) -> None:
+    storage.write("k", [b"abc"])
+    with pytest.raises(StorageError):
+        storage.read("k", 1, 5)
+    with pytest.raises(StorageError):
+        storage.readinto("k", 2, memoryview(bytearray(4)))
+
+
+def test_missing_key_is_a_storage_error(storage: Storage) -> None:
+    with pytest.raises(StorageError):
+        storage.read("nope")
+    assert not storage.exists("nope")
+
+
+def test_failed_write_leaves_nothing_behind(storage: Storage) -> None:
+    storage.write("d/keep", [b"x"])
+
+    def chunks() -> Iterator[bytes]:
+        yield b"partial"
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError):
+        storage.write("d/new", chunks())
+    assert storage.list("d") == ["d/keep"]
+
+
+def test_failed_overwrite_keeps_the_old_value(storage: Storage) -> None:
+    storage.write("k", [b"old"])
+
+    def chunks() -> Iterator[bytes]:
+        yield b"new"
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        storage.write("k", chunks())
+    assert storage.read("k") == b"old"
+
+
+def test_listing_is_sorted_and_can_stop_at_children(storage: Storage) -> None:
+    for key in ["x/2", "x/1", "x/sub/3", "y"]:
+        storage.write(key, [b"."])
+    assert storage.list("x") == ["x/1", "x/2", "x/sub/3"]
+    assert storage.list("", recursive=False) == ["x/", "y"]
+    assert storage.list("x", recursive=False) == ["x/1", "x/2", "x/sub/"]
+    assert storage.list("absent") == []
+
+
+def test_delete_removes_a_prefix_and_everything_under_it(storage: Storage) -> None:
+    storage.write("p/a", [b"1"])
+    storage.write("p/q/b", [b"2"])
+    storage.write("pp", [b"3"])
+    storage.delete("p")
+    assert storage.list("") == ["pp"]
+    storage.delete("p")  # deleting nothing is fine
+
+
+def test_rename_moves_a_prefix_and_refuses_to_replace(storage: Storage) -> None:
+    storage.write(".tmp/a", [b"1"])
+    storage.write(".tmp/b/c", [b"2"])
+    storage.rename(".tmp", "final")
+    assert storage.list("final") == ["final/a", "final/b/c"]
+    assert not storage.exists(".tmp")
+    storage.write("other/x", [b"3"])
+    with pytest.raises(StorageError):
+        storage.rename("other", "final")
+    assert storage.read("final/a") == b"1"
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "../up", "a/../b", "a//b", "a\\b", "./a"])
+def test_unsafe_keys_are_refused(storage: Storage, key: str) -> None:
+    with pytest.raises(StorageError):
+        storage.write(key, [b"x"])
+
+
+def test_local_symlink_out_of_the_root_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (tmp_path / "secret").write_bytes(b"s3cr3t")
+    os.symlink(tmp_path / "secret", root / "link")
+    store = LocalStorage(root)
+    with pytest.raises(StorageError, match="outside"):
+        store.read("link")
+
+
+def test_local_write_leaves_no_temporary_files(tmp_path: Path) -> None:
+    store = LocalStorage(tmp_path)
+    store.write("d/f", [b"x" * 1000])
+    assert sorted(os.listdir(tmp_path / "d")) == ["f"]
