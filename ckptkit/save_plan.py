@@ -39,9 +39,13 @@ class FilePlan:
 
 @dataclass(frozen=True, slots=True)
 class SavePlan:
-    """Who writes which file; ``files[r]`` are the files of rank r."""
+    """Who writes which file; ``files[r]`` are the files of rank r.
+
+    ``tensors`` maps every saved tensor to (dtype, global shape), also those with no bytes.
+    """
 
     files: tuple[tuple[FilePlan, ...], ...]
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
 
     def all_files(self) -> list[FilePlan]:
         return [f for rank_files in self.files for f in rank_files]
@@ -69,7 +73,10 @@ def plan_save(ranks: Sequence[Sequence[ItemDesc]], *, max_file_bytes: int | None
                     f"{first.dtype}{list(first.shape)}"
                 )
                 continue
-            owners = holders[item.fqn].setdefault(item.box, [])
+            boxes = holders[item.fqn]
+            if not item.box.volume and item.box.ndim:
+                continue  # an empty box holds no bytes: nothing to write
+            owners = boxes.setdefault(item.box, [])
             if rank not in owners:
                 owners.append(rank)
     for fqn, boxes in holders.items():
@@ -78,7 +85,8 @@ def plan_save(ranks: Sequence[Sequence[ItemDesc]], *, max_file_bytes: int | None
     if problems:
         raise LayoutError(f"cannot save: {len(problems)} problem(s): " + "; ".join(problems[:20]))
     assigned = _assign(holders, meta, len(ranks))
-    return SavePlan(tuple(_files(rank, items, max_file_bytes) for rank, items in enumerate(assigned)))
+    files = tuple(_files(rank, items, max_file_bytes) for rank, items in enumerate(assigned))
+    return SavePlan(files, {fqn: (d.dtype, d.shape) for fqn, d in sorted(meta.items())})
 
 
 def _assign(holders: dict[str, dict[Box, list[int]]], meta: dict[str, ItemDesc], world: int) -> list[list[ItemDesc]]:

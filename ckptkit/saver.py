@@ -226,19 +226,17 @@ def _commit(
 
 def _tensor_entries(plan: SavePlan, index: dict[str, int], kinds: Mapping[str, str]) -> dict[str, TensorEntry]:
     shards: dict[str, list[Shard]] = defaultdict(list)
-    meta: dict[str, ItemDesc] = {}
     for f in plan.all_files():
         for item, key in f.items:
             shards[item.fqn].append(Shard(item.box, index[f.path], key))
-            meta[item.fqn] = item
     return {
         fqn: TensorEntry(
-            shape=meta[fqn].shape,
-            dtype=meta[fqn].dtype,
+            shape=shape,
+            dtype=dtype,
             kind=kind_of(fqn, kinds),  # type: ignore[arg-type]
-            shards=compact_shards(meta[fqn].shape, shards[fqn]),
+            shards=compact_shards(shape, shards[fqn]),
         )
-        for fqn in sorted(shards)
+        for fqn, (dtype, shape) in plan.tensors.items()
     }
 
 

@@ -29,13 +29,25 @@ class LocalStorage:
         return Capabilities(rename=True)
 
     def path(self, key: str) -> str:
-        """Return the file-system path of `key`, refusing keys that escape the root."""
+        """Return the file-system path of `key`.
+
+        A key may not resolve (symlinks followed) outside the root, nor outside its own
+        top-level directory: a file of one checkpoint never points into another.
+
+        Raises:
+            StorageError: the key is unsafe or escapes.
+        """
         check_key(key)
-        path = os.path.join(self.root, *key.split("/"))
-        real_root = os.path.realpath(self.root)
+        parts = key.split("/")
+        path = os.path.join(self.root, *parts)
         real = os.path.realpath(path)
-        if real != real_root and not real.startswith(real_root + os.sep):
+        real_root = os.path.realpath(self.root)
+        if not _within(real, real_root):
             raise StorageError(f"{key}: resolves outside the storage root {self.root} (symlink?)")
+        if len(parts) > 1:
+            top = os.path.realpath(os.path.join(self.root, parts[0]))
+            if not _within(real, top):
+                raise StorageError(f"{key}: resolves outside {parts[0]}/ (symlink?)")
         return path
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -136,6 +148,10 @@ class LocalStorage:
         except OSError as exc:
             raise StorageError(f"cannot rename {src_path} to {dst_path} ({exc.strerror or exc})") from exc
         _fsync_dir(os.path.dirname(dst_path))
+
+
+def _within(path: str, directory: str) -> bool:
+    return os.path.commonpath([path, directory]) == directory
 
 
 def _write_full(fd: int, view: memoryview) -> int:
