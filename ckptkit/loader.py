@@ -8,14 +8,15 @@ from typing import Any
 
 import torch
 
-from .boxes import Box, byte_runs
+from .boxes import Box, Runs, byte_runs
 from .catalog import Location, read_manifest, resolve
 from .consistency import manifest_findings
 from .dtypes import itemsize
 from .errors import IntegrityError, LayoutError, ManifestError
 from .manifest import Manifest
 from .planner import LoadPlan, Read, plan_load
-from .safetensors_format import Header, header_length, parse_header
+from .checksum import hasher_for
+from .safetensors_format import Header, HeaderEntry, header_length, parse_header
 from .sharded import ShardedTensor
 from .storage import Storage
 from .torch_io import byte_view, is_leaf, leaf_shards, torch_dtype
@@ -32,6 +33,10 @@ def load(
     whatever sharding the checkpoint was written with; only the needed byte ranges are read.
     Returns the target's structure with its tensors, plus every non-tensor value saved.
     With `storage`, `path` is the checkpoint's name under that backend's root (or ``latest``).
+
+    Every payload file whose tensor bytes are all read (as in a whole load) is also checked
+    against its checksum, from the bytes read anyway; partial reads skip that check (run
+    ``ckptkit verify`` to check everything).
 
     Raises:
         CheckpointNotFoundError: nothing committed at `path`.
@@ -77,49 +82,127 @@ def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]
 
 
 def _execute(loc: Location, manifest: Manifest, plan: LoadPlan, outputs: list[torch.Tensor]) -> None:
+    """Run the plan in file and offset order; check the checksum of every file read whole."""
     headers = {i: _read_header(loc, manifest, i) for i in plan.files()}
+    jobs = []
     for target, out in zip(plan.targets, outputs):
         dtype = manifest.tensors[target.fqn].dtype
-        for read in sorted(target.reads, key=lambda r: (r.file, r.src_box.offsets)):
-            _copy(loc, manifest, headers[read.file], read, target.box, out, dtype)
+        for read in target.reads:
+            entry = _header_entry(loc, manifest, headers[read.file][0], read, dtype)
+            runs = byte_runs(read.src_box, read.overlap, itemsize(dtype))
+            jobs.append((read.file, entry.begin + runs.start, entry.begin, runs, read, target.box, out))
+    jobs.sort(key=lambda j: (j[0], j[1]))
+    checks = _whole_file_checks(manifest, headers, jobs)
+    for file, _, begin, runs, read, box, out in jobs:
+        pieces = _copy(loc.storage, loc.key(manifest.files[file].path), begin, runs, read, box, out)
+        check = checks.get(file)
+        if check is not None:
+            for offset, view in pieces:
+                check.feed(offset, view)
+    for file, check in checks.items():
+        check.finish(f"{loc}/{manifest.files[file].path}")
 
 
-def _read_header(loc: Location, manifest: Manifest, index: int) -> Header:
+def _read_header(loc: Location, manifest: Manifest, index: int) -> tuple[Header, bytes]:
     entry = manifest.files[index]
     key = loc.key(entry.path)
     where = f"{loc}/{entry.path}"
+    if not loc.storage.exists(key):
+        raise IntegrityError(f"{where}: listed in the manifest but missing")
     size = loc.storage.size(key)
     if size != entry.size:
         raise IntegrityError(f"{where}: {size} bytes, manifest says {entry.size} (truncated or replaced?)")
-    n = header_length(loc.storage.read(key, 0, 8), where=where)
+    first = loc.storage.read(key, 0, 8)
+    n = header_length(first, where=where)
     if 8 + n > size:
         raise IntegrityError(f"{where}: header of {n} bytes runs past the end of the file")
-    return parse_header(loc.storage.read(key, 8, n), where=where, file_size=size)
+    text = loc.storage.read(key, 8, n)
+    return parse_header(text, where=where, file_size=size), first + text
 
 
-def _copy(
-    loc: Location, manifest: Manifest, header: Header, read: Read, box: Box, out: torch.Tensor, dtype: str
-) -> None:
-    path = manifest.files[read.file].path
+def _header_entry(loc: Location, manifest: Manifest, header: Header, read: Read, dtype: str) -> HeaderEntry:
     entry = header.entries.get(read.key)
     if entry is None or entry.shape != read.src_box.lengths or entry.dtype != dtype:
         found = "missing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
         raise IntegrityError(
-            f"{loc}/{path}: tensor {read.key!r} is {found}, manifest says {dtype}{list(read.src_box.lengths)}"
+            f"{loc}/{manifest.files[read.file].path}: tensor {read.key!r} is {found}, "
+            f"manifest says {dtype}{list(read.src_box.lengths)}"
         )
-    key = loc.key(path)
-    runs = byte_runs(read.src_box, read.overlap, itemsize(dtype))
+    return entry
+
+
+def _copy(
+    storage: Storage, key: str, begin: int, runs: Runs, read: Read, box: Box, out: torch.Tensor
+) -> list[tuple[int, memoryview]]:
+    """Copy one read into `out`; return the (file offset, bytes) pieces it read, in order."""
     dest = out[read.overlap.shifted(box.offsets).slices()] if out.dim() else out
     # Runs concatenated in order are the overlap in row-major order: read them straight into a
     # contiguous destination, else into one buffer of exactly the needed bytes. Never read more.
     buf = dest if dest.is_contiguous() else torch.empty(read.overlap.lengths, dtype=out.dtype)
     view = byte_view(buf)
-    if runs.n_runs == 1:
-        loc.storage.readinto(key, entry.begin + runs.start, view)
-    else:
-        pos = 0
-        for offset in runs.offsets():
-            loc.storage.readinto(key, entry.begin + offset, view[pos : pos + runs.run_length])
-            pos += runs.run_length
+    pieces = []
+    pos = 0
+    for offset in runs.offsets() if runs.n_runs > 1 else (runs.start,):
+        piece = view[pos : pos + runs.run_length] if runs.n_runs > 1 else view
+        storage.readinto(key, begin + offset, piece)
+        pieces.append((begin + offset, piece))
+        pos += runs.run_length
     if buf is not dest:
         dest.copy_(buf)
+    return pieces
+
+
+class _FileCheck:
+    """Hash a payload file from the pieces a load reads anyway, when they cover it whole.
+
+    Pieces may arrive out of order; those ahead of the hashed prefix wait (as views, no copy).
+    """
+
+    def __init__(self, checksum: str, size: int, prefix: bytes) -> None:
+        self.expected = checksum
+        self.size = size
+        self.hasher = hasher_for(checksum)
+        self.hasher.update(prefix)
+        self.pos = len(prefix)
+        self.pending: dict[int, memoryview] = {}
+
+    def feed(self, offset: int, view: memoryview) -> None:
+        if offset != self.pos:
+            self.pending[offset] = view
+            return
+        self.hasher.update(view)
+        self.pos += len(view)
+        while self.pos in self.pending:
+            nxt = self.pending.pop(self.pos)
+            self.hasher.update(nxt)
+            self.pos += len(nxt)
+
+    def finish(self, where: str) -> None:
+        digest = self.hasher.digest()
+        if self.pos != self.size or digest != self.expected:
+            raise IntegrityError(
+                f"{where}: checksum mismatch: content hashes to {digest}, manifest says {self.expected}"
+            )
+
+
+def _whole_file_checks(
+    manifest: Manifest, headers: dict[int, tuple[Header, bytes]], jobs: list[Any]
+) -> dict[int, _FileCheck]:
+    """Return a checksum check for every file whose tensor bytes the jobs read exactly once, all of them."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for file, _, begin, runs, *_ in jobs:
+        spans.setdefault(file, []).extend((begin + o, begin + o + runs.run_length) for o in runs.offsets())
+    checks = {}
+    for file, intervals in spans.items():
+        header, prefix = headers[file]
+        intervals.sort()
+        position = header.data_start
+        for lo, hi in intervals:
+            if lo != position:
+                break
+            position = hi
+        else:
+            if position == manifest.files[file].size:
+                entry = manifest.files[file]
+                checks[file] = _FileCheck(entry.checksum, entry.size, prefix)
+    return checks
