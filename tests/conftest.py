@@ -1,0 +1,48 @@
+"""Shared test helpers: where the committed fixtures are, the fixture script, the real ckptkit command."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def _ckptkit_command() -> list[str]:
+    """Return the installed ``ckptkit`` console script (ckptkit.cli:main), or ``python -m ckptkit.cli``."""
+    script = Path(sys.executable).with_name("ckptkit")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ckptkit.cli"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "CKPTKIT_DEBUG"}
+    return subprocess.run(
+        [*_ckptkit_command(), *args], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+
+
+@pytest.fixture
+def run_ckptkit() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Return a function that runs the real ``ckptkit`` entry point in a fresh process (stdout, stderr apart)."""
+    return _run
+
+
+@pytest.fixture(scope="session")
+def make_fixtures() -> ModuleType:
+    """Return fixtures/make_fixtures.py as a module (its expected values and ``main``)."""
+    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES / "make_fixtures.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # leave no __pycache__ in fixtures/
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = dont_write
+    return module
