@@ -15,6 +15,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ckptkit demo demo-out
 
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

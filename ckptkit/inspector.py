@@ -53,7 +53,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectReport:
     by_dtype: Counter[str] = Counter()
     count_kind: Counter[str] = Counter()
     shards = 0
-    largest = (0, None)
+    largest: tuple[int, str | None] = (0, None)
     for fqn, t in m.tensors.items():
         nbytes = math.prod(t.shape) * itemsize(t.dtype)
         by_kind[t.kind] += nbytes

@@ -23,7 +23,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     import torch.multiprocessing as mp
 
     port = free_port()
-    mp.start_processes(
+    mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
         _entry, args=(fn, world_size, port, backend, args), nprocs=world_size, join=True, start_method="spawn"
     )
 

@@ -192,7 +192,7 @@ class CheckpointInfo(Model):
 class Manifest(Model):
     """The manifest of one committed checkpoint (schema v1)."""
 
-    format: Literal["ckptkit"] = FORMAT
+    format: Literal["ckptkit"] = "ckptkit"
     schema_version: str = SCHEMA_VERSION
     checkpoint_id: str
     step: int = Field(ge=0)

@@ -48,7 +48,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 def host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
