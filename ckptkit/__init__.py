@@ -30,6 +30,7 @@ from .manifest import (
     ParamGroup,
     Topology,
 )
+from .provenance import code_version
 from .sharded import ShardedTensor
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ __all__ = [
     "StorageError",
     "Topology",
     "__version__",
+    "code_version",
     "inspect",
     "list_checkpoints",
     "load",

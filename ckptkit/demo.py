@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .manifest import CheckpointInfo, DataProgress, ModelInfo, OptimizerInfo, ParamGroup, Topology
+from .provenance import code_version
 from .sharded import ShardedTensor
 from .tree import flatten
 
@@ -119,6 +120,7 @@ def save_rank(rank: int, world_size: int, path: str, step: int, tokenizer: str) 
         ),
         data_progress=DataProgress(seed=1234, epoch=0, consumed_samples=step * 8, consumed_tokens=step * 8 * 128),
         model=ModelInfo(family="llama", config=dict(CONFIG)),
+        code=code_version(),
     )
     save(
         rank_state(rank),
