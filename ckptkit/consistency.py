@@ -51,9 +51,9 @@ def _tensor_findings(fqn: str, tensor: TensorEntry, n_files: int) -> list[Findin
         return [Finding("schema", fqn, f"negative size in shape {list(tensor.shape)}")]
     spec = tensor.shards
     if isinstance(spec, GridShards):
+        # Rising cuts from 0 to the size tile the tensor by construction: no need to expand cells.
         problem = _grid_problem(tensor, spec, n_files)
-        if problem:
-            return [Finding("tiling", fqn, problem)]
+        return [Finding("tiling", fqn, problem)] if problem else []
     shards = list(iter_shards(tensor))
     findings = []
     for s in shards:
@@ -76,8 +76,11 @@ def _grid_problem(tensor: TensorEntry, spec: GridShards, n_files: int) -> str:
         elif len(c) < 2 or c[0] != 0 or c[-1] != size or any(b < a for a, b in zip(c, c[1:])):
             return f"grid cuts {list(c)} must rise from 0 to {size}"
     cells = grid_cell_count(tensor.shape, spec)
-    if isinstance(spec.files, tuple) and len(spec.files) != cells:
-        return f"grid has {cells} cells but {len(spec.files)} file entries"
-    if cells and not 0 <= grid_file(spec, cells - 1) < n_files:
+    if isinstance(spec.files, tuple):
+        if len(spec.files) != cells:
+            return f"grid has {cells} cells but {len(spec.files)} file entries"
+        if spec.files and not 0 <= min(spec.files) <= max(spec.files) < n_files:
+            return f"grid cells name files outside the {n_files} listed"
+    elif cells and not grid_file(spec, cells - 1) < n_files:
         return f"grid cells name files beyond the {n_files} listed"
     return ""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from .boxes import Box, tiling_problems
 from .dtypes import itemsize
 from .errors import LayoutError
+from .shards import grid_cuts_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,8 @@ def plan_save(ranks: Sequence[Sequence[ItemDesc]], *, max_file_bytes: int | None
             if rank not in owners:
                 owners.append(rank)
     for fqn, boxes in holders.items():
+        if grid_cuts_of(meta[fqn].shape, list(boxes)) is not None:
+            continue  # the cells of a grid tile their tensor by construction
         for problem in tiling_problems(meta[fqn].shape, list(boxes)):
             problems.append(f"{fqn}: {problem}")
     if problems:

@@ -8,6 +8,8 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .boxes import Box, chunk_cuts
 from .manifest import BoxShard, BoxShards, FileRange, GridShards, TensorEntry
 
@@ -104,28 +106,50 @@ def compact_shards(shape: Sequence[int], shards: Sequence[Shard]) -> BoxShards |
     return BoxShards(boxes=boxes)
 
 
+def grid_cuts_of(shape: Sequence[int], boxes: Sequence[Box]) -> list[list[int]] | None:
+    """Return the per-dim cut positions when `boxes` are exactly the cells of a grid, else None.
+
+    Cells must all be present once and non-empty. Vectorized: cheap for thousands of boxes.
+    """
+    found = _grid_order(tuple(shape), boxes)
+    return None if found is None else found[0]
+
+
+def _grid_order(shape: tuple[int, ...], boxes: Sequence[Box]) -> tuple[list[list[int]], np.ndarray] | None:
+    """Return (cuts, the order that sorts `boxes` into row-major cells) for a grid, else None."""
+    if len(boxes) < 2 or not shape:
+        return None
+    offsets = np.array([b.offsets for b in boxes], dtype=np.int64)
+    lengths = np.array([b.lengths for b in boxes], dtype=np.int64)
+    cuts = [sorted(set(offsets[:, d].tolist()) | {shape[d]}) for d in range(len(shape))]
+    if math.prod(len(c) - 1 for c in cuts) != len(boxes):
+        return None
+    order = np.lexsort(offsets.T[::-1])
+    starts = np.stack(np.meshgrid(*[np.array(c[:-1]) for c in cuts], indexing="ij"), axis=-1).reshape(-1, len(shape))
+    sizes = np.stack(np.meshgrid(*[np.diff(c) for c in cuts], indexing="ij"), axis=-1).reshape(-1, len(shape))
+    if not (np.array_equal(offsets[order], starts) and np.array_equal(lengths[order], sizes)):
+        return None
+    return cuts, order
+
+
 def _as_grid(shape: tuple[int, ...], shards: Sequence[Shard]) -> GridShards | None:
-    if len(shards) < 2 or not shape or len({s.key for s in shards}) != 1:
+    key = shards[0].key if shards else ""
+    if any(s.key != key for s in shards):
         return None
-    cuts = [sorted({s.box.offsets[d] for s in shards} | {shape[d]}) for d in range(len(shape))]
-    n_cells = math.prod(len(c) - 1 for c in cuts)
-    if n_cells != len(shards) or len({s.file for s in shards}) != len(shards):
+    found = _grid_order(shape, [s.box for s in shards])
+    if found is None:
         return None
-    by_origin = {s.box.offsets: s for s in shards}
-    files = []
-    for idx in itertools.product(*(range(len(c) - 1) for c in cuts)):
-        cell = _cell_box(cuts, idx)
-        shard = by_origin.get(cell.offsets)
-        if shard is None or shard.box != cell:
-            return None
-        files.append(shard.file)
+    cuts, order = found
+    files = np.fromiter((s.file for s in shards), dtype=np.int64, count=len(shards))[order]
+    if len(np.unique(files)) != len(files):
+        return None
     dims: list[int | tuple[int, ...]] = []
     for size, c in zip(shape, cuts):
         count = len(c) - 1
         dims.append(count if chunk_cuts(size, count) == c else tuple(c))
-    step = files[1] - files[0]
-    if step >= 0 and all(f == files[0] + i * step for i, f in enumerate(files)):
-        file_spec: tuple[int, ...] | FileRange = FileRange(start=files[0], step=step)
+    steps = np.diff(files)
+    if steps[0] >= 0 and bool((steps == steps[0]).all()):
+        file_spec: tuple[int, ...] | FileRange = FileRange(start=int(files[0]), step=int(steps[0]))
     else:
-        file_spec = tuple(files)
-    return GridShards(cuts=tuple(dims), files=file_spec, key=shards[0].key)
+        file_spec = tuple(int(f) for f in files)
+    return GridShards(cuts=tuple(dims), files=file_spec, key=key)

@@ -55,3 +55,13 @@ def test_grid_with_empty_trailing_chunks_tiles() -> None:
     spec = compact_shards((5, 2), shards)
     entry = TensorEntry(shape=(5, 2), dtype="float32", kind="param", shards=spec)
     assert tiling_problems((5, 2), [s.box for s in iter_shards(entry)]) == []
+
+
+def test_grid_with_scattered_files_keeps_the_file_list_in_cell_order() -> None:
+    shards = [Shard(Box((0, 2), (2, 2)), 7, "w"), Shard(Box((0, 0), (2, 2)), 3, "w"), Shard(Box((2, 0), (1, 4)), 5, "w")]
+    assert isinstance(compact_shards((3, 4), shards), BoxShards)  # not a grid: the last row is not cut
+    shards[2:] = [Shard(Box((2, 0), (1, 2)), 5, "w"), Shard(Box((2, 2), (1, 2)), 4, "w")]
+    spec = compact_shards((3, 4), shards)
+    assert isinstance(spec, GridShards) and spec.files == (3, 7, 5, 4)
+    entry = TensorEntry(shape=(3, 4), dtype="float32", kind="param", shards=spec)
+    assert sorted((s.box.offsets, s.file) for s in iter_shards(entry)) == sorted((s.box.offsets, s.file) for s in shards)
