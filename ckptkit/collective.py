@@ -20,6 +20,9 @@ class Collective(Protocol):
     def broadcast(self, obj: Any) -> Any:
         """Return rank 0's `obj` on every rank."""
 
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """Return ``objs[rank]`` of rank 0's list on every rank (others pass None)."""
+
 
 class SingleProcess:
     rank = 0
@@ -30,6 +33,10 @@ class SingleProcess:
 
     def broadcast(self, obj: Any) -> Any:
         return obj
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        assert objs is not None and len(objs) == 1
+        return objs[0]
 
 
 class TorchDistributed:
@@ -53,6 +60,11 @@ class TorchDistributed:
         box = [obj]
         self._dist.broadcast_object_list(box, src=self._root, group=self._group)
         return box[0]
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        out: list[Any] = [None]
+        self._dist.scatter_object_list(out, objs if self.rank == 0 else None, src=self._root, group=self._group)
+        return out[0]
 
 
 def default_collective(process_group: Any = None) -> Collective:

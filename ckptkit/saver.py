@@ -97,17 +97,26 @@ def save(
     """
     coll = default_collective(process_group)
     loc = locate(path, storage)
-    local, descs, objects, error = _describe(state)
+    local, descs, objects, error = _describe(state, kinds or {})
     gathered = coll.gather((descs, _digest(objects), error))
     planned: tuple[str, Any] = ("ok", None)
+    plan: SavePlan | None = None
+    topo: Topology | None = None
+    shares = None
     if gathered is not None:
         planned = _guard(lambda: _plan(gathered, loc, max_file_bytes, topology, coll))
-    plan, uid, topo = _unwrap(coll.broadcast(planned))
+        if planned[0] == "ok":
+            plan, uid, topo = planned[1]
+            shares = [(files, uid) for files in plan.files]
+    # Every rank learns whether planning worked, then receives only its own files.
+    _unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
+    my_files, uid = coll.scatter(shares)
     tmp = temp_name(loc.name, uid)
-    written = _guard(lambda: [_write_file(loc.storage, f"{tmp}/{f.path}", f, local) for f in plan.files[coll.rank]])
+    written = _guard(lambda: [_write_file(loc.storage, f"{tmp}/{f.path}", f, local) for f in my_files])
     results = coll.gather(written)
     outcome: tuple[str, Any] = ("ok", None)
     if results is not None:
+        assert plan is not None and topo is not None  # rank 0 planned
         outcome = _guard(
             lambda: _commit(results, plan, loc, tmp, step, topo, info, tokenizer, objects, kinds, update_latest)
         )
@@ -116,8 +125,13 @@ def save(
     return _unwrap(coll.broadcast(outcome))  # type: ignore[no-any-return]
 
 
-def _describe(state: Mapping[str, Any]) -> tuple[dict[tuple[str, Box], torch.Tensor], list[ItemDesc], dict[str, Any], str]:
+def _describe(
+    state: Mapping[str, Any], kinds: Mapping[str, str]
+) -> tuple[dict[tuple[str, Box], torch.Tensor], list[ItemDesc], dict[str, Any], str]:
     try:
+        unknown = sorted(k for k in kinds.values() if k not in KINDS)
+        if unknown:
+            raise LayoutError(f"unknown tensor kind(s) {unknown}; kinds are {', '.join(KINDS)}")
         tensors, objects = flatten(state, is_leaf)
         local: dict[tuple[str, Box], torch.Tensor] = {}
         descs: list[ItemDesc] = []
