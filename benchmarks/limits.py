@@ -1,0 +1,83 @@
+"""The machine's own limits: a durable sequential write and a cold read of the same bytes."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+BUFFER_BYTES = 16 << 20
+LIMIT_FILE = "limit.bin"
+
+
+def write_limit(directory: str, nbytes: int) -> float:
+    """Write `nbytes` to a new file with os.write from one reusable buffer, then fdatasync.
+
+    Returns:
+        The seconds from open to the end of fdatasync.
+    """
+    buffer = memoryview(os.urandom(min(BUFFER_BYTES, max(nbytes, 1))))
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, LIMIT_FILE)
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left:
+            left -= os.write(fd, buffer[: min(left, len(buffer))])
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def read_limit(directory: str, nbytes: int, threads: int = 1) -> float:
+    """Read the file `write_limit` wrote into reusable buffers: sequentially, or in parallel ranges.
+
+    With one thread the file is read front to back with os.readv; with more, each thread
+    reads its own contiguous range with os.preadv, as a parallel reader can.
+
+    Returns:
+        The seconds from the first open to the last byte read.
+
+    Raises:
+        OSError: the file holds fewer than `nbytes` bytes.
+    """
+    path = os.path.join(directory, LIMIT_FILE)
+    part = -(-nbytes // threads)
+    ranges = [(i * part, min(nbytes, (i + 1) * part)) for i in range(threads)]
+    start = time.perf_counter()
+    if threads == 1:
+        _read_sequential(path, nbytes)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda r: _read_range(path, *r), ranges))
+    return time.perf_counter() - start
+
+
+def _read_sequential(path: str, nbytes: int) -> None:
+    view = memoryview(bytearray(BUFFER_BYTES))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < nbytes:
+            n = os.readv(fd, [view[: min(len(view), nbytes - done)]])
+            if n == 0:
+                raise OSError(f"{path}: ends after {done} bytes, expected {nbytes}")
+            done += n
+    finally:
+        os.close(fd)
+
+
+def _read_range(path: str, begin: int, end: int) -> None:
+    view = memoryview(bytearray(BUFFER_BYTES))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = begin
+        while done < end:
+            n = os.preadv(fd, [view[: min(len(view), end - done)]], done)
+            if n == 0:
+                raise OSError(f"{path}: ends at {done} bytes, expected {end}")
+            done += n
+    finally:
+        os.close(fd)

@@ -1,0 +1,102 @@
+"""Summaries of the measured runs: medians, GB/s, paired ratios, memory, targets, and the table.
+
+A ratio between two tools is the median over repeats of the ratio within each repeat (both
+tools ran minutes apart in the same repeat), which cancels most of a noisy machine's drift.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from .phases import READ_LIMIT, WRITE_LIMIT, Runs
+
+GB = 1e9
+GIB = float(1 << 30)
+SAVE_VS_LIMIT = 0.9
+LOAD_VS_LIMIT = 0.8
+VERIFY_VS_LIMIT = 0.8
+MAX_ADDED_PEAK = 1.0
+SCALE_MAX_S = 5.0
+SCALE_MAX_JSON_BYTES = 50_000_000
+
+
+def added_peak(run: dict[str, Any], phase: str) -> int | None:
+    """Return the bytes an operation added to peak RSS beyond the state itself (None if unmeasured).
+
+    A save starts with the state resident, so everything above the starting RSS is added; a
+    load ends holding the state, so the state's own bytes are not counted as added.
+    """
+    if "rss_peak" not in run:
+        return None
+    added = int(run["rss_peak"]) - int(run["rss_before"])
+    return added - int(run["state_bytes"]) if phase == "load" else added
+
+
+def summarize(runs: Runs, phase: str) -> dict[str, dict[str, Any]]:
+    """Return per tool: median seconds, GB/s, spread, added peak memory, and errors."""
+    summary = {}
+    for tool, results in runs.items():
+        ok = [r for r in results if "error" not in r]
+        errors = [r["error"] for r in results if "error" in r]
+        entry: dict[str, Any] = {"runs": len(results), "ok": len(ok), "errors": errors}
+        if ok:
+            seconds = [r["seconds"] for r in ok]
+            nbytes = ok[0]["state_bytes"]
+            entry.update(median_s=statistics.median(seconds), min_s=min(seconds), max_s=max(seconds))
+            entry["gb_per_s"] = nbytes / entry["median_s"] / GB
+            peaks = [p for p in (added_peak(r, phase) for r in ok) if p is not None]
+            if peaks:
+                entry["added_peak_bytes"] = max(peaks)
+                entry["added_peak_ratio"] = max(peaks) / nbytes
+            entry["mismatches"] = sorted({m for r in ok for m in r.get("mismatches", [])})
+        summary[tool] = entry
+    return summary
+
+
+def paired_ratio(runs: Runs, subject: str, other: str) -> float | None:
+    """Return the median over repeats of subject's throughput divided by other's."""
+    pairs = [
+        b["seconds"] / a["seconds"]
+        for a, b in zip(runs.get(subject, []), runs.get(other, []))
+        if "error" not in a and "error" not in b
+    ]
+    return statistics.median(pairs) if pairs else None
+
+
+def ratios(runs: Runs, subject: str) -> dict[str, float | None]:
+    """Return subject's paired throughput ratio against every other tool of the phase."""
+    return {tool: paired_ratio(runs, subject, tool) for tool in runs if tool != subject}
+
+
+def best_dcp(summary: dict[str, dict[str, Any]]) -> str | None:
+    """Return the fastest DCP save variant of a save summary."""
+    timed = [(s["median_s"], t) for t, s in summary.items() if t.startswith("dcp-") and "median_s" in s]
+    return min(timed)[1] if timed else None
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Return every target with its measured value and whether it is met (None if not measured)."""
+    rows: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, bound: float, at_least: bool) -> None:
+        met = None if value is None else (value >= bound if at_least else value < bound)
+        rows.append({"target": name, "value": value, "bound": bound, "at_least": at_least, "met": met})
+
+    for phase, limit, bound, name in (
+        ("save", WRITE_LIMIT, SAVE_VS_LIMIT, "ckptkit save"),
+        ("load", READ_LIMIT, LOAD_VS_LIMIT, "ckptkit load"),
+        ("verify", READ_LIMIT, VERIFY_VS_LIMIT, "ckptkit verify"),
+    ):
+        if phase in results:
+            add(f"{name} / {limit}", results[phase]["ratios"].get(limit), bound, True)
+    for phase in ("save", "load"):
+        if phase in results:
+            ratio = results[phase]["tools"]["ckptkit"].get("added_peak_ratio")
+            add(f"ckptkit {phase} added peak RSS / state", ratio, MAX_ADDED_PEAK, False)
+    scale = results.get("scale")
+    if scale and "error" not in scale:
+        for stage in ("build_s", "validate_s", "serialize_s", "parse_s"):
+            add(f"scale {stage.removesuffix('_s')} seconds", scale["median"][stage], SCALE_MAX_S, False)
+        add("scale manifest JSON bytes", scale["median"]["json_bytes"], SCALE_MAX_JSON_BYTES, False)
+    return rows

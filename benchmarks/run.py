@@ -1,0 +1,196 @@
+"""Benchmark ckptkit against torch.save, safetensors and DCP, and against the machine's limits.
+
+Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale]``.
+Prints a table and writes a JSON document (``<out>/results.json`` unless ``--json``); the
+checkpoints it writes under ``<out>/work`` are deleted at the end. See docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from typing import Any
+
+import psutil
+
+from . import report
+from .phases import Runs, Settings, load_phase, run_worker, save_phase, verify_phase
+from .state import state_bytes, state_specs
+from .table import render
+
+PHASES = ("save", "load", "verify", "scale")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=2048, help="state size in MiB of fp32 (default 2048)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every operation, medians reported (default 3)")
+    parser.add_argument("--out", default="bench-out", help="scratch and results directory (default ./bench-out)")
+    parser.add_argument("--json", dest="json_path", help="where to write the results (default <out>/results.json)")
+    parser.add_argument("--only", default=",".join(PHASES), help=f"comma-separated phases among {','.join(PHASES)}")
+    parser.add_argument("--dcp-threads", default="1,2,4", help="DCP writer thread counts to try (default 1,2,4)")
+    parser.add_argument("--verify-workers", type=int, default=4, help="ckptkit verify worker threads (default 4)")
+    parser.add_argument("--scale-tensors", type=int, default=2000)
+    parser.add_argument("--scale-ranks", type=int, default=4096)
+    parser.add_argument("--scale-dp", type=int, default=64, help="data-parallel ranks of the ZeRO tensors")
+    parser.add_argument(
+        "--scale-budget-s", type=float, default=120.0,
+        help="stop repeating the scale benchmark once it has taken this long (default 120)",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints under <out>/work")
+    args = parser.parse_args(argv)
+    unknown = set(args.only.split(",")) - set(PHASES)
+    if unknown:
+        parser.error(f"--only: unknown phase(s) {', '.join(sorted(unknown))}; choose among {', '.join(PHASES)}")
+    return args
+
+
+def machine_info(directory: str) -> dict[str, Any]:
+    """Describe the machine and the file system the checkpoints are written to."""
+    mount = _mount_of(directory)
+    versions = {name: _version(name) for name in ("torch", "safetensors", "ckptkit", "pydantic", "xxhash")}
+    info = {
+        "cpus": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "filesystem": mount,
+        "versions": versions,
+        "ckptkit_commit": git_commit(),
+    }
+    info["summary"] = (
+        f"{info['cpus']} CPUs, {info['memory_bytes'] / (1 << 30):.1f} GiB RAM, Linux {info['kernel']}, "
+        f"{mount['type']} on {mount['device']}; torch {versions['torch']}, safetensors {versions['safetensors']}"
+    )
+    return info
+
+
+def _mount_of(directory: str) -> dict[str, str]:
+    path = os.path.realpath(directory)
+    best = {"device": "?", "mount_point": "/", "type": "?"}
+    with open("/proc/mounts") as f:
+        for line in f:
+            device, point, kind = line.split()[:3]
+            inside = path == point or path.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best["mount_point"]):
+                best = {"device": device, "mount_point": point, "type": kind}
+    return best
+
+
+def git_commit() -> str:
+    """Return the commit of the checkout being measured, with "+dirty" for local changes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", "ckptkit"], cwd=root, capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def check_space(work: str, nbytes: int, copies: int) -> None:
+    """Exit with a message when the disk cannot hold `copies` checkpoints of `nbytes`."""
+    os.makedirs(work, exist_ok=True)
+    free = shutil.disk_usage(work).free
+    needed = nbytes * copies
+    if free < needed:
+        sys.exit(f"benchmarks: {work} has {free / 1e9:.1f} GB free, the run needs about {needed / 1e9:.1f} GB")
+
+
+def phase_block(runs: Runs, phase: str, subject: str) -> dict[str, Any]:
+    """Return a phase's summary per tool, subject's paired ratios, and the raw runs."""
+    tools = report.summarize(runs, phase)
+    return {"tools": tools, "ratios": report.ratios(runs, subject), "best_dcp": report.best_dcp(tools), "runs": runs}
+
+
+def run_io_phases(args: argparse.Namespace, settings: Settings, results: dict[str, Any]) -> None:
+    """Run the save, load and verify phases that were asked for, adding their blocks to `results`."""
+    phases = args.only.split(",")
+    dcp_threads = [int(n) for n in args.dcp_threads.split(",")]
+    if "save" in phases:
+        results["save"] = phase_block(save_phase(settings, dcp_threads), "save", "ckptkit")
+    if "load" in phases:
+        dcp_source = results.get("save", {}).get("best_dcp") or f"dcp-t{dcp_threads[0]}"
+        results["load"] = phase_block(load_phase(settings, dcp_source), "load", "ckptkit")
+        results["load"]["dcp_source"] = dcp_source
+    if "verify" in phases:
+        block = phase_block(verify_phase(settings, args.verify_workers), "verify", "ckptkit verify")
+        block["workers"] = args.verify_workers
+        results["verify"] = block
+
+
+def run_scale_phase(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+    """Run the manifest-at-scale benchmark up to --repeats times, within --scale-budget-s."""
+    request = {
+        "kind": "scale", "size_mib": 1, "tensors": args.scale_tensors, "ranks": args.scale_ranks, "dp": args.scale_dp,
+    }
+    runs: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    while len(runs) < args.repeats and (not runs or time.perf_counter() - start < args.scale_budget_s):
+        result = run_worker(request)
+        if "error" in result:
+            settings.say(f"[scale] FAILED: {result['error']}")
+            return {"error": result["error"], "runs": len(runs) + 1}
+        runs.append(result)
+        settings.say(f"[scale {len(runs)}] build {result['build_s']:.2f} s, validate {result['validate_s']:.2f} s")
+    # Timings are medians; the counts and the JSON size are the same in every run.
+    median = {key: statistics.median(r[key] for r in runs) if key.endswith("_s") else runs[0][key] for key in runs[0]}
+    median.pop("state_bytes", None)
+    return {"runs": len(runs), "median": median, "all": runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = os.path.abspath(args.out)
+    work = os.path.join(out, "work")
+    os.makedirs(out, exist_ok=True)
+    specs = state_specs(args.size_mb)
+    nbytes = state_bytes(specs)
+    settings = Settings(args.size_mb, args.repeats, work, lambda line: print(line, file=sys.stderr, flush=True))
+    results: dict[str, Any] = {
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m benchmarks.run", *(argv if argv is not None else sys.argv[1:])]),
+        "config": {k: v for k, v in vars(args).items() if k != "json_path"},
+        "state": {"bytes": nbytes, "tensors": len(specs), "largest_bytes": max(s.nbytes for s in specs)},
+        "machine": machine_info(out),
+    }
+    if set(args.only.split(",")) & {"save", "load", "verify"}:
+        check_space(work, nbytes, 6 + len(args.dcp_threads.split(",")))
+    started = time.perf_counter()
+    try:
+        run_io_phases(args, settings, results)
+        if "scale" in args.only.split(","):
+            results["scale"] = run_scale_phase(args, settings)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    results["wall_s"] = time.perf_counter() - started
+    results["targets"] = report.targets(results)
+    json_path = args.json_path or os.path.join(out, "results.json")
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(render(results))
+    print(f"\nresults: {json_path} ({results['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

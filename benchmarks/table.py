@@ -1,0 +1,96 @@
+"""Render the results document as a plain-text table for the terminal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .report import GIB
+
+_PHASE_TITLES = {
+    "save": "SAVE, durable (fsync included)",
+    "load": "LOAD, cold page cache, every byte in tensors",
+    "verify": "VERIFY, cold page cache, every checksum",
+}
+_SUBJECT = {"save": "ckptkit", "load": "ckptkit", "verify": "ckptkit verify"}
+
+
+def render(results: dict[str, Any]) -> str:
+    """Return the whole report: header, one table per phase, scale, and targets."""
+    state, config = results["state"], results["config"]
+    lines = [
+        f"ckptkit benchmarks: {state['bytes'] / (1 << 20):.0f} MiB fp32 state, {state['tensors']} tensors, "
+        f"{config['repeats']} repeat(s), medians; GB = 1e9 bytes",
+        f"machine: {results['machine']['summary']}",
+    ]
+    for phase in ("save", "load", "verify"):
+        if phase in results:
+            lines += ["", *_phase_table(phase, results[phase])]
+    if "scale" in results:
+        lines += ["", *_scale_table(results["scale"])]
+    lines += ["", *_targets_table(results["targets"])]
+    return "\n".join(lines)
+
+
+def _phase_table(phase: str, block: dict[str, Any]) -> list[str]:
+    subject = _SUBJECT[phase]
+    columns = f"{'median s':>9}{'min-max s':>12}{'GB/s':>7}{subject + ' x':>18}   added peak RSS"
+    lines = [f"{_PHASE_TITLES[phase]:<46}{columns}"]
+    for tool, s in block["tools"].items():
+        if "median_s" not in s:
+            lines.append(f"  {tool:<44}FAILED: {'; '.join(s['errors'])[:100]}")
+            continue
+        ratio = block["ratios"].get(tool)
+        ratio_text = "-" if tool == subject or ratio is None else f"{ratio:.2f}"
+        note = " (best DCP)" if tool == block.get("best_dcp") else ""
+        mismatch = "  DATA MISMATCH: " + "; ".join(s["mismatches"][:2]) if s.get("mismatches") else ""
+        lines.append(
+            f"  {tool + note:<44}{s['median_s']:>9.2f}{_spread(s):>12}{s['gb_per_s']:>7.2f}{ratio_text:>18}"
+            f"   {_peak(s)}{mismatch}"
+        )
+    lines.append(f"  ({subject} x: {subject}'s throughput over the row's, the median of per-repeat ratios)")
+    return lines
+
+
+def _spread(summary: dict[str, Any]) -> str:
+    return f"{summary['min_s']:.2f}-{summary['max_s']:.2f}"
+
+
+def _peak(summary: dict[str, Any]) -> str:
+    if "added_peak_bytes" not in summary:
+        return "-"
+    return f"{summary['added_peak_bytes'] / GIB:6.2f} GiB ({summary['added_peak_ratio']:.2f}x state)"
+
+
+def _scale_table(scale: dict[str, Any]) -> list[str]:
+    if "error" in scale:
+        return [f"SCALE: FAILED: {scale['error']}"]
+    m = scale["median"]
+    lines = [
+        f"SCALE: manifest of {m['tensors']} tensors x {m['ranks']} ranks ({m['grid_tensors']} grids, "
+        f"{m['box_tensors']} box lists of {m['boxes']} boxes in all), median of {scale['runs']} run(s)",
+        f"  {'making the Shard lists (input, no target)':<44}{m['inputs_s']:>9.2f} s",
+    ]
+    for stage, what in (
+        ("build_s", "build (compact_shards + Manifest)"),
+        ("validate_s", "validate (manifest_findings)"),
+        ("serialize_s", "serialize (manifest_to_json)"),
+        ("parse_s", "parse (parse_manifest)"),
+    ):
+        lines.append(f"  {what:<44}{m[stage]:>9.2f} s")
+    lines.append(f"  {'JSON size':<44}{m['json_bytes'] / 1e6:>9.2f} MB")
+    return lines
+
+
+def _targets_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [f"{'TARGETS':<46}{'measured':>10}{'target':>12}   verdict"]
+    for row in rows:
+        value = row["value"]
+        if row["target"].endswith("JSON bytes") and value is not None:
+            shown, bound = f"{value / 1e6:.2f} MB", f"< {row['bound'] / 1e6:.0f} MB"
+        else:
+            shown = "-" if value is None else f"{value:.2f}"
+            bound = f"{'>=' if row['at_least'] else '<'} {row['bound']:.2f}"
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[row["met"]]
+        lines.append(f"  {row['target']:<44}{shown:>10}{bound:>12}   {verdict}")
+    return lines
+
