@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,11 @@ from .sharded import ShardedTensor
 from .storage import Storage
 from .torch_io import byte_view, is_leaf, leaf_shards, torch_dtype
 from .tree import flatten, unflatten
+
+# Reads run on this many threads; a long contiguous read is cut into pieces of PIECE bytes so that
+# page faults in fresh tensors, waits on the disk and checksumming overlap.
+READ_THREADS = 4
+PIECE = 16 << 20
 
 def load(
     path: str | os.PathLike[str], target: Mapping[str, Any] | None = None, *, storage: Storage | None = None
@@ -82,7 +88,8 @@ def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]
 
 
 def _execute(loc: Location, manifest: Manifest, plan: LoadPlan, outputs: list[torch.Tensor]) -> None:
-    """Run the plan in file and offset order; check the checksum of every file read whole."""
+    """Run the plan's reads on a few threads, in file and offset order; check the checksum of every
+    file read whole, from the bytes read (hashing overlaps the reads still in flight)."""
     headers = {i: _read_header(loc, manifest, i) for i in plan.files()}
     jobs = []
     for target, out in zip(plan.targets, outputs):
@@ -93,14 +100,48 @@ def _execute(loc: Location, manifest: Manifest, plan: LoadPlan, outputs: list[to
             jobs.append((read.file, entry.begin + runs.start, entry.begin, runs, read, target.box, out))
     jobs.sort(key=lambda j: (j[0], j[1]))
     checks = _whole_file_checks(manifest, headers, jobs)
+    tasks: list[tuple[int, str, list[tuple[int, memoryview]]]] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for file, _, begin, runs, read, box, out in jobs:
-        pieces = _copy(loc.storage, loc.key(manifest.files[file].path), begin, runs, read, box, out)
-        check = checks.get(file)
-        if check is not None:
-            for offset, view in pieces:
-                check.feed(offset, view)
+        dest = out[read.overlap.shifted(box.offsets).slices()] if out.dim() else out
+        # Runs concatenated in order are the overlap in row-major order: read them straight into a
+        # contiguous destination, else into one buffer of exactly the needed bytes. Never read more.
+        buf = dest if dest.is_contiguous() else torch.empty(read.overlap.lengths, dtype=out.dtype)
+        if buf is not dest:
+            copies.append((buf, dest))
+        key = loc.key(manifest.files[file].path)
+        for pieces in _pieces(begin, runs, byte_view(buf)):
+            tasks.append((file, key, pieces))
+    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+        done = pool.map(lambda t: _read_pieces(loc.storage, t[1], t[2]), tasks)
+        for (file, _, pieces), _ in zip(tasks, done):
+            check = checks.get(file)
+            if check is not None:
+                for offset, view in pieces:
+                    check.feed(offset, view)
+    for buf, dest in copies:
+        dest.copy_(buf)
     for file, check in checks.items():
         check.finish(f"{loc}/{manifest.files[file].path}")
+
+
+def _pieces(begin: int, runs: Runs, view: memoryview) -> list[list[tuple[int, memoryview]]]:
+    """Cut one read into tasks of (file offset, destination bytes): a long single run into pieces
+    that threads read in parallel, many short runs into one task."""
+    if runs.n_runs == 1:
+        start = begin + runs.start
+        return [[(start + o, view[o : o + PIECE])] for o in range(0, max(len(view), 1), PIECE)]
+    pieces = []
+    pos = 0
+    for offset in runs.offsets():
+        pieces.append((begin + offset, view[pos : pos + runs.run_length]))
+        pos += runs.run_length
+    return [pieces]
+
+
+def _read_pieces(storage: Storage, key: str, pieces: list[tuple[int, memoryview]]) -> None:
+    for offset, view in pieces:
+        storage.readinto(key, offset, view)
 
 
 def _read_header(loc: Location, manifest: Manifest, index: int) -> tuple[Header, bytes]:
@@ -129,27 +170,6 @@ def _header_entry(loc: Location, manifest: Manifest, header: Header, read: Read,
             f"manifest says {dtype}{list(read.src_box.lengths)}"
         )
     return entry
-
-
-def _copy(
-    storage: Storage, key: str, begin: int, runs: Runs, read: Read, box: Box, out: torch.Tensor
-) -> list[tuple[int, memoryview]]:
-    """Copy one read into `out`; return the (file offset, bytes) pieces it read, in order."""
-    dest = out[read.overlap.shifted(box.offsets).slices()] if out.dim() else out
-    # Runs concatenated in order are the overlap in row-major order: read them straight into a
-    # contiguous destination, else into one buffer of exactly the needed bytes. Never read more.
-    buf = dest if dest.is_contiguous() else torch.empty(read.overlap.lengths, dtype=out.dtype)
-    view = byte_view(buf)
-    pieces = []
-    pos = 0
-    for offset in runs.offsets() if runs.n_runs > 1 else (runs.start,):
-        piece = view[pos : pos + runs.run_length] if runs.n_runs > 1 else view
-        storage.readinto(key, begin + offset, piece)
-        pieces.append((begin + offset, piece))
-        pos += runs.run_length
-    if buf is not dest:
-        dest.copy_(buf)
-    return pieces
 
 
 class _FileCheck:

@@ -32,7 +32,7 @@ def grid_cuts(shape: Sequence[int], spec: GridShards) -> list[list[int]]:
 
 
 def grid_cell_count(shape: Sequence[int], spec: GridShards) -> int:
-    return math.prod(len(c) - 1 for c in grid_cuts(shape, spec))
+    return math.prod(c if isinstance(c, int) else len(c) - 1 for c in spec.cuts)
 
 
 def grid_file(spec: GridShards, cell: int) -> int:
@@ -106,7 +106,7 @@ def compact_shards(shape: Sequence[int], shards: Sequence[Shard]) -> BoxShards |
     return BoxShards(boxes=boxes)
 
 
-def grid_cuts_of(shape: Sequence[int], boxes: Sequence[Box]) -> list[list[int]] | None:
+def grid_cuts_of(shape: Sequence[int], boxes: Sequence[Box]) -> list[np.ndarray] | None:
     """Return the per-dim cut positions when `boxes` are exactly the cells of a grid, else None.
 
     Cells must all be present once and non-empty. Vectorized: cheap for thousands of boxes.
@@ -115,40 +115,54 @@ def grid_cuts_of(shape: Sequence[int], boxes: Sequence[Box]) -> list[list[int]] 
     return None if found is None else found[0]
 
 
-def _grid_order(shape: tuple[int, ...], boxes: Sequence[Box]) -> tuple[list[list[int]], np.ndarray] | None:
+def _grid_order(shape: tuple[int, ...], boxes: Sequence[Box]) -> tuple[list[np.ndarray], np.ndarray] | None:
     """Return (cuts, the order that sorts `boxes` into row-major cells) for a grid, else None."""
-    if len(boxes) < 2 or not shape:
+    nd = len(shape)
+    if len(boxes) < 2 or not nd:
         return None
-    offsets = np.array([b.offsets for b in boxes], dtype=np.int64)
-    lengths = np.array([b.lengths for b in boxes], dtype=np.int64)
-    cuts = [sorted(set(offsets[:, d].tolist()) | {shape[d]}) for d in range(len(shape))]
+    flat = itertools.chain.from_iterable(b.offsets + b.lengths for b in boxes)
+    table = np.fromiter(flat, dtype=np.int64, count=len(boxes) * 2 * nd).reshape(len(boxes), 2 * nd)
+    offsets, lengths = table[:, :nd], table[:, nd:]
+    cuts = [np.append(_distinct(offsets[:, d]), shape[d]) for d in range(nd)]
     if math.prod(len(c) - 1 for c in cuts) != len(boxes):
         return None
     order = np.lexsort(offsets.T[::-1])
-    starts = np.stack(np.meshgrid(*[np.array(c[:-1]) for c in cuts], indexing="ij"), axis=-1).reshape(-1, len(shape))
-    sizes = np.stack(np.meshgrid(*[np.diff(c) for c in cuts], indexing="ij"), axis=-1).reshape(-1, len(shape))
+    starts = np.stack(np.meshgrid(*[c[:-1] for c in cuts], indexing="ij"), axis=-1).reshape(-1, nd)
+    sizes = np.stack(np.meshgrid(*[np.diff(c) for c in cuts], indexing="ij"), axis=-1).reshape(-1, nd)
     if not (np.array_equal(offsets[order], starts) and np.array_equal(lengths[order], sizes)):
         return None
     return cuts, order
 
 
+def _distinct(values: np.ndarray) -> np.ndarray:
+    ordered = np.sort(values)
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+
+
+def _is_chunking(size: int, cuts: np.ndarray) -> bool:
+    """True when `cuts` are where torch.chunk cuts `size` into len(cuts) - 1 chunks."""
+    count = len(cuts) - 1
+    step = -(-size // count)
+    return bool(np.array_equal(np.minimum(np.arange(count + 1) * step, size), cuts))
+
+
 def _as_grid(shape: tuple[int, ...], shards: Sequence[Shard]) -> GridShards | None:
     key = shards[0].key if shards else ""
-    if any(s.key != key for s in shards):
+    if len({s.key for s in shards}) != 1:
         return None
     found = _grid_order(shape, [s.box for s in shards])
     if found is None:
         return None
     cuts, order = found
     files = np.fromiter((s.file for s in shards), dtype=np.int64, count=len(shards))[order]
-    if len(np.unique(files)) != len(files):
-        return None
-    dims: list[int | tuple[int, ...]] = []
-    for size, c in zip(shape, cuts):
-        count = len(c) - 1
-        dims.append(count if chunk_cuts(size, count) == c else tuple(c))
     steps = np.diff(files)
-    if steps[0] >= 0 and bool((steps == steps[0]).all()):
+    arithmetic = steps[0] > 0 and bool((steps == steps[0]).all())
+    if not arithmetic and len(_distinct(files)) != len(files):
+        return None
+    dims: list[int | tuple[int, ...]] = [
+        len(c) - 1 if _is_chunking(size, c) else tuple(int(x) for x in c) for size, c in zip(shape, cuts)
+    ]
+    if arithmetic:
         file_spec: tuple[int, ...] | FileRange = FileRange(start=int(files[0]), step=int(steps[0]))
     else:
         file_spec = tuple(int(f) for f in files)
