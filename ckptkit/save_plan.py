@@ -52,11 +52,19 @@ class SavePlan:
         return [f for rank_files in self.files for f in rank_files]
 
 
-def plan_save(ranks: Sequence[Sequence[ItemDesc]], *, max_file_bytes: int | None = None) -> SavePlan:
+# A rank's payload is split into several files (written in parallel) only past this size.
+MIN_SPLIT_BYTES = 64 << 20
+
+
+def plan_save(
+    ranks: Sequence[Sequence[ItemDesc]], *, max_file_bytes: int | None = None, files_per_rank: int = 1
+) -> SavePlan:
     """Check the boxes every rank holds and assign each distinct box to one writer.
 
     Identical boxes held by several ranks (replicas) are written once, by the holder with
     the least bytes assigned so far (largest boxes first), so ranks write about the same.
+    Each rank's items go to up to `files_per_rank` files of about equal size (when it has at
+    least MIN_SPLIT_BYTES per file), each cut again at `max_file_bytes`.
 
     Raises:
         LayoutError: a tensor's dtype or shape differs between ranks, or its distinct boxes
@@ -88,7 +96,7 @@ def plan_save(ranks: Sequence[Sequence[ItemDesc]], *, max_file_bytes: int | None
     if problems:
         raise LayoutError(f"cannot save: {len(problems)} problem(s): " + "; ".join(problems[:20]))
     assigned = _assign(holders, meta, len(ranks))
-    files = tuple(_files(rank, items, max_file_bytes) for rank, items in enumerate(assigned))
+    files = tuple(_files(rank, items, max_file_bytes, files_per_rank) for rank, items in enumerate(assigned))
     return SavePlan(files, {fqn: (d.dtype, d.shape) for fqn, d in sorted(meta.items())})
 
 
@@ -114,15 +122,20 @@ def _assign(holders: dict[str, dict[Box, list[int]]], meta: dict[str, ItemDesc],
     return out
 
 
-def _files(rank: int, items: list[ItemDesc], max_file_bytes: int | None) -> tuple[FilePlan, ...]:
+def _files(rank: int, items: list[ItemDesc], max_file_bytes: int | None, files_per_rank: int) -> tuple[FilePlan, ...]:
+    total = sum(i.nbytes for i in items)
+    parts = max(1, min(files_per_rank, total // MIN_SPLIT_BYTES))
     groups: list[list[ItemDesc]] = [[]]
-    size = 0
+    size = done = 0
     for item in items:
-        if max_file_bytes and groups[-1] and size + item.nbytes > max_file_bytes:
+        over_max = max_file_bytes and size + item.nbytes > max_file_bytes
+        next_part = done >= total * len(groups) / parts and len(groups) < parts
+        if groups[-1] and (over_max or next_part):
             groups.append([])
             size = 0
         groups[-1].append(item)
         size += item.nbytes
+        done += item.nbytes
     if not groups[-1]:
         return ()
     plans = []

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ def save(
     kinds: Mapping[str, str] | None = None,
     process_group: Any = None,
     max_file_bytes: int | None = None,
+    io_threads: int = 2,
     update_latest: bool = True,
     storage: Storage | None = None,
 ) -> Manifest:
@@ -83,6 +85,8 @@ def save(
             optimizer/optim -> optimizer, rng -> rng, buffers -> buffer, else other).
         process_group: torch.distributed group (default: the default group, if initialized).
         max_file_bytes: start a new payload file when a rank's file would grow past this.
+        io_threads: files each rank writes in parallel; a rank's payload is split into this
+            many files of about equal size once it holds 64 MiB per file.
         update_latest: move the root's ``latest`` pointer to this checkpoint.
         storage: write through this backend; `path` is then the checkpoint's name under its root.
 
@@ -104,7 +108,7 @@ def save(
     topo: Topology | None = None
     shares = None
     if gathered is not None:
-        planned = _guard(lambda: _plan(gathered, loc, max_file_bytes, topology, coll))
+        planned = _guard(lambda: _plan(gathered, loc, (max_file_bytes, io_threads), topology, coll))
         if planned[0] == "ok":
             plan, uid, topo = planned[1]
             shares = [(files, uid) for files in plan.files]
@@ -112,7 +116,7 @@ def save(
     _unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
     my_files, uid = coll.scatter(shares)
     tmp = temp_name(loc.name, uid)
-    written = _guard(lambda: [_write_file(loc.storage, f"{tmp}/{f.path}", f, local) for f in my_files])
+    written = _guard(lambda: _write_files(loc.storage, tmp, my_files, local, io_threads))
     results = coll.gather(written)
     outcome: tuple[str, Any] = ("ok", None)
     if results is not None:
@@ -153,7 +157,7 @@ def _digest(objects: dict[str, Any]) -> str:
 
 
 def _plan(
-    gathered: list[Any], loc: Location, max_file_bytes: int | None, topology: Topology | None, coll: Collective
+    gathered: list[Any], loc: Location, split: tuple[int | None, int], topology: Topology | None, coll: Collective
 ) -> tuple[SavePlan, str, Topology]:
     errors = [f"rank {r}: {err}" for r, (_, _, err) in enumerate(gathered) if err]
     if errors:
@@ -171,8 +175,17 @@ def _plan(
             f"topology tp={topo.tp} pp={topo.pp} dp={topo.dp} cp={topo.cp} world_size={topo.world_size} "
             f"does not match {coll.world_size} saving rank(s)"
         )
-    plan = plan_save([descs for descs, _, _ in gathered], max_file_bytes=max_file_bytes)
+    plan = plan_save([descs for descs, _, _ in gathered], max_file_bytes=split[0], files_per_rank=split[1])
     return plan, uuid.uuid4().hex[:12], topo
+
+
+def _write_files(
+    storage: Storage, tmp: str, files: tuple[FilePlan, ...], local: dict[tuple[str, Box], torch.Tensor], threads: int
+) -> list[_Written]:
+    if threads <= 1 or len(files) <= 1:
+        return [_write_file(storage, f"{tmp}/{f.path}", f, local) for f in files]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(lambda f: _write_file(storage, f"{tmp}/{f.path}", f, local), files))
 
 
 def _write_file(storage: Storage, key: str, plan: FilePlan, local: dict[tuple[str, Box], torch.Tensor]) -> _Written:
