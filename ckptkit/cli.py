@@ -74,7 +74,7 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 @click.argument("path")
 @click.option("--quick", is_flag=True, help="Skip checksums; check presence, sizes, headers and tiling.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-@click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 64), help="Files hashed in parallel.")
+@click.option("--workers", default=4, show_default=True, type=click.IntRange(1, 64), help="Threads reading ahead of the hashing.")
 def verify_cmd(path: str, quick: bool, as_json: bool, workers: int) -> None:
     """Check the checkpoint at PATH against its manifest.
 
