@@ -1,12 +1,13 @@
 """Verify a checkpoint against its manifest: schema, files, headers, tiling, checksums (no torch).
 
-Every finding is collected and reported at once. Checksums stream every file in 16 MiB chunks:
+Every finding is collected and reported at once. Checksums stream every file in 8 MiB chunks:
 a few threads read ahead (reads release the GIL) while the calling thread hashes in order.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 from collections.abc import Callable
 from collections import deque
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from .safetensors_format import header_length, parse_header
 from .shards import iter_shards
 from .storage import Storage
 
-CHUNK = 16 << 20
+CHUNK = 8 << 20
 WORKERS = 4
 
 
@@ -170,26 +171,29 @@ def _checksums(
     chunks = [(i, o, min(CHUNK, manifest.files[i].size - o)) for i in hashers for o in range(0, manifest.files[i].size, CHUNK)]
     failed: dict[int, str] = {}
     hashed = 0
+    # Buffers are reused: fresh ones would cost a page fault per 4 KiB on every chunk.
+    free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+    for _ in range(workers + 2):
+        free.put(bytearray(CHUNK))
 
-    def read(chunk: tuple[int, int, int]) -> bytearray | str:
+    def read(chunk: tuple[int, int, int]) -> tuple[bytearray, str]:
         index, offset, length = chunk
-        buffer = bytearray(length)
+        buffer = free.get()
         try:
-            loc.storage.readinto(loc.key(manifest.files[index].path), offset, memoryview(buffer))
+            loc.storage.readinto(loc.key(manifest.files[index].path), offset, memoryview(buffer)[:length])
         except StorageError as exc:
-            return str(exc)
-        return buffer
+            return buffer, str(exc)
+        return buffer, ""
 
-    for (index, _, length), data in zip(chunks, _read_ahead(read, chunks, workers)):
-        if index in failed:
-            continue
-        if isinstance(data, str):
-            failed[index] = data
-            continue
-        hashers[index].update(data)
-        hashed += length
-        if progress is not None:
-            progress(length)
+    for (index, _, length), (buffer, error) in zip(chunks, _read_ahead(read, chunks, workers)):
+        if error and index not in failed:
+            failed[index] = error
+        if index not in failed:
+            hashers[index].update(memoryview(buffer)[:length])
+            hashed += length
+            if progress is not None:
+                progress(length)
+        free.put(buffer)
     for index, hasher in hashers.items():
         entry = manifest.files[index]
         if index in failed:
@@ -202,8 +206,8 @@ def _checksums(
 
 
 def _read_ahead(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:
-    """Yield fn(item) for every item in order, running up to 2 x workers calls ahead on threads."""
-    window = 2 * workers
+    """Yield fn(item) for every item in order, running up to workers + 2 calls ahead on threads."""
+    window = workers + 2
     with ThreadPoolExecutor(max_workers=workers) as pool:
         pending: deque[Future[Any]] = deque(pool.submit(fn, item) for item in items[:window])
         rest = iter(items[window:])
