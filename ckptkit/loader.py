@@ -50,11 +50,7 @@ def load(
         IntegrityError: payload files disagree with the manifest.
         LayoutError: a target tensor is missing from the checkpoint or has another shape or dtype.
     """
-    loc = resolve(path, storage)
-    manifest = read_manifest(loc)
-    findings = manifest_findings(manifest)
-    if findings:
-        raise ManifestError(f"{loc}: manifest is inconsistent: " + "; ".join(str(f) for f in findings[:10]))
+    loc, manifest = open_checkpoint(path, storage)
     if target is None:
         tensors = {
             fqn: torch.empty(entry.shape, dtype=torch_dtype(entry.dtype)) for fqn, entry in manifest.tensors.items()
@@ -64,11 +60,31 @@ def load(
     else:
         leaves, _ = flatten(target, is_leaf)
         pieces = {fqn: leaf_shards(leaf) for fqn, leaf in leaves.items()}
-        _check_targets(manifest, pieces)
+    fill(loc, manifest, pieces)
+    return unflatten({**manifest.objects, **leaves})
+
+
+def open_checkpoint(path: str | os.PathLike[str], storage: Storage | None = None) -> tuple[Location, Manifest]:
+    """Return the location and the checked manifest of the committed checkpoint at `path`.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at `path`.
+        ManifestError: the manifest is malformed, newer, or inconsistent with itself.
+    """
+    loc = resolve(path, storage)
+    manifest = read_manifest(loc)
+    findings = manifest_findings(manifest)
+    if findings:
+        raise ManifestError(f"{loc}: manifest is inconsistent: " + "; ".join(str(f) for f in findings[:10]))
+    return loc, manifest
+
+
+def fill(loc: Location, manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]) -> None:
+    """Fill every ShardedTensor of `pieces` (by fqn) in place with its box of the checkpoint."""
+    _check_targets(manifest, pieces)
     requests = [(fqn, p.box) for fqn, ps in pieces.items() for p in ps]
     plan = plan_load(manifest, requests)
     _execute(loc, manifest, plan, [p.local for ps in pieces.values() for p in ps])
-    return unflatten({**manifest.objects, **leaves})
 
 
 def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]) -> None:
