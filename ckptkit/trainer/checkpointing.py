@@ -1,0 +1,110 @@
+"""The trainer's checkpoint: everything to resume, in logical form, through the public ckptkit API.
+
+Parameters and Adam moments are saved as their logical (unfused, unpadded) tensors: each rank
+contributes the boxes it holds, as views of its flat buffers (no copy); ZeRO ranges become the
+few boxes they cover. RNG states are uint8 tensors with one row per rank.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..sharded import ShardedTensor
+from .zero import Unit
+
+
+def range_boxes(unit: Unit, values: torch.Tensor, lo: int, hi: int) -> dict[str, list[ShardedTensor]]:
+    """Describe `values` (the unit's flat elements [lo, hi)) as boxes of the logical tensors.
+
+    The ShardedTensors are views of `values`: saving reads them, loading fills them in place.
+    """
+    out: dict[str, list[ShardedTensor]] = defaultdict(list)
+    for slot in unit.slots:
+        inner = slot.numel // slot.shape[0] if slot.shape and slot.shape[0] else 1
+        for part in slot.parts:
+            a = slot.offset + part.row0 * inner
+            b = slot.offset + part.row1 * inner
+            x, y = max(a, lo), min(b, hi)
+            if x >= y:
+                continue
+            out[part.name] += ShardedTensor.from_flat(
+                values[x - lo : y - lo], part.global_shape, x - a, origin=part.offsets, extent=part.lengths
+            )
+    return out
+
+
+def tensor_state(units: list[Unit]) -> dict[str, Any]:
+    """Return this rank's parameters and Adam moments as nested dicts of ShardedTensor lists."""
+    model: dict[str, list[ShardedTensor]] = {}
+    exp_avg: dict[str, list[ShardedTensor]] = {}
+    exp_avg_sq: dict[str, list[ShardedTensor]] = {}
+    for unit in units:
+        if unit.zero == 3:
+            model.update(range_boxes(unit, unit.shard.data, unit.lo, unit.hi))
+        else:
+            assert unit.flat is not None
+            model.update(range_boxes(unit, unit.flat, 0, unit.numel))
+        exp_avg.update(range_boxes(unit, unit.exp_avg, unit.state_lo, unit.state_hi))
+        exp_avg_sq.update(range_boxes(unit, unit.exp_avg_sq, unit.state_lo, unit.state_hi))
+    return {"model": model, "optimizer": {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}}
+
+
+def _python_rng_bytes() -> torch.Tensor:
+    version, internal, gauss = random.getstate()
+    data = struct.pack(f"<i{len(internal)}Id?", version, *internal, gauss or 0.0, gauss is not None)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _restore_python_rng(raw: torch.Tensor) -> None:
+    data = raw.numpy().tobytes()
+    n = (len(data) - 4 - 8 - 1) // 4
+    fields = struct.unpack(f"<i{n}Id?", data)
+    version, internal, gauss, has_gauss = fields[0], fields[1 : 1 + n], fields[1 + n], fields[2 + n]
+    random.setstate((version, tuple(internal), gauss if has_gauss else None))
+
+
+def _numpy_rng_bytes() -> torch.Tensor:
+    state: Any = np.random.get_state()
+    name, keys, pos, has_gauss, cached = state
+    assert name == "MT19937"
+    data = keys.astype("<u4").tobytes() + struct.pack("<ii d", pos, has_gauss, cached)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _restore_numpy_rng(raw: torch.Tensor) -> None:
+    data = raw.numpy().tobytes()
+    keys = np.frombuffer(data[: 624 * 4], dtype="<u4")
+    pos, has_gauss, cached = struct.unpack("<ii d", data[624 * 4 :])
+    np.random.set_state(("MT19937", keys, pos, has_gauss, cached))
+
+
+RNG_STREAMS = {
+    "torch_cpu": (torch.get_rng_state, torch.set_rng_state),
+    "python": (_python_rng_bytes, _restore_python_rng),
+    "numpy": (_numpy_rng_bytes, _restore_numpy_rng),
+}
+
+
+def rng_state(rank: int, world: int) -> dict[str, ShardedTensor]:
+    """Return every generator's state on this rank as row `rank` of a [world, n] uint8 tensor."""
+    out = {}
+    for name, (get, _) in RNG_STREAMS.items():
+        state = get().reshape(1, -1).clone()
+        out[name] = ShardedTensor(state, (world, state.shape[1]), (rank, 0))
+    return out
+
+
+def rng_targets(rank: int, world: int) -> dict[str, ShardedTensor]:
+    """Return load targets for this rank's row of every generator state."""
+    return {name: ShardedTensor(torch.empty_like(t.local), t.global_shape, t.global_offsets) for name, t in rng_state(rank, world).items()}
+
+
+def restore_rng(loaded: dict[str, ShardedTensor]) -> None:
+    for name, target in loaded.items():
+        RNG_STREAMS[name][1](target.local.reshape(-1).clone())

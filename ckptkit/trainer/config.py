@@ -1,0 +1,116 @@
+"""Model and run configuration of the reference trainer, with named model sizes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import LayoutError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only Llama-architecture transformer."""
+
+    vocab_size: int = 128
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_seq_len: int = 256
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# Named sizes: tiny for tests (0.16M parameters), small (6M), base (0.49B) for benchmarks.
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2),
+    "small": dict(hidden_size=256, intermediate_size=704, num_layers=8, num_heads=8, num_kv_heads=4),
+    "base": dict(hidden_size=1536, intermediate_size=3072, num_layers=24, num_heads=24, num_kv_heads=8),
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: topology, schedule, data, checkpointing."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    steps: int = 10
+    save_every: int = 0
+    out: str = "runs/train"
+    resume: str | None = None
+    model: str = "tiny"
+    seed: int = 1234
+    seq_len: int = 32
+    global_batch: int = 8
+    micro_batches: int = 2
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 5
+    total_steps: int = 300
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    corpus: str | None = None
+    log_jsonl: str | None = None
+    tie_embeddings: bool = False
+    echo: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["betas"] = list(self.betas)
+        del out["echo"]
+        return out
+
+
+def model_config(name: str, *, vocab_size: int, tie_embeddings: bool = False) -> ModelConfig:
+    """Return the named model size with the tokenizer's vocabulary size."""
+    if name not in MODELS:
+        raise LayoutError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    return ModelConfig(vocab_size=vocab_size, tie_embeddings=tie_embeddings, **MODELS[name])
+
+
+def check_topology(cfg: TrainConfig, model: ModelConfig, *, max_world: int | None = None) -> None:
+    """Raise LayoutError with every reason the topology cannot run this model; nothing when it can."""
+    problems = []
+    if min(cfg.tp, cfg.pp, cfg.dp) < 1:
+        problems.append("tp, pp and dp must be at least 1")
+    if cfg.zero not in (0, 1, 2, 3):
+        problems.append(f"zero stage {cfg.zero} is not one of 0, 1, 2, 3")
+    if cfg.tp >= 1 and model.num_heads % cfg.tp:
+        problems.append(f"{model.num_heads} attention heads are not divisible by tp {cfg.tp}")
+    if cfg.tp >= 1 and model.num_kv_heads % cfg.tp:
+        problems.append(f"{model.num_kv_heads} key/value heads are not divisible by tp {cfg.tp}")
+    if cfg.tp >= 1 and model.intermediate_size % cfg.tp:
+        problems.append(f"intermediate size {model.intermediate_size} is not divisible by tp {cfg.tp}")
+    if cfg.pp >= 1 and model.num_layers % cfg.pp:
+        problems.append(f"{model.num_layers} layers are not divisible by pp {cfg.pp}")
+    if model.tie_embeddings and cfg.pp > 1:
+        problems.append("tied embeddings need pp 1 (the embedding and the head would sit on different stages)")
+    if cfg.dp >= 1 and cfg.micro_batches >= 1 and cfg.global_batch % (cfg.dp * cfg.micro_batches):
+        problems.append(
+            f"global batch {cfg.global_batch} is not divisible by dp {cfg.dp} x micro-batches {cfg.micro_batches}"
+        )
+    if max_world is not None and cfg.world_size > max_world:
+        problems.append(f"world size {cfg.world_size} is more than this machine runs ({max_world} ranks)")
+    if cfg.seq_len > model.max_seq_len:
+        problems.append(f"sequence length {cfg.seq_len} exceeds the model's {model.max_seq_len}")
+    if problems:
+        raise LayoutError("; ".join(problems))

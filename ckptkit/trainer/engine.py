@@ -1,0 +1,137 @@
+"""One rank of the trainer: its pipeline stage, ZeRO units, the GPipe schedule and the optimizer step."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import ModelConfig, TrainConfig
+from .mesh import Groups, Mesh
+from .model import Stage
+from .tp import Part, TPContext, parallel_cross_entropy
+from .zero import AdamW, DPContext, Unit
+
+
+def module_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[Part]]]:
+    """Return (name, parameter, logical parts) of every parameter of `module`, in a fixed order."""
+    owners = {id(m.weight): m for m in module.modules() if hasattr(m, "parts") and hasattr(m, "weight")}
+    return [(n, p, getattr(owners[id(p)], "parts")) for n, p in module.named_parameters()]
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at ``total_steps``."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(cfg.warmup_steps, 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / max(cfg.total_steps - cfg.warmup_steps, 1))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+class Engine:
+    """The model shard, optimizer and schedule of one rank."""
+
+    def __init__(self, cfg: TrainConfig, model: ModelConfig, mesh: Mesh, groups: Groups):
+        self.cfg = cfg
+        self.model_cfg = model
+        self.mesh = mesh
+        self.tp = TPContext(mesh.tp, mesh.tp_rank, groups.tp)
+        self.dp = DPContext(mesh.dp, mesh.dp_rank, groups.dp)
+        self.stage = Stage(model, self.tp, pp_rank=mesh.pp_rank, pp=mesh.pp, seed=cfg.seed)
+        self.units: dict[int, Unit] = {}
+        for module in self.stage.units():
+            if id(module) not in self.units:
+                self.units[id(module)] = Unit(module, module_params(module), self.dp, cfg.zero)
+        self.optimizer = AdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        self._norm_masks = {key: self._norm_mask(u) for key, u in self.units.items()}
+
+    def _norm_mask(self, unit: Unit) -> torch.Tensor:
+        """1 for elements this rank counts in the gradient norm: TP-replicated ones only on TP rank 0."""
+        mask = torch.ones(unit.numel)
+        if self.tp.rank != 0:
+            for slot in unit.slots:
+                if any(p.replicated for p in slot.parts):
+                    mask[slot.offset : slot.offset + slot.numel] = 0.0
+        return mask[unit.lo : unit.hi]
+
+    def _call(self, module: nn.Module, *args: Any) -> Any:
+        return self.units[id(module)].call(*args)
+
+    def train_step(self, micro_batches: list[torch.Tensor], global_tokens: int) -> tuple[float, float, float]:
+        """Run forward and backward over this rank's micro-batches, then the optimizer step.
+
+        Returns (loss, lr, grad norm), the same on every rank.
+        """
+        losses = self._forward_backward(micro_batches, global_tokens)
+        loss = self._global_loss(losses)
+        self.optimizer.step += 1
+        lr = learning_rate(self.cfg, self.optimizer.step)
+        grads = {key: u.reduced_grad() for key, u in self.units.items()}
+        norm = self._grad_norm(grads)
+        clip = min(1.0, self.cfg.grad_clip / (norm + 1e-6)) if self.cfg.grad_clip > 0 else 1.0
+        for key, unit in self.units.items():
+            self.optimizer.update(unit, grads[key], lr, clip)
+            unit.publish()
+            unit.zero_grad()
+        return loss, lr, norm
+
+    def _forward_backward(self, micro_batches: list[torch.Tensor], global_tokens: int) -> list[torch.Tensor]:
+        """GPipe: every micro-batch forward through the stages, then every one backward, in reverse."""
+        mesh = self.mesh
+        prev = mesh.rank_of(mesh.tp_rank, mesh.dp_rank, mesh.pp_rank - 1) if not mesh.is_first_stage else None
+        nxt = mesh.rank_of(mesh.tp_rank, mesh.dp_rank, mesh.pp_rank + 1) if not mesh.is_last_stage else None
+        hidden = self.model_cfg.hidden_size
+        inputs, outputs, losses = [], [], []
+        for batch in micro_batches:
+            ids = batch[:, :-1]
+            if prev is None:
+                x = ids
+            else:
+                x = torch.empty(ids.shape[0], ids.shape[1], hidden)
+                dist.recv(x, src=prev)
+                x.requires_grad_()
+            y = self.stage(x, self._call)
+            if nxt is None:
+                head = self.stage.output_head()
+                per_token = parallel_cross_entropy(y.reshape(-1, y.shape[-1]), batch[:, 1:].reshape(-1), head)
+                y = per_token.sum() / global_tokens
+                losses.append(y.detach())
+            else:
+                dist.send(y.detach().contiguous(), dst=nxt)
+            inputs.append(x)
+            outputs.append(y)
+        for x, y in zip(reversed(inputs), reversed(outputs)):
+            if nxt is None:
+                y.backward()
+            else:
+                grad = torch.empty_like(y)
+                dist.recv(grad, src=nxt)
+                y.backward(grad)
+            if prev is not None:
+                assert x.grad is not None
+                dist.send(x.grad.contiguous(), dst=prev)
+        return losses
+
+    def _global_loss(self, losses: list[torch.Tensor]) -> float:
+        """Sum the micro-batch losses over DP on the last stage; every rank gets that exact value."""
+        value = torch.tensor([float("-inf")])
+        if losses:
+            total = torch.stack(losses).sum().reshape(1)
+            if self.dp.size > 1:
+                dist.all_reduce(total, group=self.dp.group)
+            value = total
+        if self.mesh.world_size > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value.item())
+
+    def _grad_norm(self, grads: dict[int, torch.Tensor]) -> float:
+        total = torch.zeros(1, dtype=torch.float64)
+        for key, unit in self.units.items():
+            g = grads[key]
+            own = g[unit.lo - unit.state_lo : unit.hi - unit.state_lo]
+            total += (own.double() ** 2 * self._norm_masks[key].double()).sum()
+        if self.mesh.world_size > 1:
+            dist.all_reduce(total)
+        return float(total.sqrt().item())

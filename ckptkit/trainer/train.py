@@ -1,0 +1,205 @@
+"""The training loop of one rank, checkpointing through ckptkit, and starting the ranks.
+
+Call order for a run: ``prepare`` (checks the topology before any process starts), then
+``launch`` (spawns the ranks on this machine, or runs as one rank under torchrun), whose ranks
+run ``run_rank``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..catalog import list_root, locate, resolve
+from ..loader import load
+from ..manifest import (
+    CheckpointInfo,
+    DataProgress,
+    DataVersion,
+    Manifest,
+    ModelInfo,
+    OptimizerInfo,
+    ParamGroup,
+    Topology,
+)
+from ..catalog import read_manifest
+from ..provenance import code_version
+from ..saver import save
+from .checkpointing import restore_rng, rng_state, rng_targets, tensor_state
+from .config import ModelConfig, TrainConfig, check_topology, model_config
+from .data import Dataset, Sampler, Tokenizer, load_dataset
+from .engine import Engine
+from .mesh import Mesh, build_groups
+
+
+def max_world() -> int:
+    """The most ranks ``ckptkit train`` starts on this machine (tiny ranks share cores)."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def prepare(cfg: TrainConfig) -> ModelConfig:
+    """Return the model config after checking the whole run; raises LayoutError before any process starts."""
+    model = model_config(cfg.model, vocab_size=Tokenizer().vocab_size, tie_embeddings=cfg.tie_embeddings)
+    check_topology(cfg, model, max_world=max_world() if "RANK" not in os.environ else None)
+    if cfg.resume:
+        resume_path(cfg)  # fails early when there is nothing to resume
+    return model
+
+
+def resume_path(cfg: TrainConfig) -> str | None:
+    """Return the checkpoint to resume from: a path, or ``latest`` under ``--out`` (None if none yet)."""
+    if not cfg.resume:
+        return None
+    if cfg.resume == "latest":
+        if not os.path.isdir(cfg.out) or not list_root(cfg.out).latest:
+            return None
+        return str(resolve(cfg.out))
+    return str(resolve(cfg.resume))
+
+
+def launch(cfg: TrainConfig) -> None:
+    """Start the ranks: under torchrun (RANK set) run as this rank, else spawn them here."""
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        try:
+            run_rank(dist.get_rank(), dist.get_world_size(), cfg)
+        finally:
+            dist.destroy_process_group()
+        return
+    from ..launch import run_ranks
+
+    if cfg.world_size == 1:
+        _single(cfg)
+    else:
+        run_ranks(run_rank, cfg.world_size, cfg)
+
+
+def _single(cfg: TrainConfig) -> None:
+    from ..launch import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.set_num_threads(1)
+        run_rank(0, 1, cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank(rank: int, world: int, cfg: TrainConfig) -> None:
+    """Train on this rank from the start or a checkpoint up to global step ``cfg.steps``."""
+    mesh = Mesh(cfg.tp, cfg.dp, cfg.pp, rank)
+    tokenizer = Tokenizer()
+    model = model_config(cfg.model, vocab_size=tokenizer.vocab_size, tie_embeddings=cfg.tie_embeddings)
+    dataset, dataset_id = load_dataset(cfg.corpus, tokenizer, cfg.seq_len, seed=cfg.seed)
+    engine = Engine(cfg, model, mesh, build_groups(mesh))
+    sampler = Sampler(dataset.num_samples, cfg.seed)
+    start = _resume(cfg, engine, sampler, rank, world)
+    log = open(cfg.log_jsonl, "a", encoding="utf-8") if cfg.log_jsonl and rank == 0 else None
+    with tempfile.TemporaryDirectory() as tok_dir:
+        tokenizer.save(tok_dir)
+        for step in range(start + 1, cfg.steps + 1):
+            ids = sampler.next_ids(cfg.global_batch)
+            loss, lr, norm = engine.train_step(_micro_batches(cfg, mesh, dataset, ids), cfg.global_batch * cfg.seq_len)
+            sampler.advance(cfg.global_batch, cfg.global_batch * cfg.seq_len)
+            if cfg.echo and rank == 0:
+                print(f"step {step:>6}  loss {loss:.4f}  lr {lr:.2e}  grad norm {norm:.3f}", flush=True)
+            if log is not None:
+                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                          "consumed_samples": sampler.consumed_samples, "consumed_tokens": sampler.consumed_tokens,
+                          "sample_ids": ids}
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+                _save(cfg, engine, sampler, step, rank, world, tok_dir, dataset, dataset_id)
+                if cfg.echo and rank == 0:
+                    print(f"saved {os.path.join(cfg.out, step_name(step))}", flush=True)
+    if log is not None:
+        log.close()
+
+
+def _micro_batches(cfg: TrainConfig, mesh: Mesh, dataset: Dataset, ids: list[int]) -> list[torch.Tensor]:
+    """This DP rank's share of the global batch, cut into micro-batches of [mb, seq_len + 1] tokens."""
+    per_rank = cfg.global_batch // cfg.dp
+    mine = ids[mesh.dp_rank * per_rank : (mesh.dp_rank + 1) * per_rank]
+    size = per_rank // cfg.micro_batches
+    return [torch.stack([dataset.sample(i) for i in mine[m * size : (m + 1) * size]]) for m in range(cfg.micro_batches)]
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _info(cfg: TrainConfig, engine: Engine, sampler: Sampler, dataset: Dataset, dataset_id: str) -> CheckpointInfo:
+    names = tuple(sorted(logical_param_names(engine.model_cfg)))
+    return CheckpointInfo(
+        optimizer=OptimizerInfo(
+            type="adamw",
+            hyperparameters={"lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.eps, "weight_decay": cfg.weight_decay,
+                             "grad_clip": cfg.grad_clip},
+            param_groups=(ParamGroup(params=names, options={"weight_decay": "on 2-D weights only"}),),
+            step=engine.optimizer.step,
+        ),
+        scheduler={"type": "warmup-cosine", "lr": cfg.lr, "min_lr": cfg.min_lr, "warmup_steps": cfg.warmup_steps,
+                   "total_steps": cfg.total_steps, "step": engine.optimizer.step},
+        rng={"streams": ",".join(sorted(rng_state(0, 1))), "layout": "rng/<stream> is [world_size, state bytes], row = rank"},
+        data_progress=DataProgress(seed=cfg.seed, epoch=sampler.epoch, consumed_samples=sampler.consumed_samples,
+                                   consumed_tokens=sampler.consumed_tokens),
+        code=code_version(os.path.dirname(os.path.abspath(__file__))),
+        data=DataVersion(dataset_id=dataset_id, fingerprint=dataset.fingerprint),
+        config=cfg.to_json(),
+        model=ModelInfo(family="llama", config=engine.model_cfg.to_json()),
+    )
+
+
+def _save(cfg: TrainConfig, engine: Engine, sampler: Sampler, step: int, rank: int, world: int,
+          tok_dir: str, dataset: Dataset, dataset_id: str) -> Manifest:
+    state = tensor_state(list(engine.units.values()))
+    state["rng"] = rng_state(rank, world)
+    topo = Topology(world_size=world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero_stage=cfg.zero)
+    return save(state, os.path.join(cfg.out, step_name(step)), step=step, topology=topo,
+                info=_info(cfg, engine, sampler, dataset, dataset_id), tokenizer=tok_dir)
+
+
+def _resume(cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world: int) -> int:
+    """Load the checkpoint to resume from into this rank's buffers; return its step (0 when none)."""
+    path = resume_path(cfg)
+    if path is None:
+        return 0
+    manifest = read_manifest(resolve(path))
+    target = tensor_state(list(engine.units.values()))
+    same_topology = manifest.topology == Topology(world_size=world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero_stage=cfg.zero)
+    if same_topology:
+        target["rng"] = rng_targets(rank, world)
+    load(path, target)
+    if same_topology:
+        restore_rng(target["rng"])
+    info = manifest.info
+    engine.optimizer.step = info.optimizer.step if info.optimizer and info.optimizer.step is not None else manifest.step
+    if info.data_progress is not None:
+        sampler.consumed_samples = info.data_progress.consumed_samples
+        sampler.consumed_tokens = info.data_progress.consumed_tokens
+    for unit in engine.units.values():
+        unit.publish()
+    return manifest.step
+
+
+def logical_param_names(model: ModelConfig) -> list[str]:
+    """Return the logical parameter names of the whole model (every stage)."""
+    names = ["embed.weight", "norm.weight"] + ([] if model.tie_embeddings else ["lm_head.weight"])
+    for i in range(model.num_layers):
+        p = f"layers.{i}."
+        names += [p + n for n in ("attn_norm.weight", "attn.q.weight", "attn.k.weight", "attn.v.weight",
+                                  "attn.o.weight", "mlp_norm.weight", "mlp.gate.weight", "mlp.up.weight",
+                                  "mlp.down.weight")]
+    return names
+
+
+def config_from(**options: Any) -> TrainConfig:
+    """Build a TrainConfig from CLI options, ignoring the ones left unset."""
+    return replace(TrainConfig(), **{k: v for k, v in options.items() if v is not None})

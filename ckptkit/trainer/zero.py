@@ -1,0 +1,190 @@
+"""Data parallelism with ZeRO 0-3 over flat buffers, and AdamW.
+
+Each unit of a stage (the embedding, each layer, the final norm and head) keeps its parameters
+in one flat fp32 buffer, cut into `dp` equal contiguous ranges the way DeepSpeed and Megatron's
+distributed optimizer partition theirs, so range boundaries fall at uneven places inside tensors.
+Rank r of the data-parallel group owns range r:
+
+- ZeRO 0: every rank keeps and updates everything (gradients all-reduced).
+- ZeRO 1: gradients all-reduced; each rank updates its range (Adam moments only there); ranges all-gathered.
+- ZeRO 2: as 1, but each rank keeps only its range of the reduced gradient.
+- ZeRO 3: as 2, and parameters live only as ranges: each unit gathers its full parameters for its
+  forward and again (recomputing) for its backward, whose gradient is reduce-scattered back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from .tp import Part
+
+
+@dataclass(frozen=True)
+class DPContext:
+    size: int
+    rank: int
+    group: Any = None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A parameter's place in its unit's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    parts: tuple[Part, ...]
+    decay: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _all_reduce(x: torch.Tensor, dp: DPContext) -> torch.Tensor:
+    if dp.size > 1:
+        dist.all_reduce(x, group=dp.group)
+    return x
+
+
+def _all_gather(chunk: torch.Tensor, dp: DPContext) -> torch.Tensor:
+    if dp.size == 1:
+        return chunk.clone()
+    pieces = [torch.empty_like(chunk) for _ in range(dp.size)]
+    dist.all_gather(pieces, chunk.contiguous(), group=dp.group)
+    return torch.cat(pieces)
+
+
+class _GatherUnit(torch.autograd.Function):
+    """ZeRO-3: all-gather a unit's padded flat parameter ranges; backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, dp: DPContext) -> torch.Tensor:  # type: ignore[override]
+        ctx.dp = dp
+        return _all_gather(shard.detach(), dp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        dp: DPContext = ctx.dp
+        full = _all_reduce(grad.contiguous().clone(), dp)
+        n = full.numel() // dp.size
+        return full[dp.rank * n : (dp.rank + 1) * n].clone(), None
+
+
+class Unit:
+    """One module's parameters as a flat buffer partitioned over DP, with its optimizer state."""
+
+    def __init__(self, module: nn.Module, params: list[tuple[str, nn.Parameter, list[Part]]], dp: DPContext, zero: int):
+        self.module = module
+        self.dp = dp
+        self.zero = zero
+        self.slots: list[Slot] = []
+        offset = 0
+        for name, p, parts in params:
+            self.slots.append(Slot(name, tuple(p.shape), offset, tuple(parts), p.dim() >= 2))
+            offset += p.numel()
+        self.numel = offset
+        self.chunk = -(-offset // dp.size)  # ranges are padded to equal sizes
+        self.lo = min(dp.rank * self.chunk, offset)
+        self.hi = min((dp.rank + 1) * self.chunk, offset)
+        flat = torch.zeros(self.chunk * dp.size)
+        for slot, (_, p, _) in zip(self.slots, params):
+            flat[slot.offset : slot.offset + slot.numel] = p.detach().reshape(-1)
+        owned = (0, offset) if zero == 0 else (self.lo, self.hi)
+        self.state_lo, self.state_hi = owned
+        n = owned[1] - owned[0]
+        self.exp_avg = torch.zeros(n)
+        self.exp_avg_sq = torch.zeros(n)
+        self.decay_mask = torch.zeros(offset)
+        for slot in self.slots:
+            if slot.decay:
+                self.decay_mask[slot.offset : slot.offset + slot.numel] = 1.0
+        if zero == 3:
+            self.shard = nn.Parameter(flat[dp.rank * self.chunk : (dp.rank + 1) * self.chunk].clone())
+            for _, p, _ in params:
+                p.data = torch.empty(0)  # the unit's parameters now live only as ranges
+            self.flat = None
+        else:
+            self.flat = flat[:offset]
+            for slot, (_, p, _) in zip(self.slots, params):
+                p.data = self.flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        self.params = [p for _, p, _ in params]
+        self.names = [n for n, _, _ in params]
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
+
+    def call(self, *args: Any) -> Any:
+        """Run the unit's forward; under ZeRO 3 gather, and regather when recomputing for backward."""
+        if self.zero != 3:
+            return self.module(*args)
+
+        def run(shard: torch.Tensor, *inputs: Any) -> Any:
+            full = _GatherUnit.apply(shard, self.dp)
+            return functional_call(self.module, self.views(full), inputs)
+
+        return checkpoint(run, self.shard, *args, use_reentrant=False)
+
+    def reduced_grad(self) -> torch.Tensor:
+        """Return the data-parallel sum of this unit's gradient over the range this rank updates."""
+        if self.zero == 3:
+            assert self.shard.grad is not None
+            return self.shard.grad[: self.hi - self.lo]
+        grad = torch.zeros(self.numel)
+        for slot, p in zip(self.slots, self.params):
+            if p.grad is not None:
+                grad[slot.offset : slot.offset + slot.numel] = p.grad.reshape(-1)
+        _all_reduce(grad, self.dp)
+        return grad[self.state_lo : self.state_hi]
+
+    def zero_grad(self) -> None:
+        if self.zero == 3:
+            self.shard.grad = None
+        for p in self.params:
+            p.grad = None
+
+    def master_range(self) -> torch.Tensor:
+        """Return the parameter values this rank updates (a view it may change in place)."""
+        if self.zero == 3:
+            return self.shard.data[: self.hi - self.lo]
+        assert self.flat is not None
+        return self.flat[self.state_lo : self.state_hi]
+
+    def publish(self) -> None:
+        """After an update of the owned range, give every rank the full parameters (ZeRO 1 and 2)."""
+        if self.zero in (1, 2):
+            assert self.flat is not None
+            chunk = torch.zeros(self.chunk)
+            chunk[: self.hi - self.lo] = self.flat[self.lo : self.hi]
+            self.flat.copy_(_all_gather(chunk, self.dp)[: self.numel])
+
+
+@dataclass
+class AdamW:
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    step: int = 0
+
+    def update(self, unit: Unit, grad: torch.Tensor, lr: float, clip: float) -> None:
+        """One AdamW step (decoupled weight decay, bias correction) on the unit's owned range."""
+        b1, b2 = self.betas
+        p = unit.master_range()
+        g = grad * clip
+        unit.exp_avg.mul_(b1).add_(g, alpha=1 - b1)
+        unit.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+        c1 = 1 - b1**self.step
+        c2 = 1 - b2**self.step
+        mask = unit.decay_mask[unit.state_lo : unit.state_hi]
+        p.mul_(1 - lr * self.weight_decay * mask)
+        denom = (unit.exp_avg_sq / c2).sqrt_().add_(self.eps)
+        p.addcdiv_(unit.exp_avg, denom, value=-lr / c1)

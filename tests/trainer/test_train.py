@@ -1,0 +1,89 @@
+"""The reference trainer over real gloo ranks: parallel correctness and exact resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ckptkit.differ import diff
+from ckptkit.errors import LayoutError
+from ckptkit.trainer.train import config_from, launch, prepare
+
+pytestmark = pytest.mark.multiprocess
+
+REFERENCE = (1, 1, 1, 0)
+PARALLEL = [(2, 1, 1, 0), (1, 2, 1, 0), (1, 1, 2, 1), (1, 1, 2, 2), (1, 1, 2, 3), (2, 2, 2, 1)]
+RESUMABLE = [(1, 1, 2, 0), (1, 1, 2, 1), (1, 1, 2, 2), (1, 1, 2, 3), (2, 2, 2, 1)]
+STEPS = 10
+
+
+def _run(out: Path, combo: tuple[int, int, int, int], steps: int, resume: str | None = None) -> list[dict]:
+    tp, pp, dp, zero = combo
+    log = out.with_suffix(".jsonl")
+    cfg = config_from(tp=tp, pp=pp, dp=dp, zero=zero, steps=steps, save_every=4, out=str(out),
+                      log_jsonl=str(log), resume=resume)
+    prepare(cfg)
+    launch(cfg)
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Each topology trained once for STEPS steps, saving at 4, 8 and 10 (cached for the module)."""
+    return {"root": tmp_path_factory.mktemp("train"), "logs": {}}
+
+
+def _trained(runs: dict, combo: tuple[int, int, int, int]) -> tuple[Path, list[dict]]:
+    out = runs["root"] / "run-{}{}{}{}".format(*combo)
+    if combo not in runs["logs"]:
+        runs["logs"][combo] = _run(out, combo, STEPS)
+    return out, runs["logs"][combo]
+
+
+@pytest.mark.parametrize("combo", PARALLEL, ids=lambda c: "tp{}-pp{}-dp{}-z{}".format(*c))
+def test_every_topology_computes_the_same_losses(runs: dict, combo: tuple[int, int, int, int]) -> None:
+    _, ref = _trained(runs, REFERENCE)
+    _, got = _trained(runs, combo)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert abs(got[0]["loss"] - ref[0]["loss"]) <= 1e-5 * abs(ref[0]["loss"])
+    for a, b in zip(got, ref):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
+        assert a["sample_ids"] == b["sample_ids"]
+
+
+@pytest.mark.parametrize("combo", RESUMABLE, ids=lambda c: "tp{}-pp{}-dp{}-z{}".format(*c))
+def test_resume_is_bitwise_exact(runs: dict, combo: tuple[int, int, int, int], tmp_path: Path) -> None:
+    out, full = _trained(runs, combo)
+    resumed = _run(tmp_path / "resumed", combo, 8, resume=str(out / "step_00000004"))
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:8]]
+    assert [r["sample_ids"] for r in resumed] == [r["sample_ids"] for r in full[4:8]]
+    report = diff(out / "step_00000008", tmp_path / "resumed" / "step_00000008", kinds=("param", "optimizer", "rng"))
+    assert report.equal, report.differences[:3]
+    assert report.tensors_compared > 0
+
+
+def test_checkpoint_holds_every_asset(runs: dict) -> None:
+    import ckptkit
+
+    out, _ = _trained(runs, (2, 2, 2, 1))
+    m = ckptkit.read_manifest(str(out / "step_00000008"))
+    assert m.topology.model_dump(include={"world_size", "tp", "pp", "dp", "zero_stage"}) == {
+        "world_size": 8, "tp": 2, "pp": 2, "dp": 2, "zero_stage": 1}
+    kinds = {t.kind for t in m.tensors.values()}
+    assert kinds == {"param", "optimizer", "rng"}
+    assert "model/layers.3.attn.q.weight" in m.tensors and "model/lm_head.weight" in m.tensors
+    assert m.tensors["model/embed.weight"].shape[0] == 98  # logical vocabulary, not padded
+    assert m.info.optimizer is not None and m.info.optimizer.step == 8
+    assert m.info.data_progress is not None and m.info.data_progress.consumed_samples == 64
+    assert m.info.model is not None and m.info.model.family == "llama"
+    assert m.tokenizer is not None and m.tokenizer.files == ("tokenizer/tokenizer.json",)
+    assert ckptkit.verify(str(out / "step_00000008")).ok
+
+
+def test_impossible_topology_fails_before_any_process_starts(tmp_path: Path) -> None:
+    with pytest.raises(LayoutError, match="attention heads are not divisible by tp 3.*layers are not divisible by pp 3"):
+        prepare(config_from(tp=3, pp=3, out=str(tmp_path)))
+    assert not list(tmp_path.iterdir())
