@@ -112,6 +112,72 @@ def _with_progress(path: str, quick: bool, workers: int, *, show: bool) -> Any:
         return verify(path, quick=quick, workers=workers, progress=bar.update)
 
 
+@cli.command("diff")
+@click.argument("a")
+@click.argument("b")
+@click.option("--atol", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Absolute tolerance.")
+@click.option("--rtol", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Relative tolerance.")
+@click.option("--include-rng", is_flag=True, help="Also compare RNG states (they differ between topologies).")
+@click.option("--limit", default=10, show_default=True, type=click.IntRange(0), help="Differences to print.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def diff_cmd(a: str, b: str, atol: float, rtol: float, include_rng: bool, limit: int, as_json: bool) -> None:
+    """Compare checkpoints A and B as logical tensors, whatever their topologies.
+
+    Bitwise by default; --atol/--rtol allow |a - b| <= atol + rtol * |b|. Exit 0 when equal,
+    1 when different, 2 on bad usage or when A or B holds no committed checkpoint.
+    """
+    from .differ import diff
+
+    kinds = ("param", "optimizer", "buffer", "other") + (("rng",) if include_rng else ())
+    try:
+        report = diff(a, b, atol=atol, rtol=rtol, kinds=kinds)
+    except CheckpointNotFoundError as exc:
+        _fail(str(exc), 2)
+        return
+    if as_json:
+        _emit_json(report)
+    else:
+        for d in report.differences[:limit]:
+            detail = f"{d.mismatched}/{d.numel} differ, max abs {d.max_abs:.3g}, max rel {d.max_rel:.3g}" if d.numel else d.problem
+            click.echo(f"{d.name}: {detail}")
+        if len(report.differences) > limit:
+            click.echo(f"... and {len(report.differences) - limit} more")
+        if not report.objects_equal:
+            click.echo("non-tensor values differ")
+        verdict = "equal" if report.equal else f"{len(report.differences)} tensor(s) differ"
+        click.echo(f"{verdict} ({report.tensors_compared} tensors compared)")
+    sys.exit(0 if report.equal else 1)
+
+
+@cli.command("train")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel degree.")
+@click.option("--pp", default=1, show_default=True, type=click.IntRange(1), help="Pipeline stages.")
+@click.option("--dp", default=1, show_default=True, type=click.IntRange(1), help="Data-parallel degree.")
+@click.option("--zero", default=0, show_default=True, type=click.IntRange(0, 3), help="ZeRO stage (0-3).")
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(0), help="Global step to stop at.")
+@click.option("--save-every", default=0, show_default=True, type=click.IntRange(0), help="Save every K steps and at the end (0: never).")
+@click.option("--out", default="runs/train", show_default=True, help="Directory of the run's checkpoints.")
+@click.option("--resume", default=None, help="A checkpoint to resume from, or 'latest' (under --out).")
+@click.option("--model", default="tiny", show_default=True, type=click.Choice(["tiny", "small", "base"]))
+@click.option("--seed", default=1234, show_default=True, type=int)
+@click.option("--log-jsonl", default=None, help="Append one JSON object per step to this file.")
+@click.option("--global-batch", default=8, show_default=True, type=click.IntRange(1), help="Samples per step.")
+@click.option("--micro-batches", default=2, show_default=True, type=click.IntRange(1), help="Micro-batches per step and rank.")
+@click.option("--seq-len", default=32, show_default=True, type=click.IntRange(1))
+@click.option("--lr", default=3e-3, show_default=True, type=float)
+@click.option("--corpus", default=None, help="A text file to train on (default: the generated corpus).")
+@click.option("--tie-embeddings", is_flag=True, help="Share the embedding and output head weights (pp 1 only).")
+@click.option("--quiet", is_flag=True, help="Print nothing per step.")
+def train_cmd(**options: Any) -> None:
+    """Train the reference Llama-style model with TP x PP x DP (ZeRO 0-3), checkpointing through ckptkit."""
+    from .trainer.train import config_from, launch, prepare
+
+    quiet = options.pop("quiet")
+    cfg = config_from(**options, echo=not quiet)
+    prepare(cfg)
+    launch(cfg)
+
+
 @cli.command("demo")
 @click.argument("out_dir", default="demo-out", required=False)
 def demo_cmd(out_dir: str) -> None:

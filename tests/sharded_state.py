@@ -1,22 +1,17 @@
-"""The demo job: 4 gloo ranks (TP 2 x DP 2, ZeRO-1) save a small Llama-shaped state, then it is
-listed, inspected, verified and loaded back whole and with another sharding.
+"""A small Llama-shaped state as 4 ranks (TP 2 x DP 2, ZeRO-1) hold it, for multi-process tests.
 
 The state is deterministic, so any process can rebuild the global tensors and check bytes.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .manifest import CheckpointInfo, DataProgress, ModelInfo, OptimizerInfo, ParamGroup, Topology
-from .provenance import code_version
-from .sharded import ShardedTensor
-from .tree import flatten
+from ckptkit.manifest import CheckpointInfo, DataProgress, ModelInfo, OptimizerInfo, ParamGroup, Topology
+from ckptkit.provenance import code_version
+from ckptkit.sharded import ShardedTensor
 
 CONFIG = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 TP, DP = 2, 2
@@ -108,7 +103,7 @@ def _zero_range(n: int, dp_rank: int, dp: int) -> tuple[int, int]:
 
 def save_rank(rank: int, world_size: int, path: str, step: int, tokenizer: str) -> None:
     """Body of one demo rank: build its state and save collectively."""
-    from .saver import save
+    from ckptkit.saver import save
 
     params = sorted(f"model/{n}" for n in param_shapes())
     info = CheckpointInfo(
@@ -130,48 +125,3 @@ def save_rank(rank: int, world_size: int, path: str, step: int, tokenizer: str) 
         info=info,
         tokenizer=tokenizer,
     )
-
-
-def run(out_dir: str, echo: Callable[[str], None]) -> bool:
-    """Run the demo into `out_dir`; return True when every check passed."""
-    from .catalog import list_root
-    from .inspector import inspect, render
-    from .launch import run_ranks
-    from .loader import load
-    from .verifier import verify
-
-    os.makedirs(out_dir, exist_ok=True)
-    tok = os.path.join(out_dir, "tokenizer.json")
-    with open(tok, "w") as f:
-        json.dump({"model": {"type": "BPE", "vocab": {chr(97 + i): i for i in range(26)}}}, f)
-    steps = [s for s in (10, 20) if not os.path.exists(os.path.join(out_dir, f"step_{s:08d}"))]
-    if not steps:
-        steps = [max(e.step or 0 for e in list_root(out_dir).checkpoints) + 10]
-    for step in steps:
-        echo(f"saving step {step} from 4 ranks (tp {TP} x dp {DP}, ZeRO-1) ...")
-        run_ranks(save_rank, TP * DP, os.path.join(out_dir, f"step_{step:08d}"), step, tok)
-    listing = list_root(out_dir)
-    echo(f"\n$ ckptkit ls {out_dir}")
-    for e in listing.checkpoints:
-        echo(f"  {e.name}  step {e.step}{'  <- latest' if e.name == listing.latest else ''}")
-    latest = os.path.join(out_dir, listing.latest)
-    echo(f"\n$ ckptkit inspect {latest}\n" + render(inspect(latest)))
-    report = verify(latest)
-    echo(f"\n$ ckptkit verify {latest}\n  {'sound' if report.ok else 'PROBLEMS'}: "
-         f"{report.files_checked} files, {report.bytes_hashed} bytes hashed, {len(report.findings)} findings")
-    expected = global_state()
-    whole = load(latest)
-    flat, _ = flatten(whole, lambda v: isinstance(v, torch.Tensor))
-    same = all(torch.equal(flat[k], v) for k, v in expected.items())
-    echo(f"\nloaded whole in one process: {len(expected)} tensors {'bitwise equal' if same else 'DIFFER'} to the originals")
-    q = "model/layers.0.attn.q.weight"
-    target = ShardedTensor(torch.empty(8, 32), (32, 32), (8, 0))
-    load(latest, {"model": {"layers.0.attn.q.weight": target}})
-    resharded = torch.equal(target.local, expected[q][8:16])
-    echo(f"loaded rows 8:16 of {q} (a TP-4 shard; it was saved TP-2): {'equal' if resharded else 'DIFFERENT'}")
-    echo(
-        "\nnext: ckptkit verify --json " + latest + "\n      ckptkit inspect --json " + latest
-        + "\n      python -c \"import ckptkit; print(ckptkit.load('" + latest + "').keys())\""
-    )
-    return bool(report.ok and same and resharded)
-

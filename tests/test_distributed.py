@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import ckptkit
 from ckptkit import ShardedTensor
-from ckptkit.demo import global_state, param_shapes, rank_state
+from .sharded_state import global_state, param_shapes, rank_state
 from ckptkit.launch import run_ranks
 from ckptkit.manifest import Topology
 
