@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
+
+from .errors import CkptkitError
 
 
 def free_port() -> int:
@@ -18,26 +23,52 @@ def free_port() -> int:
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, *args)`` in `world_size` spawned processes joined in one process group.
 
-    `fn` must be importable (a module-level function). Raises if any rank fails.
+    `fn` must be importable (a module-level function).
+
+    Raises:
+        CkptkitError: a rank failed; the message names the rank that failed first and its error
+            (the other ranks' failures usually follow from it: a peer closed the connection).
     """
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
     port = free_port()
-    mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-        _entry, args=(fn, world_size, port, backend, args), nprocs=world_size, join=True, start_method="spawn"
-    )
+    with tempfile.TemporaryDirectory(prefix="ckptkit-ranks-") as errors:
+        try:
+            mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+                _entry, args=(fn, world_size, port, backend, errors, args), nprocs=world_size, join=True,
+                start_method="spawn",
+            )
+        except (ProcessRaisedException, ProcessExitedException) as exc:
+            raise CkptkitError(_first_failure(errors) or f"rank {exc.error_index} failed") from exc
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, args: tuple[Any, ...]) -> None:
+def _first_failure(directory: str) -> str:
+    reports = []
+    for name in os.listdir(directory):
+        with open(os.path.join(directory, name), encoding="utf-8") as f:
+            reports.append(json.load(f))
+    if not reports:
+        return ""
+    first = min(reports, key=lambda r: r["time"])
+    return f"rank {first['rank']} failed: {first['error']}"
+
+
+def _entry(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, errors: str, args: tuple[Any, ...]
+) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+    except BaseException as exc:
+        report = {"rank": rank, "time": time.time(), "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+        with open(os.path.join(errors, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+            json.dump(report, f)
+        raise
     finally:
         dist.destroy_process_group()

@@ -100,7 +100,10 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> None:
     engine = Engine(cfg, model, mesh, build_groups(mesh))
     sampler = Sampler(dataset.num_samples, cfg.seed)
     start = _resume(cfg, engine, sampler, rank, world)
-    log = open(cfg.log_jsonl, "a", encoding="utf-8") if cfg.log_jsonl and rank == 0 else None
+    log = None
+    if cfg.log_jsonl and rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.log_jsonl)), exist_ok=True)
+        log = open(cfg.log_jsonl, "a", encoding="utf-8")
     with tempfile.TemporaryDirectory() as tok_dir:
         tokenizer.save(tok_dir)
         for step in range(start + 1, cfg.steps + 1):

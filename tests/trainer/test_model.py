@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -69,3 +70,14 @@ def test_the_model_learns(tmp_path: Path) -> None:
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     assert len(losses) == 60
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+
+
+def test_a_failing_rank_becomes_one_clear_error(tmp_path: Path) -> None:
+    from ckptkit.errors import CkptkitError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = config_from(dp=2, steps=1, out=str(tmp_path / "run"), log_jsonl=str(blocker / "log.jsonl"))
+    prepare(cfg)
+    with pytest.raises(CkptkitError, match=r"rank 0 failed: .*(Not a directory|File exists)"):
+        launch(cfg)
