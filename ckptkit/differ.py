@@ -73,7 +73,7 @@ def diff(
         found = compare(name, x, y, atol, rtol)
         if found is not None:
             diffs.append(found)
-    diffs.sort(key=lambda d: (-(d.max_abs or math.inf) if d.max_abs is not None else -math.inf, d.name))
+    diffs.sort(key=lambda d: (d.max_abs is not None, -(d.max_abs or 0.0), d.name))  # missing first, then largest
     objects_equal = man_a.objects == man_b.objects
     return DiffReport(
         a=str(loc_a), b=str(loc_b), equal=not diffs and objects_equal, atol=atol, rtol=rtol, kinds=list(kinds),
