@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .boxes import Box, Runs, byte_runs
+from .boxes import Runs, byte_runs
 from .catalog import Location, read_manifest, resolve
 from .consistency import manifest_findings
 from .dtypes import itemsize

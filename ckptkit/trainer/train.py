@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..catalog import list_root, locate, resolve
+from ..catalog import list_root, read_manifest, resolve
 from ..loader import load
 from ..manifest import (
     CheckpointInfo,
@@ -28,7 +28,6 @@ from ..manifest import (
     ParamGroup,
     Topology,
 )
-from ..catalog import read_manifest
 from ..provenance import code_version
 from ..saver import save
 from .checkpointing import restore_rng, rng_state, rng_targets, tensor_state

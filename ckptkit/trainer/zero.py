@@ -7,7 +7,9 @@ Rank r of the data-parallel group owns range r:
 
 - ZeRO 0: every rank keeps and updates everything (gradients all-reduced).
 - ZeRO 1: gradients all-reduced; each rank updates its range (Adam moments only there); ranges all-gathered.
-- ZeRO 2: as 1, but each rank keeps only its range of the reduced gradient.
+- ZeRO 2: as 1, but each rank keeps only its range of the reduced gradient (here the reduction
+  is an all-reduce followed by a slice, which gloo supports everywhere; the arithmetic is that of
+  a reduce-scatter).
 - ZeRO 3: as 2, and parameters live only as ranges: each unit gathers its full parameters for its
   forward and again (recomputing) for its backward, whose gradient is reduce-scattered back.
 """
