@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..catalog import list_root, read_manifest, resolve
+from ..errors import LayoutError
 from ..loader import load
 from ..manifest import (
     CheckpointInfo,
@@ -63,10 +64,18 @@ def resume_path(cfg: TrainConfig) -> str | None:
 
 
 def launch(cfg: TrainConfig) -> None:
-    """Start the ranks: under torchrun (RANK set) run as this rank, else spawn them here."""
+    """Start the ranks: under torchrun (RANK set) run as this rank, else spawn them here.
+
+    The trainer computes on the CPU (gloo) for now, also under torchrun.
+    """
     if "RANK" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("gloo")
         try:
+            if dist.get_world_size() != cfg.world_size:
+                raise LayoutError(
+                    f"torchrun started {dist.get_world_size()} ranks but tp x pp x dp = {cfg.world_size}"
+                )
+            torch.set_num_threads(1)
             run_rank(dist.get_rank(), dist.get_world_size(), cfg)
         finally:
             dist.destroy_process_group()
