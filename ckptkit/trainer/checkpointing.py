@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from ..sharded import ShardedTensor
 from .zero import Unit
@@ -108,3 +109,22 @@ def rng_targets(rank: int, world: int) -> dict[str, ShardedTensor]:
 def restore_rng(loaded: dict[str, ShardedTensor]) -> None:
     for name, target in loaded.items():
         RNG_STREAMS[name][1](target.local.reshape(-1).clone())
+
+
+def seed_rngs(seed: int) -> None:
+    """Seed every generator this rank uses (torch CPU, Python, NumPy)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def derived_seed(saved: dict[str, torch.Tensor], rank: int, world: int) -> int:
+    """Return the seed of `rank`'s streams after a topology change: a hash of every saved state
+    (all ranks of the old topology) with the new rank and world size, so that the result is
+    deterministic and no two new ranks share a stream."""
+    h = xxhash.xxh3_64()
+    for name, states in saved.items():
+        h.update(name.encode())
+        h.update(states.contiguous().numpy().tobytes())
+    h.update(f"rank {rank} of {world}".encode())
+    return h.intdigest() % 2**63

@@ -16,8 +16,8 @@ class ModelConfig:
     hidden_size: int = 64
     intermediate_size: int = 128
     num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 4
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -33,7 +33,7 @@ class ModelConfig:
 
 # Named sizes: tiny for tests (0.16M parameters), small (6M), base (0.49B) for benchmarks.
 MODELS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=4),
     "small": dict(hidden_size=256, intermediate_size=704, num_layers=8, num_heads=8, num_kv_heads=4),
     "base": dict(hidden_size=1536, intermediate_size=3072, num_layers=24, num_heads=24, num_kv_heads=8),
 }

@@ -31,7 +31,7 @@ from ..manifest import (
 )
 from ..provenance import code_version
 from ..saver import save
-from .checkpointing import restore_rng, rng_state, rng_targets, tensor_state
+from .checkpointing import derived_seed, restore_rng, rng_state, rng_targets, seed_rngs, tensor_state
 from .config import ModelConfig, TrainConfig, check_topology, model_config
 from .data import Dataset, Sampler, Tokenizer, load_dataset
 from .engine import Engine
@@ -105,6 +105,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> None:
     tokenizer = Tokenizer()
     model = model_config(cfg.model, vocab_size=tokenizer.vocab_size, tie_embeddings=cfg.tie_embeddings)
     dataset, dataset_id = load_dataset(cfg.corpus, tokenizer, cfg.seq_len, seed=cfg.seed)
+    seed_rngs(cfg.seed * 1_000_003 + rank)  # distinct streams per rank from the start
     engine = Engine(cfg, model, mesh, build_groups(mesh))
     sampler = Sampler(dataset.num_samples, cfg.seed)
     start = _resume(cfg, engine, sampler, rank, world)
@@ -187,9 +188,17 @@ def _resume(cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world
     same_topology = manifest.topology == Topology(world_size=world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero_stage=cfg.zero)
     if same_topology:
         target["rng"] = rng_targets(rank, world)
+    else:  # every rank reads every saved stream and derives its own from them
+        target["rng"] = {
+            fqn.split("/", 1)[1]: torch.empty(t.shape, dtype=torch.uint8)
+            for fqn, t in manifest.tensors.items()
+            if t.kind == "rng" and fqn.startswith("rng/")
+        }
     load(path, target)
     if same_topology:
         restore_rng(target["rng"])
+    else:
+        seed_rngs(derived_seed(dict(sorted(target["rng"].items())), rank, world))
     info = manifest.info
     engine.optimizer.step = info.optimizer.step if info.optimizer and info.optimizer.step is not None else manifest.step
     if info.data_progress is not None:

@@ -87,3 +87,21 @@ def test_impossible_topology_fails_before_any_process_starts(tmp_path: Path) -> 
     with pytest.raises(LayoutError, match="attention heads are not divisible by tp 3.*layers are not divisible by pp 3"):
         prepare(config_from(tp=3, pp=3, out=str(tmp_path)))
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("combo", [(1, 1, 4, 3), (4, 1, 2, 2)], ids=lambda c: "tp{}-pp{}-dp{}-z{}".format(*c))
+def test_resume_at_another_topology_continues_the_same_run(runs: dict, combo: tuple[int, int, int, int], tmp_path: Path) -> None:
+    import torch
+
+    import ckptkit
+
+    source, full = _trained(runs, (2, 2, 2, 1))
+    resumed = _run(tmp_path / "resumed", combo, 8, resume=str(source / "step_00000004"))
+    for got, want in zip(resumed, full[4:8]):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got["step"], got["loss"], want["loss"])
+    seen = [i for r in full[:4] + resumed for i in r["sample_ids"]]
+    assert [r["sample_ids"] for r in resumed] == [r["sample_ids"] for r in full[4:8]]
+    assert len(seen) == len(set(seen)) == 8 * 8  # the corpus has thousands of samples: none may repeat
+    rng = ckptkit.load(str(tmp_path / "resumed" / "step_00000008"))["rng"]["torch_cpu"]
+    rows = {bytes(rng[r].numpy()) for r in range(rng.shape[0])}
+    assert rng.shape[0] == combo[0] * combo[1] * combo[2] and len(rows) == rng.shape[0], "two ranks share an RNG stream"
