@@ -17,6 +17,7 @@ import torch
 import xxhash
 
 from ..sharded import ShardedTensor
+from .layout import part_ranges
 from .zero import Unit
 
 
@@ -26,17 +27,10 @@ def range_boxes(unit: Unit, values: torch.Tensor, lo: int, hi: int) -> dict[str,
     The ShardedTensors are views of `values`: saving reads them, loading fills them in place.
     """
     out: dict[str, list[ShardedTensor]] = defaultdict(list)
-    for slot in unit.slots:
-        inner = slot.numel // slot.shape[0] if slot.shape and slot.shape[0] else 1
-        for part in slot.parts:
-            a = slot.offset + part.row0 * inner
-            b = slot.offset + part.row1 * inner
-            x, y = max(a, lo), min(b, hi)
-            if x >= y:
-                continue
-            out[part.name] += ShardedTensor.from_flat(
-                values[x - lo : y - lo], part.global_shape, x - a, origin=part.offsets, extent=part.lengths
-            )
+    for part, start, x, y in part_ranges(unit.specs, lo, hi):
+        out[part.name] += ShardedTensor.from_flat(
+            values[x - lo : y - lo], part.global_shape, x - start, origin=part.offsets, extent=part.lengths
+        )
     return out
 
 

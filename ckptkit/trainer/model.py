@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .tp import ColumnParallelLinear, Part, RowParallelLinear, TPContext, VocabParallel, init_global
+from .layout import norm_parts
+from .tp import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallel, init_global
 
 STD = 0.02
 
@@ -25,7 +26,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(init_global(name, (hidden,), 0.0, seed))
-        self.parts = [Part(name, (hidden,), (0,), (hidden,), 0, hidden, replicated=True)]
+        self.parts = norm_parts(name, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

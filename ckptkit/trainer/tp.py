@@ -1,13 +1,12 @@
 """Tensor-parallel building blocks: communication functions, parallel linears and embedding, parallel cross entropy.
 
-Every parameter records its logical parts (``Part``): which rows of the local tensor hold which
+Every parameter records its logical parts (``layout.Part``): which rows of the local tensor hold which
 box of which logical (unfused, unpadded) global tensor. Checkpoints are written from the parts,
 so a TP change is a box intersection and export is a rename.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,21 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class Part:
-    """Rows [row0, row1) of a local parameter hold the box (`offsets`, `lengths`) of logical tensor `name`.
-
-    ``replicated``: every TP rank holds the same whole tensor.
-    """
-
-    name: str
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    lengths: tuple[int, ...]
-    row0: int
-    row1: int
-    replicated: bool = False
+from .layout import Part, column_parts, row_parts, vocab_parts, vocab_rows
 
 
 @dataclass(frozen=True)
@@ -100,15 +85,11 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, names: list[str], outs: list[int], tp: TPContext, *, std: float, seed: int):
         super().__init__()
         self.tp = tp
-        self.parts: list[Part] = []
+        self.parts = column_parts(names, outs, in_features, tp.size, tp.rank)
         blocks = []
-        row = 0
-        for name, out in zip(names, outs):
-            local = out // tp.size
-            full = init_global(name, (out, in_features), std, seed)
-            blocks.append(full[tp.rank * local : (tp.rank + 1) * local])
-            self.parts.append(Part(name, (out, in_features), (tp.rank * local, 0), (local, in_features), row, row + local))
-            row += local
+        for part in self.parts:
+            full = init_global(part.name, part.global_shape, std, seed)
+            blocks.append(full[part.offsets[0] : part.offsets[0] + part.lengths[0]])
         self.weight = nn.Parameter(torch.cat(blocks))
         self.splits = [p.row1 - p.row0 for p in self.parts]
 
@@ -123,18 +104,13 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, name: str, tp: TPContext, *, std: float, seed: int):
         super().__init__()
         self.tp = tp
-        local = in_features // tp.size
+        self.parts = row_parts(name, in_features, out_features, tp.size, tp.rank)
+        first, local = self.parts[0].offsets[1], self.parts[0].lengths[1]
         full = init_global(name, (out_features, in_features), std, seed)
-        self.weight = nn.Parameter(full[:, tp.rank * local : (tp.rank + 1) * local].contiguous())
-        self.parts = [Part(name, (out_features, in_features), (0, tp.rank * local), (out_features, local), 0, out_features)]
+        self.weight = nn.Parameter(full[:, first : first + local].contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_from_tp(F.linear(x, self.weight), self.tp)
-
-
-def padded_vocab(vocab: int, tp: int) -> int:
-    """Return the vocabulary padded to a multiple of tp (padding is not part of the logical shape)."""
-    return math.ceil(vocab / tp) * tp
 
 
 class VocabParallel(nn.Module):
@@ -144,15 +120,13 @@ class VocabParallel(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab = vocab
-        per_rank = padded_vocab(vocab, tp.size) // tp.size
-        self.start = tp.rank * per_rank
+        per_rank, self.start, real = vocab_rows(vocab, tp.size, tp.rank)
         self.end = self.start + per_rank
-        real = max(0, min(self.end, vocab) - self.start)
         full = init_global(name, (vocab, hidden), std, seed)
         local = torch.zeros(per_rank, hidden)
         local[:real] = full[self.start : self.start + real]
         self.weight = nn.Parameter(local)
-        self.parts = [Part(name, (vocab, hidden), (min(self.start, vocab), 0), (real, hidden), 0, real)]
+        self.parts = vocab_parts(name, vocab, hidden, tp.size, tp.rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids give embeddings; hidden states give vocab-split logits (as the output head)."""

@@ -26,7 +26,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from .tp import Part
+from .layout import ParamSpec, Part, partition, unit_offsets
 
 
 @dataclass(frozen=True)
@@ -88,15 +88,13 @@ class Unit:
         self.module = module
         self.dp = dp
         self.zero = zero
-        self.slots: list[Slot] = []
-        offset = 0
-        for name, p, parts in params:
-            self.slots.append(Slot(name, tuple(p.shape), offset, tuple(parts), p.dim() >= 2))
-            offset += p.numel()
+        self.specs = [ParamSpec(name, tuple(p.shape), tuple(parts)) for name, p, parts in params]
+        offsets, offset = unit_offsets(self.specs)
+        self.slots = [
+            Slot(spec.name, spec.shape, o, spec.parts, len(spec.shape) >= 2) for spec, o in zip(self.specs, offsets)
+        ]
         self.numel = offset
-        self.chunk = -(-offset // dp.size)  # ranges are padded to equal sizes
-        self.lo = min(dp.rank * self.chunk, offset)
-        self.hi = min((dp.rank + 1) * self.chunk, offset)
+        self.chunk, self.lo, self.hi = partition(offset, dp.size, dp.rank)
         flat = torch.zeros(self.chunk * dp.size)
         for slot, (_, p, _) in zip(self.slots, params):
             flat[slot.offset : slot.offset + slot.numel] = p.detach().reshape(-1)

@@ -1,0 +1,50 @@
+"""The pure layout computes exactly the boxes the running trainer saves, for any topology."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptkit.boxes import tiling_problems
+from ckptkit.trainer.checkpointing import tensor_state
+from ckptkit.trainer.config import model_config
+from ckptkit.trainer.engine import module_params
+from ckptkit.trainer.layout import rank_boxes, stage_units
+from ckptkit.trainer.model import Stage
+from ckptkit.trainer.tp import TPContext
+from ckptkit.trainer.zero import DPContext, Unit
+
+TOPOLOGIES = [(1, 1, 1, 0), (2, 2, 2, 1), (4, 1, 2, 2), (1, 2, 4, 3), (2, 1, 3, 0)]
+
+
+def _running_boxes(cfg, tp: int, pp: int, dp: int, zero: int, rank: int) -> dict:  # type: ignore[no-untyped-def]
+    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    stage = Stage(cfg, TPContext(tp, tp_rank), pp_rank=pp_rank, pp=pp, seed=1)
+    units = {id(m): m for m in stage.units()}
+    built = [Unit(m, module_params(m), DPContext(dp, dp_rank), zero) for m in units.values()]
+    state = tensor_state(built)
+    flat = {"model": state["model"], "optimizer/exp_avg": state["optimizer"]["exp_avg"],
+            "optimizer/exp_avg_sq": state["optimizer"]["exp_avg_sq"]}
+    return {k: {n: [p.box for p in ps] for n, ps in v.items()} for k, v in flat.items()}
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "tp{}-pp{}-dp{}-z{}".format(*t))
+def test_layout_matches_the_running_trainer(topology: tuple[int, int, int, int]) -> None:
+    cfg = model_config("tiny", vocab_size=98)
+    tp, pp, dp, zero = topology
+    for rank in range(tp * pp * dp):
+        assert rank_boxes(cfg, tp, pp, dp, zero, rank) == _running_boxes(cfg, tp, pp, dp, zero, rank), rank
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "tp{}-pp{}-dp{}-z{}".format(*t))
+def test_the_ranks_of_a_topology_tile_every_tensor(topology: tuple[int, int, int, int]) -> None:
+    cfg = model_config("tiny", vocab_size=98)
+    tp, pp, dp, zero = topology
+    shapes = {p.name: p.global_shape for r in range(tp) for u in stage_units(cfg, tp, r, 1, 0) for s in u for p in s.parts}
+    for key in ("model", "optimizer/exp_avg"):
+        distinct: dict[str, set] = {}
+        for rank in range(tp * pp * dp):
+            for name, boxes in rank_boxes(cfg, tp, pp, dp, zero, rank)[key].items():
+                distinct.setdefault(name, set()).update(boxes)
+        assert set(distinct) == set(shapes)
+        for name, boxes in distinct.items():
+            assert tiling_problems(shapes[name], list(boxes)) == [], (key, name)
