@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import Part, column_parts, row_parts, vocab_parts, vocab_rows
+from .layout import column_parts, row_parts, vocab_parts, vocab_rows
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,6 @@ def test_impossible_topology_fails_before_any_process_starts(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("combo", [(1, 1, 4, 3), (4, 1, 2, 2)], ids=lambda c: "tp{}-pp{}-dp{}-z{}".format(*c))
 def test_resume_at_another_topology_continues_the_same_run(runs: dict, combo: tuple[int, int, int, int], tmp_path: Path) -> None:
-    import torch
 
     import ckptkit
 
