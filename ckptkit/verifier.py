@@ -77,9 +77,10 @@ def verify(
     findings += manifest_findings(manifest)
     bad_paths = {f.where for f in findings if f.code == "path"}
     files = [(i, e) for i, e in enumerate(manifest.files) if e.path not in bad_paths]
+    expected = _expected_keys(manifest)
     present = []
     for index, entry in files:
-        problem = _file_findings(loc, manifest, index)
+        problem = _file_findings(loc, manifest, index, expected.get(index, {}))
         findings += problem
         if not problem:
             present.append(index)
@@ -104,7 +105,19 @@ def _manifest(loc: Location, findings: list[Finding]) -> Manifest | None:
         return None
 
 
-def _file_findings(loc: Location, manifest: Manifest, index: int) -> list[Finding]:
+Expected = dict[str, tuple[str, tuple[int, ...], str]]
+
+
+def _expected_keys(manifest: Manifest) -> dict[int, Expected]:
+    """Return, per file index, the keys its header must hold: key -> (dtype, shape, tensor), in one pass."""
+    out: dict[int, Expected] = {}
+    for fqn, tensor in manifest.tensors.items():
+        for shard in iter_shards(tensor):
+            out.setdefault(shard.file, {})[shard.key] = (tensor.dtype, shard.box.lengths, fqn)
+    return out
+
+
+def _file_findings(loc: Location, manifest: Manifest, index: int, expected: Expected) -> list[Finding]:
     entry = manifest.files[index]
     key = loc.key(entry.path)
     try:
@@ -124,11 +137,6 @@ def _file_findings(loc: Location, manifest: Manifest, index: int) -> list[Findin
         header = parse_header(loc.storage.read(key, 8, n), where=entry.path, file_size=size)
     except (IntegrityError, StorageError) as exc:
         return [Finding("header", entry.path, str(exc).removeprefix(f"{entry.path}: "))]
-    expected: dict[str, tuple[str, tuple[int, ...], str]] = {}
-    for fqn, tensor in manifest.tensors.items():
-        for shard in iter_shards(tensor):
-            if shard.file == index:
-                expected[shard.key] = (tensor.dtype, shard.box.lengths, fqn)
     found = []
     for key_name, (dtype, lengths, fqn) in expected.items():
         got = header.entries.get(key_name)
