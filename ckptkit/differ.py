@@ -8,7 +8,9 @@ import os
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from .catalog import Location
 from .loader import fill, open_checkpoint
+from .manifest import Manifest
 from .sharded import ShardedTensor
 from .torch_io import torch_dtype
 
@@ -81,10 +83,10 @@ def diff(
     )
 
 
-def _read(loc: object, manifest: object, name: str) -> torch.Tensor:
-    entry = manifest.tensors[name]  # type: ignore[attr-defined]
+def _read(loc: Location, manifest: Manifest, name: str) -> torch.Tensor:
+    entry = manifest.tensors[name]
     out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
-    fill(loc, manifest, {name: [ShardedTensor(out, tuple(out.shape), (0,) * out.dim())]})  # type: ignore[arg-type]
+    fill(loc, manifest, {name: [ShardedTensor(out, tuple(out.shape), (0,) * out.dim())]})
     return out
 
 

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from .catalog import read_manifest, resolve
 from .dtypes import itemsize
 from .manifest import CheckpointInfo, Producer, Topology
+from .shards import iter_shards
 
 
 class InspectReport(BaseModel):
@@ -45,8 +46,6 @@ def inspect(path: str | os.PathLike[str]) -> InspectReport:
         CheckpointNotFoundError: nothing committed at `path`.
         ManifestError: the manifest cannot be read.
     """
-    from .shards import iter_shards
-
     loc = resolve(path)
     m = read_manifest(loc)
     by_kind: Counter[str] = Counter()
