@@ -16,9 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..catalog import list_root, read_manifest, resolve
+from ..catalog import list_root, resolve
 from ..errors import LayoutError
-from ..loader import load
+from ..loader import fill, open_checkpoint
+from ..torch_io import is_leaf, leaf_shards
+from ..tree import flatten
 from ..manifest import (
     CheckpointInfo,
     DataProgress,
@@ -183,7 +185,7 @@ def _resume(cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world
     path = resume_path(cfg)
     if path is None:
         return 0
-    manifest = read_manifest(resolve(path))
+    loc, manifest = open_checkpoint(path)  # one manifest read for the metadata and the tensors
     target = tensor_state(list(engine.units.values()))
     same_topology = manifest.topology == Topology(world_size=world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero_stage=cfg.zero)
     if same_topology:
@@ -194,7 +196,8 @@ def _resume(cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world
             for fqn, t in manifest.tensors.items()
             if t.kind == "rng" and fqn.startswith("rng/")
         }
-    load(path, target)
+    leaves, _ = flatten(target, is_leaf)
+    fill(loc, manifest, {fqn: leaf_shards(leaf) for fqn, leaf in leaves.items()})
     if same_topology:
         restore_rng(target["rng"])
     else:
