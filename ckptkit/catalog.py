@@ -105,6 +105,23 @@ def write_latest(root: Storage, name: str) -> None:
     root.write(LATEST_NAME, [f"{name}\n".encode()])
 
 
+def commit(loc: Location, tmp: str, manifest: bytes, *, update_latest: bool) -> None:
+    """Commit the checkpoint written under the temporary name `tmp`: write its manifest, rename
+    it to its name, then (with `update_latest`) move the root's latest pointer to it."""
+    loc.storage.write(f"{tmp}/{MANIFEST_NAME}", [manifest])
+    loc.storage.rename(tmp, loc.name)
+    if update_latest:
+        write_latest(loc.storage, loc.name)
+
+
+def discard(storage: Storage, tmp: str) -> None:
+    """Delete an uncommitted temporary checkpoint, quietly (it is a leftover if this fails)."""
+    try:
+        storage.delete(tmp)
+    except StorageError:
+        pass
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One name under a root: a committed checkpoint (with its step) or a leftover and why."""

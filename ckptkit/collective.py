@@ -1,4 +1,4 @@
-"""The few collectives save needs: gather to rank 0 and broadcast from it.
+"""The few collectives save needs (gather to rank 0, broadcast, scatter), and sharing outcomes.
 
 Two implementations: one process (no torch.distributed), and a torch.distributed process
 group. Objects travel between the job's own ranks in memory; nothing here is ever written
@@ -7,7 +7,11 @@ into a checkpoint.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Protocol
+
+from . import errors
+from .errors import CkptkitError
 
 
 class Collective(Protocol):
@@ -71,10 +75,31 @@ def default_collective(process_group: Any = None) -> Collective:
     """Return collectives over `process_group`, or the default group when torch.distributed is up."""
     if process_group is not None:
         return TorchDistributed(process_group)
-    try:
-        import torch.distributed as dist
-    except ImportError:
+    dist = sys.modules.get("torch.distributed")  # not imported: not initialized (and torch stays unloaded)
+    if dist is None:
         return SingleProcess()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return TorchDistributed(None)
     return SingleProcess()
+
+
+def guard(fn: Any) -> tuple[str, Any]:
+    """Run `fn`; return ("ok", result) or ("error", (type name, message)) to share with other ranks."""
+    try:
+        return ("ok", fn())
+    except CkptkitError as exc:
+        return ("error", (type(exc).__name__, str(exc)))
+    except OSError as exc:
+        return ("error", ("StorageError", str(exc)))
+    except Exception as exc:  # shared with the other ranks so that none of them waits forever
+        return ("error", ("CkptkitError", f"{type(exc).__name__}: {exc}"))
+
+
+def unwrap(outcome: tuple[str, Any]) -> Any:
+    """Return the result of a `guard` outcome, or raise its error as the same ckptkit error class."""
+    status, value = outcome
+    if status == "ok":
+        return value
+    name, message = value
+    cls = getattr(errors, name, errors.CkptkitError)
+    raise cls(message)

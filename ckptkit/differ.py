@@ -9,7 +9,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from .catalog import Location
-from .loader import fill, open_checkpoint
+from .loader import fill
+from .payload import open_checkpoint
 from .manifest import Manifest
 from .sharded import ShardedTensor
 from .torch_io import torch_dtype

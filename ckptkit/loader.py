@@ -10,14 +10,14 @@ from typing import Any
 import torch
 
 from .boxes import Runs, byte_runs
-from .catalog import Location, read_manifest, resolve
-from .consistency import manifest_findings
+from .catalog import Location
 from .dtypes import itemsize
-from .errors import IntegrityError, LayoutError, ManifestError
+from .errors import IntegrityError, LayoutError
 from .manifest import Manifest
-from .planner import LoadPlan, Read, plan_load
+from .planner import LoadPlan, plan_load
 from .checksum import hasher_for
-from .safetensors_format import Header, HeaderEntry, header_length, parse_header
+from .payload import header_entry, open_checkpoint, read_header
+from .safetensors_format import Header
 from .sharded import ShardedTensor
 from .storage import Storage
 from .torch_io import byte_view, is_leaf, leaf_shards, torch_dtype
@@ -64,21 +64,6 @@ def load(
     return unflatten({**manifest.objects, **leaves})
 
 
-def open_checkpoint(path: str | os.PathLike[str], storage: Storage | None = None) -> tuple[Location, Manifest]:
-    """Return the location and the checked manifest of the committed checkpoint at `path`.
-
-    Raises:
-        CheckpointNotFoundError: nothing committed at `path`.
-        ManifestError: the manifest is malformed, newer, or inconsistent with itself.
-    """
-    loc = resolve(path, storage)
-    manifest = read_manifest(loc)
-    findings = manifest_findings(manifest)
-    if findings:
-        raise ManifestError(f"{loc}: manifest is inconsistent: " + "; ".join(str(f) for f in findings[:10]))
-    return loc, manifest
-
-
 def fill(loc: Location, manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]) -> None:
     """Fill every ShardedTensor of `pieces` (by fqn) in place with its box of the checkpoint."""
     _check_targets(manifest, pieces)
@@ -106,12 +91,12 @@ def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]
 def _execute(loc: Location, manifest: Manifest, plan: LoadPlan, outputs: list[torch.Tensor]) -> None:
     """Run the plan's reads on a few threads, in file and offset order; check the checksum of every
     file read whole, from the bytes read (hashing overlaps the reads still in flight)."""
-    headers = {i: _read_header(loc, manifest, i) for i in plan.files()}
+    headers = {i: read_header(loc, manifest, i) for i in plan.files()}
     jobs = []
     for target, out in zip(plan.targets, outputs):
         dtype = manifest.tensors[target.fqn].dtype
         for read in target.reads:
-            entry = _header_entry(loc, manifest, headers[read.file][0], read, dtype)
+            entry = header_entry(loc, manifest, headers[read.file][0], read, dtype)
             runs = byte_runs(read.src_box, read.overlap, itemsize(dtype))
             jobs.append((read.file, entry.begin + runs.start, entry.begin, runs, read, target.box, out))
     jobs.sort(key=lambda j: (j[0], j[1]))
@@ -158,34 +143,6 @@ def _pieces(begin: int, runs: Runs, view: memoryview) -> list[list[tuple[int, me
 def _read_pieces(storage: Storage, key: str, pieces: list[tuple[int, memoryview]]) -> None:
     for offset, view in pieces:
         storage.readinto(key, offset, view)
-
-
-def _read_header(loc: Location, manifest: Manifest, index: int) -> tuple[Header, bytes]:
-    entry = manifest.files[index]
-    key = loc.key(entry.path)
-    where = f"{loc}/{entry.path}"
-    if not loc.storage.exists(key):
-        raise IntegrityError(f"{where}: listed in the manifest but missing")
-    size = loc.storage.size(key)
-    if size != entry.size:
-        raise IntegrityError(f"{where}: {size} bytes, manifest says {entry.size} (truncated or replaced?)")
-    first = loc.storage.read(key, 0, 8)
-    n = header_length(first, where=where)
-    if 8 + n > size:
-        raise IntegrityError(f"{where}: header of {n} bytes runs past the end of the file")
-    text = loc.storage.read(key, 8, n)
-    return parse_header(text, where=where, file_size=size), first + text
-
-
-def _header_entry(loc: Location, manifest: Manifest, header: Header, read: Read, dtype: str) -> HeaderEntry:
-    entry = header.entries.get(read.key)
-    if entry is None or entry.shape != read.src_box.lengths or entry.dtype != dtype:
-        found = "missing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
-        raise IntegrityError(
-            f"{loc}/{manifest.files[read.file].path}: tensor {read.key!r} is {found}, "
-            f"manifest says {dtype}{list(read.src_box.lengths)}"
-        )
-    return entry
 
 
 class _FileCheck:

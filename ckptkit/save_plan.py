@@ -7,13 +7,14 @@ descriptions; each rank writes the files of its `RankPlan`; rank 0 builds the ma
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .boxes import Box, tiling_problems
 from .dtypes import itemsize
 from .errors import LayoutError
-from .shards import grid_cuts_of
+from .manifest import TensorEntry
+from .shards import Shard, compact_shards, grid_cuts_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,3 +152,20 @@ def _files(rank: int, items: list[ItemDesc], max_file_bytes: int | None, files_p
             keyed.append((item, item.fqn if k == 0 else f"{item.fqn}#{k}"))
         plans.append(FilePlan(path, tuple(keyed)))
     return tuple(plans)
+
+
+def tensor_entries(plan: SavePlan, index: dict[str, int], kind: Callable[[str], str]) -> dict[str, TensorEntry]:
+    """Return the manifest entry of every planned tensor; `index` maps file paths to file indices."""
+    shards: dict[str, list[Shard]] = defaultdict(list)
+    for f in plan.all_files():
+        for item, key in f.items:
+            shards[item.fqn].append(Shard(item.box, index[f.path], key))
+    return {
+        fqn: TensorEntry(
+            shape=shape,
+            dtype=dtype,
+            kind=kind(fqn),  # type: ignore[arg-type]
+            shards=compact_shards(shape, shards[fqn]),
+        )
+        for fqn, (dtype, shape) in plan.tensors.items()
+    }

@@ -8,7 +8,6 @@ import os
 import platform
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +16,9 @@ import torch
 
 from . import __version__
 from .boxes import Box
-from .catalog import Location, locate, temp_name, write_latest
+from .catalog import Location, commit, discard, locate, temp_name
 from .checksum import Hasher
-from .collective import Collective, default_collective
+from .collective import Collective, default_collective, guard, unwrap
 from .errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError
 from .manifest import (
     KINDS,
@@ -28,14 +27,12 @@ from .manifest import (
     FileEntry,
     Manifest,
     Producer,
-    TensorEntry,
     TokenizerInfo,
     Topology,
     manifest_to_json,
 )
 from .safetensors_format import build_header
-from .save_plan import FilePlan, ItemDesc, SavePlan, plan_save
-from .shards import Shard, compact_shards
+from .save_plan import FilePlan, ItemDesc, SavePlan, plan_save, tensor_entries
 from .storage import Storage
 from .torch_io import byte_view, dtype_name, host_contiguous, is_leaf, leaf_shards
 from .tree import flatten, json_problems
@@ -108,25 +105,25 @@ def save(
     topo: Topology | None = None
     shares = None
     if gathered is not None:
-        planned = _guard(lambda: _plan(gathered, loc, (max_file_bytes, io_threads), topology, coll))
+        planned = guard(lambda: _plan(gathered, loc, (max_file_bytes, io_threads), topology, coll))
         if planned[0] == "ok":
             plan, uid, topo = planned[1]
             shares = [(files, uid) for files in plan.files]
     # Every rank learns whether planning worked, then receives only its own files.
-    _unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
+    unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
     my_files, uid = coll.scatter(shares)
     tmp = temp_name(loc.name, uid)
-    written = _guard(lambda: _write_files(loc.storage, tmp, my_files, local, io_threads))
+    written = guard(lambda: _write_files(loc.storage, tmp, my_files, local, io_threads))
     results = coll.gather(written)
     outcome: tuple[str, Any] = ("ok", None)
     if results is not None:
         assert plan is not None and topo is not None  # rank 0 planned
-        outcome = _guard(
+        outcome = guard(
             lambda: _commit(results, plan, loc, tmp, step, topo, info, tokenizer, objects, kinds, update_latest)
         )
         if outcome[0] != "ok":
-            _discard(loc.storage, tmp)
-    return _unwrap(coll.broadcast(outcome))  # type: ignore[no-any-return]
+            discard(loc.storage, tmp)
+    return unwrap(coll.broadcast(outcome))  # type: ignore[no-any-return]
 
 
 def _describe(
@@ -239,32 +236,13 @@ def _commit(
         producer=Producer(ckptkit=__version__, torch=torch.__version__, python=platform.python_version()),
         topology=topo,
         files=tuple(files),
-        tensors=_tensor_entries(plan, index, kinds or {}),
+        tensors=tensor_entries(plan, index, lambda fqn: kind_of(fqn, kinds or {})),
         objects=objects,
         info=info or CheckpointInfo(),
         tokenizer=tok_info,
     )
-    loc.storage.write(f"{tmp}/{MANIFEST_NAME}", [manifest_to_json(manifest)])
-    loc.storage.rename(tmp, loc.name)
-    if update_latest:
-        write_latest(loc.storage, loc.name)
+    commit(loc, tmp, manifest_to_json(manifest), update_latest=update_latest)
     return manifest
-
-
-def _tensor_entries(plan: SavePlan, index: dict[str, int], kinds: Mapping[str, str]) -> dict[str, TensorEntry]:
-    shards: dict[str, list[Shard]] = defaultdict(list)
-    for f in plan.all_files():
-        for item, key in f.items:
-            shards[item.fqn].append(Shard(item.box, index[f.path], key))
-    return {
-        fqn: TensorEntry(
-            shape=shape,
-            dtype=dtype,
-            kind=kind_of(fqn, kinds),  # type: ignore[arg-type]
-            shards=compact_shards(shape, shards[fqn]),
-        )
-        for fqn, (dtype, shape) in plan.tensors.items()
-    }
 
 
 def kind_of(fqn: str, kinds: Mapping[str, str]) -> str:
@@ -299,33 +277,3 @@ def _copy_tokenizer(storage: Storage, tmp: str, source: str | os.PathLike[str]) 
         storage.write(f"{tmp}/{key}", [data])
         entries.append(FileEntry(path=key, size=len(data), checksum=hasher.digest(), role="tokenizer"))
     return entries
-
-
-def _guard(fn: Any) -> tuple[str, Any]:
-    """Run `fn`; return ("ok", result) or ("error", (type name, message)) to share with other ranks."""
-    try:
-        return ("ok", fn())
-    except CkptkitError as exc:
-        return ("error", (type(exc).__name__, str(exc)))
-    except OSError as exc:
-        return ("error", ("StorageError", str(exc)))
-    except Exception as exc:  # shared with the other ranks so that none of them waits forever
-        return ("error", ("CkptkitError", f"{type(exc).__name__}: {exc}"))
-
-
-def _unwrap(outcome: tuple[str, Any]) -> Any:
-    status, value = outcome
-    if status == "ok":
-        return value
-    name, message = value
-    from . import errors
-
-    cls = getattr(errors, name, errors.CkptkitError)
-    raise cls(message)
-
-
-def _discard(storage: Storage, tmp: str) -> None:
-    try:
-        storage.delete(tmp)
-    except StorageError:
-        pass

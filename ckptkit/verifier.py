@@ -87,8 +87,8 @@ def verify(
     findings += _stray_findings(loc, manifest)
     hashed = 0
     if not quick:
-        checksum_findings, hashed = _checksums(loc, manifest, present, max(1, workers), progress)
-        findings += checksum_findings
+        found, hashed = checksum_findings(loc, manifest, present, max(1, workers), progress)
+        findings += found
     return _report(loc, quick, findings, len(files), hashed, len(manifest.tensors))
 
 
@@ -165,10 +165,11 @@ def _stray_findings(loc: Location, manifest: Manifest) -> list[Finding]:
     ]
 
 
-def _checksums(
+def checksum_findings(
     loc: Location, manifest: Manifest, files: list[int], workers: int, progress: Callable[[int], None] | None
 ) -> tuple[list[Finding], int]:
-    """Hash every file in order while `workers` threads read the next chunks ahead (bounded window)."""
+    """Check the checksums of payload files `files` (indices): hash every file in order while
+    `workers` threads read the next chunks ahead (bounded window); return findings and bytes hashed."""
     findings: list[Finding] = []
     hashers = {}
     for i in files:

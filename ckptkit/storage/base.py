@@ -41,7 +41,10 @@ class Storage(Protocol):
         """Fill `buffer` with the bytes at `offset`; fail if the value is shorter."""
 
     def write(self, key: str, chunks: Iterable[Buffer]) -> int:
-        """Store the concatenated chunks under `key` atomically and durably; return the size."""
+        """Store the concatenated chunks under `key` atomically and durably; return the size.
+
+        The caller may reuse a chunk's buffer once the next chunk is requested: a backend
+        that keeps chunks longer (to upload in parts) copies them."""
 
     def size(self, key: str) -> int:
         """Return the size of the value under `key`."""

@@ -160,3 +160,14 @@ def rank_boxes(cfg: ModelConfig, tp: int, pp: int, dp: int, zero: int, rank: int
                     Box(tuple(o + b for o, b in zip(box.offsets, part.offsets)), box.lengths) for box in boxes
                 )
     return out
+
+
+def logical_param_names(model: ModelConfig) -> list[str]:
+    """Return the logical parameter names of the whole model (every stage)."""
+    names = ["embed.weight", "norm.weight"] + ([] if model.tie_embeddings else ["lm_head.weight"])
+    for i in range(model.num_layers):
+        p = f"layers.{i}."
+        names += [p + n for n in ("attn_norm.weight", "attn.q.weight", "attn.k.weight", "attn.v.weight",
+                                  "attn.o.weight", "mlp_norm.weight", "mlp.gate.weight", "mlp.up.weight",
+                                  "mlp.down.weight")]
+    return names

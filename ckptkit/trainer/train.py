@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from ..catalog import list_root, resolve
 from ..errors import LayoutError
-from ..loader import fill, open_checkpoint
+from ..loader import fill
+from ..payload import open_checkpoint
 from ..torch_io import is_leaf, leaf_shards
 from ..tree import flatten
 from ..manifest import (
@@ -37,6 +38,7 @@ from .checkpointing import derived_seed, restore_rng, rng_state, rng_targets, se
 from .config import ModelConfig, TrainConfig, check_topology, model_config
 from .data import Dataset, Sampler, Tokenizer, load_dataset
 from .engine import Engine
+from .layout import logical_param_names
 from .mesh import Mesh, build_groups
 
 
@@ -161,7 +163,8 @@ def _info(cfg: TrainConfig, engine: Engine, sampler: Sampler, dataset: Dataset, 
         ),
         scheduler={"type": "warmup-cosine", "lr": cfg.lr, "min_lr": cfg.min_lr, "warmup_steps": cfg.warmup_steps,
                    "total_steps": cfg.total_steps, "step": engine.optimizer.step},
-        rng={"streams": ",".join(sorted(rng_state(0, 1))), "layout": "rng/<stream> is [world_size, state bytes], row = rank"},
+        rng={"streams": ",".join(sorted(rng_state(0, 1))), "layout": "rng/<stream> is [world_size, state bytes], row = rank",
+             "topology": _rng_topology(cfg.tp, cfg.pp, cfg.dp)},
         data_progress=DataProgress(seed=cfg.seed, epoch=sampler.epoch, consumed_samples=sampler.consumed_samples,
                                    consumed_tokens=sampler.consumed_tokens),
         code=code_version(os.path.dirname(os.path.abspath(__file__))),
@@ -187,7 +190,11 @@ def _resume(cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world
         return 0
     loc, manifest = open_checkpoint(path)  # one manifest read for the metadata and the tensors
     target = tensor_state(list(engine.units.values()))
-    same_topology = manifest.topology == Topology(world_size=world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero_stage=cfg.zero)
+    # The RNG rows belong to the ranks that saved them, which a reshard does not change.
+    saved = (manifest.info.rng or {}).get("topology")
+    if saved is None:
+        saved = _rng_topology(manifest.topology.tp, manifest.topology.pp, manifest.topology.dp)
+    same_topology = saved == _rng_topology(cfg.tp, cfg.pp, cfg.dp)
     if same_topology:
         target["rng"] = rng_targets(rank, world)
     else:  # every rank reads every saved stream and derives its own from them
@@ -212,15 +219,9 @@ def _resume(cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world
     return manifest.step
 
 
-def logical_param_names(model: ModelConfig) -> list[str]:
-    """Return the logical parameter names of the whole model (every stage)."""
-    names = ["embed.weight", "norm.weight"] + ([] if model.tie_embeddings else ["lm_head.weight"])
-    for i in range(model.num_layers):
-        p = f"layers.{i}."
-        names += [p + n for n in ("attn_norm.weight", "attn.q.weight", "attn.k.weight", "attn.v.weight",
-                                  "attn.o.weight", "mlp_norm.weight", "mlp.gate.weight", "mlp.up.weight",
-                                  "mlp.down.weight")]
-    return names
+def _rng_topology(tp: int, pp: int, dp: int) -> dict[str, Any]:
+    """The topology whose ranks the saved RNG rows belong to (ZeRO does not change the streams)."""
+    return {"world_size": tp * pp * dp, "tp": tp, "pp": pp, "dp": dp}
 
 
 def config_from(**options: Any) -> TrainConfig:

@@ -13,7 +13,8 @@ from ckptkit.trainer.config import model_config
 from ckptkit.trainer.data import Sampler, Tokenizer, generate_corpus
 from ckptkit.trainer.model import Stage
 from ckptkit.trainer.tp import TPContext, parallel_cross_entropy
-from ckptkit.trainer.train import config_from, launch, logical_param_names, prepare
+from ckptkit.trainer.layout import logical_param_names
+from ckptkit.trainer.train import config_from, launch, prepare
 
 
 def test_parallel_cross_entropy_matches_torch_at_tp_1() -> None:

@@ -1,0 +1,68 @@
+"""Payload files as the manifest describes them: read and check their safetensors headers (no torch); open a checkpoint with its checked manifest."""
+
+from __future__ import annotations
+
+import os
+
+from .catalog import Location, read_manifest, resolve
+from .consistency import manifest_findings
+from .errors import IntegrityError, ManifestError
+from .storage import Storage
+from .manifest import Manifest
+from .planner import Read
+from .safetensors_format import Header, HeaderEntry, header_length, parse_header
+
+
+def open_checkpoint(path: str | os.PathLike[str], storage: Storage | None = None) -> tuple[Location, Manifest]:
+    """Return the location and the checked manifest of the committed checkpoint at `path`.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at `path`.
+        ManifestError: the manifest is malformed, newer, or inconsistent with itself.
+    """
+    loc = resolve(path, storage)
+    manifest = read_manifest(loc)
+    findings = manifest_findings(manifest)
+    if findings:
+        raise ManifestError(f"{loc}: manifest is inconsistent: " + "; ".join(str(f) for f in findings[:10]))
+    return loc, manifest
+
+
+def read_header(loc: Location, manifest: Manifest, index: int) -> tuple[Header, bytes]:
+    """Read and check the safetensors header of payload file `index`; return it and its raw bytes
+    (length prefix included).
+
+    Raises:
+        IntegrityError: the file is missing, of another size than the manifest says, or its
+            header is malformed.
+    """
+    entry = manifest.files[index]
+    key = loc.key(entry.path)
+    where = f"{loc}/{entry.path}"
+    if not loc.storage.exists(key):
+        raise IntegrityError(f"{where}: listed in the manifest but missing")
+    size = loc.storage.size(key)
+    if size != entry.size:
+        raise IntegrityError(f"{where}: {size} bytes, manifest says {entry.size} (truncated or replaced?)")
+    first = loc.storage.read(key, 0, 8)
+    n = header_length(first, where=where)
+    if 8 + n > size:
+        raise IntegrityError(f"{where}: header of {n} bytes runs past the end of the file")
+    text = loc.storage.read(key, 8, n)
+    return parse_header(text, where=where, file_size=size), first + text
+
+
+def header_entry(loc: Location, manifest: Manifest, header: Header, read: Read, dtype: str) -> HeaderEntry:
+    """Return the header entry of the shard `read` reads, checked against the manifest's dtype and box.
+
+    Raises:
+        IntegrityError: the key is missing from the file, or holds another dtype or shape.
+    """
+    entry = header.entries.get(read.key)
+    if entry is None or entry.shape != read.src_box.lengths or entry.dtype != dtype:
+        found = "missing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
+        raise IntegrityError(
+            f"{loc}/{manifest.files[read.file].path}: tensor {read.key!r} is {found}, "
+            f"manifest says {dtype}{list(read.src_box.lengths)}"
+        )
+    return entry
