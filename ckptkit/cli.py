@@ -32,7 +32,7 @@ def _emit_json(model: Any) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckptkit")
 def cli() -> None:
-    """Checkpoints for sharded large-model training: list, inspect, verify, demo."""
+    """Checkpoints for sharded large-model training: list, inspect, verify, diff, reshard, train, demo."""
 
 
 @cli.command("ls")
@@ -147,6 +147,69 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, include_rng: bool, limit:
         verdict = "equal" if report.equal else f"{len(report.differences)} tensor(s) differ"
         click.echo(f"{verdict} ({report.tensors_compared} tensors compared)")
     sys.exit(0 if report.equal else 1)
+
+
+@cli.command("reshard")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Target tensor-parallel degree.")
+@click.option("--pp", default=1, show_default=True, type=click.IntRange(1), help="Target pipeline stages.")
+@click.option("--dp", default=1, show_default=True, type=click.IntRange(1), help="Target data-parallel degree.")
+@click.option("--zero", default=0, show_default=True, type=int, help="Target ZeRO stage (0-3).")
+@click.option("--threads", default=4, show_default=True, type=click.IntRange(1, 64), help="Files written at once per process.")
+@click.option("--no-check", is_flag=True, help="Do not check the source checksums while copying.")
+@click.option("--no-latest", is_flag=True, help="Leave the latest pointer of DST's root where it is.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def reshard_cmd(
+    src: str, dst: str, tp: int, pp: int, dp: int, zero: int, threads: int, no_check: bool, no_latest: bool, as_json: bool
+) -> None:
+    """Write the checkpoint at SRC as the one a tp x pp x dp (ZeRO) job would have saved, at DST.
+
+    Every tensor is copied bitwise; training assets and the tokenizer come along. Under
+    torchrun the ranks split the files. Exit 0 when DST is committed, 1 on a ckptkit error
+    (impossible target, DST exists, source corrupt; nothing is committed), 2 on bad usage
+    or when SRC holds no committed checkpoint.
+    """
+    from .manifest import Topology
+    from .reshard_plan import describe
+    from .resharder import reshard
+
+    if zero not in (0, 1, 2, 3):
+        _fail(f"zero stage {zero} is not one of 0, 1, 2, 3", 2)
+    target = Topology(world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp, zero_stage=zero)
+    dist = _init_torchrun()
+    rank = dist.get_rank() if dist is not None else 0
+    try:
+        report = reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest)
+    except CheckpointNotFoundError as exc:
+        _fail(str(exc), 2)
+        return
+    finally:
+        if dist is not None:
+            dist.destroy_process_group()
+    if rank != 0:
+        return
+    if as_json:
+        _emit_json(report)
+        return
+    mb = report.bytes_written / 1e6
+    click.echo(
+        f"{report.destination}: committed step {report.step} for {describe(report.topology)} "
+        f"(from {describe(report.source_topology)}): {report.tensors} tensors, {report.files} files, "
+        f"{mb:.1f} MB in {report.seconds:.2f} s ({mb / max(report.seconds, 1e-9):.0f} MB/s)"
+    )
+    if report.kept:
+        click.echo(f"kept with their saved boxes: {', '.join(report.kept)}")
+
+
+def _init_torchrun() -> Any:
+    """Join the torchrun job this process belongs to (gloo), or return None when run alone."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist
 
 
 @cli.command("train")

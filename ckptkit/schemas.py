@@ -14,13 +14,14 @@ from typing import Any
 from .inspector import InspectReport
 from .manifest import SCHEMA_MAJOR, manifest_json_schema
 from .reports import ListingReport
+from .resharder import ReshardReport
 from .verifier import VerifyReport
 
 
 def all_schemas() -> dict[str, dict[str, Any]]:
     """Return relative file path -> JSON Schema for every published document."""
     out = {f"manifest/v{SCHEMA_MAJOR}.schema.json": manifest_json_schema()}
-    for name, model in (("verify", VerifyReport), ("inspect", InspectReport), ("ls", ListingReport)):
+    for name, model in (("verify", VerifyReport), ("inspect", InspectReport), ("ls", ListingReport), ("reshard", ReshardReport)):
         schema = model.model_json_schema()
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         out[f"cli/{name}.v1.schema.json"] = schema

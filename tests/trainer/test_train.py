@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from ckptkit.differ import diff
 from ckptkit.errors import LayoutError
-from ckptkit.trainer.train import config_from, launch, prepare
+from ckptkit.trainer.train import config_from, prepare
+
+from .runs import train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -17,16 +18,6 @@ REFERENCE = (1, 1, 1, 0)
 PARALLEL = [(2, 1, 1, 0), (1, 2, 1, 0), (1, 1, 2, 1), (1, 1, 2, 2), (1, 1, 2, 3), (2, 2, 2, 1)]
 RESUMABLE = [(1, 1, 2, 0), (1, 1, 2, 1), (1, 1, 2, 2), (1, 1, 2, 3), (2, 2, 2, 1)]
 STEPS = 10
-
-
-def _run(out: Path, combo: tuple[int, int, int, int], steps: int, resume: str | None = None) -> list[dict]:
-    tp, pp, dp, zero = combo
-    log = out.with_suffix(".jsonl")
-    cfg = config_from(tp=tp, pp=pp, dp=dp, zero=zero, steps=steps, save_every=4, out=str(out),
-                      log_jsonl=str(log), resume=resume)
-    prepare(cfg)
-    launch(cfg)
-    return [json.loads(line) for line in log.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +29,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def _trained(runs: dict, combo: tuple[int, int, int, int]) -> tuple[Path, list[dict]]:
     out = runs["root"] / "run-{}{}{}{}".format(*combo)
     if combo not in runs["logs"]:
-        runs["logs"][combo] = _run(out, combo, STEPS)
+        runs["logs"][combo] = train(out, combo, STEPS)
     return out, runs["logs"][combo]
 
 
@@ -56,7 +47,7 @@ def test_every_topology_computes_the_same_losses(runs: dict, combo: tuple[int, i
 @pytest.mark.parametrize("combo", RESUMABLE, ids=lambda c: "tp{}-pp{}-dp{}-z{}".format(*c))
 def test_resume_is_bitwise_exact(runs: dict, combo: tuple[int, int, int, int], tmp_path: Path) -> None:
     out, full = _trained(runs, combo)
-    resumed = _run(tmp_path / "resumed", combo, 8, resume=str(out / "step_00000004"))
+    resumed = train(tmp_path / "resumed", combo, 8, resume=str(out / "step_00000004"))
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:8]]
     assert [r["sample_ids"] for r in resumed] == [r["sample_ids"] for r in full[4:8]]
@@ -90,12 +81,12 @@ def test_impossible_topology_fails_before_any_process_starts(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("combo", [(1, 1, 4, 3), (4, 1, 2, 2)], ids=lambda c: "tp{}-pp{}-dp{}-z{}".format(*c))
-def test_resume_at_another_topology_continues_the_same_run(runs: dict, combo: tuple[int, int, int, int], tmp_path: Path) -> None:
+def test_resume_at_another_topology_continues_the_sametrain(runs: dict, combo: tuple[int, int, int, int], tmp_path: Path) -> None:
 
     import ckptkit
 
     source, full = _trained(runs, (2, 2, 2, 1))
-    resumed = _run(tmp_path / "resumed", combo, 8, resume=str(source / "step_00000004"))
+    resumed = train(tmp_path / "resumed", combo, 8, resume=str(source / "step_00000004"))
     for got, want in zip(resumed, full[4:8]):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got["step"], got["loss"], want["loss"])
     seen = [i for r in full[:4] + resumed for i in r["sample_ids"]]

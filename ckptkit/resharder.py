@@ -1,0 +1,336 @@
+"""Offline resharding: write the checkpoint another topology would have saved (no torch).
+
+Call order: every process opens the source and plans (pure, the same everywhere); rank 0
+checks the destination; every process writes its share of the target files, each file
+streamed piece by piece from the source shards on a few threads with bounded memory,
+while the source checksums are checked alongside; rank 0 commits as a save does:
+manifest last, rename, latest pointer. Nothing is written before the plan succeeded, and
+a failed or interrupted reshard leaves no committed destination.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+from pydantic import BaseModel, ConfigDict
+
+from . import __version__
+from .boxes import Box, byte_runs, flat_range_to_boxes
+from .catalog import Location, commit, discard, locate, temp_name
+from .checksum import Hasher, hasher_for
+from .collective import default_collective, guard, unwrap
+from .dtypes import itemsize
+from .errors import CheckpointExistsError, IntegrityError
+from .layouts import Layout, layout_for
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, Producer, Topology, manifest_to_json
+from .payload import header_entry, open_checkpoint, read_header
+from .planner import Read, TargetPlan
+from .reshard_plan import FileJob, ReshardPlan, plan_reshard
+from .safetensors_format import build_header
+from .save_plan import ItemDesc, tensor_entries
+from .storage import Storage
+from .verifier import checksum_findings
+
+# A target file is filled and written PIECE bytes at a time; each writer thread holds one
+# piece buffer and one scratch buffer of this size, whatever the size of the tensors.
+PIECE = 16 << 20
+# Source runs shorter than this are read as their whole span and gathered in memory: one
+# large read beats many small ones, and the bytes in between are read soon by another piece.
+SMALL_RUN = 64 << 10
+THREADS = 4
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class ReshardReport(BaseModel):
+    """What ``ckptkit reshard --json`` prints."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    source: str
+    destination: str
+    step: int
+    source_topology: Topology
+    topology: Topology
+    tensors: int
+    kept: list[str]
+    files: int
+    bytes_written: int
+    bytes_read: int
+    source_checked: bool
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    path: str
+    size: int
+    checksum: str
+    bytes_read: int
+
+
+def reshard(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    topology: Topology,
+    *,
+    threads: int = THREADS,
+    files_per_rank: int | None = None,
+    max_file_bytes: int | None = None,
+    check_source: bool = True,
+    update_latest: bool = True,
+    layout: Layout | None = None,
+    process_group: Any = None,
+    storage: Storage | None = None,
+    dst_storage: Storage | None = None,
+) -> ReshardReport:
+    """Write the checkpoint at `src` as the checkpoint `topology`'s ranks would have saved, at `dst`.
+
+    Every tensor is copied bitwise: the parameters and optimizer state the model's layout
+    places (from ``info.model``) get the target's boxes; other tensors (RNG rows) keep their
+    saved boxes. Non-tensor values, training assets (``info``) and tokenizer files are copied
+    unchanged. Under torch.distributed every rank of the group calls this with the same
+    arguments and writes a share of the target files.
+
+    Args:
+        src: a committed checkpoint, or a root whose ``latest`` names one.
+        dst: the checkpoint directory to create.
+        topology: the target; ``world_size`` must be tp x pp x dp.
+        threads: target files each process writes at once.
+        files_per_rank: payload files per target rank (default: enough to keep the threads busy).
+        max_file_bytes: start a new payload file when one would grow past this.
+        check_source: check every source file's checksum while copying; the destination is
+            committed only if they all match.
+        update_latest: move the latest pointer of `dst`'s root to it.
+        layout: where the target's ranks hold which boxes (default: from the source's ``info.model``).
+        storage, dst_storage: read `src` / write `dst` through these backends (names under their roots).
+
+    Raises:
+        LayoutError: the model cannot be laid out over `topology` (before anything is written).
+        CheckpointExistsError: something exists at `dst`.
+        IntegrityError: a source file does not match its manifest; nothing was committed.
+        StorageError: a read or write failed; nothing was committed.
+    """
+    started = time.perf_counter()
+    coll = default_collective(process_group)
+    src_loc, manifest = open_checkpoint(src, storage)
+    layout = layout or layout_for(manifest, where=str(src_loc))
+    per_rank = files_per_rank or max(2, -(-threads // topology.world_size))
+    plan = plan_reshard(manifest, layout, topology, files_per_rank=per_rank, max_file_bytes=max_file_bytes)
+    dst_loc = locate(dst, dst_storage)
+    uid = unwrap(coll.broadcast(guard(lambda: _claim(dst_loc)) if coll.rank == 0 else None))
+    tmp = temp_name(dst_loc.name, uid)
+    mine = [job for job in plan.jobs if job.rank % coll.world_size == coll.rank]
+    checked = [i for i, f in enumerate(manifest.files) if f.role == "tensors" and i % coll.world_size == coll.rank]
+    try:
+        written = guard(
+            lambda: _write_jobs(src_loc, manifest, dst_loc.storage, tmp, mine, threads, checked if check_source else [])
+        )
+        results = coll.gather(written)
+        outcome: tuple[str, Any] = ("ok", None)
+        if results is not None:
+            outcome = guard(lambda: _commit(results, plan, src_loc, manifest, dst_loc, tmp, update_latest))
+            if outcome[0] != "ok":
+                discard(dst_loc.storage, tmp)
+        bytes_read = unwrap(coll.broadcast(outcome))
+    except BaseException:
+        if coll.world_size == 1:  # interrupted: leave no temporary directory behind
+            discard(dst_loc.storage, tmp)
+        raise
+    return ReshardReport(
+        source=str(src_loc),
+        destination=str(dst_loc),
+        step=manifest.step,
+        source_topology=manifest.topology,
+        topology=topology,
+        tensors=len(plan.save.tensors),
+        kept=list(plan.kept),
+        files=len(plan.jobs),
+        bytes_written=plan.nbytes,
+        bytes_read=bytes_read,
+        source_checked=check_source,
+        seconds=round(time.perf_counter() - started, 3),
+    )
+
+
+def _claim(loc: Location) -> str:
+    """Check that nothing exists at the destination; return the id of its temporary name."""
+    if loc.storage.exists(loc.name):
+        committed = loc.storage.exists(loc.key(MANIFEST_NAME))
+        what = "a committed checkpoint" if committed else "an uncommitted directory"
+        raise CheckpointExistsError(f"{loc}: {what} already exists; choose another path or remove it")
+    return uuid.uuid4().hex[:12]
+
+
+class _Source:
+    """The source checkpoint's payloads as the copy needs them: keys and where each shard begins."""
+
+    def __init__(self, loc: Location, manifest: Manifest, files: list[int], threads: int) -> None:
+        self.loc = loc
+        self.manifest = manifest
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            headers = dict(zip(files, pool.map(lambda i: read_header(loc, manifest, i)[0], files)))
+        self.headers = headers
+        self.keys = {i: loc.key(manifest.files[i].path) for i in files}
+
+    def begin(self, read: Read, dtype: str) -> int:
+        return header_entry(self.loc, self.manifest, self.headers[read.file], read, dtype).begin
+
+    def readinto(self, read: Read, offset: int, view: memoryview) -> None:
+        self.loc.storage.readinto(self.keys[read.file], offset, view)
+
+
+def _write_jobs(
+    src_loc: Location, manifest: Manifest, dst: Storage, tmp: str, jobs: list[FileJob], threads: int, checked: list[int]
+) -> list[_Written]:
+    files = sorted({r.file for job in jobs for target in job.reads for r in target.reads})
+    source = _Source(src_loc, manifest, files, threads)
+    local = threading.local()
+    order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first: the threads finish together
+    with ThreadPoolExecutor(max_workers=1) as checker, ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        findings = checker.submit(checksum_findings, src_loc, manifest, checked, 1, None)
+        written = list(pool.map(lambda job: _write_job(source, dst, f"{tmp}/{job.plan.path}", job, local), order))
+        problems = [f"{src_loc}/{f.where}: {f.message}" for f in findings.result()[0]]
+    if problems:
+        raise IntegrityError("the source does not match its manifest: " + "; ".join(problems[:10]))
+    return written
+
+
+def _buffers(local: threading.local) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's piece and scratch buffers, allocated once (fresh ones would fault every page again)."""
+    if not hasattr(local, "piece"):
+        local.piece = np.empty(PIECE, dtype=np.uint8)
+        local.scratch = np.empty(PIECE, dtype=np.uint8)
+    return local.piece, local.scratch
+
+
+def _write_job(source: _Source, dst: Storage, key: str, job: FileJob, local: threading.local) -> _Written:
+    prefix, _ = build_header(
+        [(k, item.dtype, item.box.lengths) for item, k in job.plan.items], {"format": "pt", "producer": "ckptkit"}
+    )
+    hasher = Hasher()
+    counted = [0]
+
+    def chunks() -> Iterator[memoryview]:
+        head = memoryview(prefix)
+        hasher.update(head)
+        yield head
+        piece, scratch = _buffers(local)
+        for (item, _), target in zip(job.plan.items, job.reads):
+            for view, n_read in _pieces(source, item, target, piece, scratch):
+                counted[0] += n_read
+                hasher.update(view)
+                yield view
+
+    size = dst.write(key, chunks())
+    return _Written(job.plan.path, size, hasher.digest(), counted[0])
+
+
+def _pieces(
+    source: _Source, item: ItemDesc, target: TargetPlan, piece: np.ndarray, scratch: np.ndarray
+) -> Iterator[tuple[memoryview, int]]:
+    """Yield the item's bytes in row-major order, at most PIECE bytes at a time, with the bytes read for each."""
+    size = itemsize(item.dtype)
+    lengths = item.box.lengths
+    total = item.box.volume
+    row = math.prod(lengths[1:]) if lengths else 1
+    step = max(1, PIECE // (row * size)) * row if row * size <= PIECE else PIECE // size
+    begins = [source.begin(r, item.dtype) for r in target.reads]
+    for start in range(0, total, step):
+        stop = min(start + step, total)
+        view = piece[: (stop - start) * size]
+        pos = n_read = 0
+        for sub in flat_range_to_boxes(lengths, start, stop):
+            part = Box(tuple(o + a for o, a in zip(sub.offsets, item.box.offsets)), sub.lengths)
+            n = part.volume * size
+            region = view[pos : pos + n].view(_UINT[size]).reshape(part.lengths)
+            for read, begin in zip(target.reads, begins):
+                overlap = read.overlap.intersect(part) if part.ndim else read.overlap
+                if overlap is not None:
+                    dest = region[overlap.shifted(part.offsets).slices()] if part.ndim else region
+                    n_read += _copy(source, read, begin, overlap, dest, size, scratch)
+            pos += n
+        yield view.data, n_read
+
+
+def _copy(source: _Source, read: Read, begin: int, overlap: Box, dest: np.ndarray, size: int, scratch: np.ndarray) -> int:
+    """Copy `overlap` of the source shard `read` into `dest` (its place in a piece); return bytes read."""
+    runs = byte_runs(read.src_box, overlap, size)
+    if runs.n_runs == 1 or runs.run_length >= SMALL_RUN:
+        contiguous = dest.flags.c_contiguous
+        out = dest.reshape(-1).view(np.uint8) if contiguous else scratch[: runs.nbytes]
+        view = out.data
+        pos = 0
+        for offset in runs.offsets():
+            source.readinto(read, begin + offset, view[pos : pos + runs.run_length])
+            pos += runs.run_length
+        if not contiguous:
+            dest[...] = out.view(_UINT[size]).reshape(overlap.lengths)
+        return runs.nbytes
+    span = runs.end - runs.start
+    if span > len(scratch):  # split the overlap until its span fits the scratch buffer
+        dim = next(d for d, n in enumerate(overlap.lengths) if n > 1)
+        half = overlap.lengths[dim] // 2
+        total = 0
+        for lo, n in ((0, half), (half, overlap.lengths[dim] - half)):
+            part = Box(
+                tuple(o + lo if d == dim else o for d, o in enumerate(overlap.offsets)),
+                tuple(n if d == dim else m for d, m in enumerate(overlap.lengths)),
+            )
+            index = tuple(slice(lo, lo + n) if d == dim else slice(None) for d in range(len(overlap.lengths)))
+            total += _copy(source, read, begin, part, dest[index], size, scratch)
+        return total
+    source.readinto(read, begin + runs.start, scratch[:span].data)
+    strides = [size] * len(read.src_box.lengths)
+    for d in range(len(strides) - 2, -1, -1):
+        strides[d] = strides[d + 1] * read.src_box.lengths[d + 1]
+    dest[...] = as_strided(scratch[:span].view(_UINT[size]), shape=overlap.lengths, strides=tuple(strides))
+    return span
+
+
+def _commit(
+    results: list[Any], plan: ReshardPlan, src_loc: Location, manifest: Manifest, loc: Location, tmp: str, update_latest: bool
+) -> int:
+    failed = [(r, res[1]) for r, res in enumerate(results) if res[0] != "ok"]
+    if failed:
+        said = [message if len(results) == 1 else f"rank {r}: {message}" for r, (_, message) in failed]
+        unwrap(("error", (failed[0][1][0], "nothing committed: " + "; ".join(said))))
+    written = {w.path: w for res in results for w in res[1]}
+    files = [FileEntry(path=f.path, size=written[f.path].size, checksum=written[f.path].checksum) for f in plan.save.all_files()]
+    index = {f.path: i for i, f in enumerate(files)}
+    files += [_copy_asset(src_loc, loc.storage, tmp, entry) for entry in manifest.files if entry.role != "tensors"]
+    target = Manifest(
+        checkpoint_id=uuid.uuid4().hex,
+        step=manifest.step,
+        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        producer=Producer(ckptkit=__version__, python=platform.python_version()),
+        topology=plan.topology,
+        files=tuple(files),
+        tensors=tensor_entries(plan.save, index, lambda fqn: manifest.tensors[fqn].kind),
+        objects=manifest.objects,
+        info=manifest.info,
+        tokenizer=manifest.tokenizer,
+    )
+    commit(loc, tmp, manifest_to_json(target), update_latest=update_latest)
+    return sum(w.bytes_read for w in written.values())
+
+
+def _copy_asset(src_loc: Location, dst: Storage, tmp: str, entry: FileEntry) -> FileEntry:
+    """Copy a non-tensor file (tokenizer, asset) unchanged, checking it against its checksum."""
+    data = src_loc.storage.read(src_loc.key(entry.path))
+    hasher = hasher_for(entry.checksum)
+    hasher.update(data)
+    if len(data) != entry.size or hasher.digest() != entry.checksum:
+        raise IntegrityError(f"{src_loc}/{entry.path}: does not match its manifest entry (size or checksum)")
+    dst.write(f"{tmp}/{entry.path}", [data])
+    return entry
