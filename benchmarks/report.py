@@ -75,6 +75,35 @@ def best_dcp(summary: dict[str, dict[str, Any]]) -> str | None:
     return min(timed)[1] if timed else None
 
 
+RESHARD_VS_LIMIT = 1.3
+RESHARD_RSS_FIXED = 256 << 20
+RESHARD_PLAN_S = 10.0
+
+
+def reshard_summary(runs: Runs) -> dict[str, Any]:
+    """Medians per tool, ckptkit's time over the disk limit and over DCP (paired per repeat), peak RSS."""
+    tools: dict[str, Any] = {}
+    for tool, results in runs.items():
+        ok = [r for r in results if "error" not in r]
+        entry: dict[str, Any] = {"runs": len(results), "errors": [r["error"] for r in results if "error" in r]}
+        if ok:
+            entry["median_s"] = statistics.median(r["seconds"] for r in ok)
+            peaks = [r["rss_peak_abs"] for r in ok if "rss_peak_abs" in r]
+            if peaks:
+                entry["peak_rss_bytes"] = max(peaks)
+        tools[tool] = entry
+
+    def time_ratio(other: str) -> float | None:
+        pairs = [a["seconds"] / b["seconds"] for a, b in zip(runs.get("ckptkit", []), runs.get(other, []))
+                 if "error" not in a and "error" not in b]
+        return statistics.median(pairs) if pairs else None
+
+    ok = [r for r in runs.get("ckptkit", []) if "error" not in r]
+    largest = ok[0]["largest_tensor_bytes"] if ok else 0
+    return {"tools": tools, "time_vs_limit": time_ratio("disk limit"), "time_vs_dcp": time_ratio("dcp load+save"),
+            "rss_bound_bytes": RESHARD_RSS_FIXED + 2 * largest}
+
+
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Return every target with its measured value and whether it is met (None if not measured)."""
     rows: list[dict[str, Any]] = []
@@ -94,6 +123,14 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if phase in results:
             ratio = results[phase]["tools"]["ckptkit"].get("added_peak_ratio")
             add(f"ckptkit {phase} added peak RSS / state", ratio, MAX_ADDED_PEAK, False)
+    reshard = results.get("reshard")
+    if reshard and "error" not in reshard:
+        add("ckptkit reshard time / disk limit time", reshard["time_vs_limit"], RESHARD_VS_LIMIT, False)
+        peak = reshard["tools"].get("ckptkit", {}).get("peak_rss_bytes")
+        add("ckptkit reshard peak RSS / (256 MiB + 2x largest)", None if peak is None else peak / reshard["rss_bound_bytes"], 1.0, False)
+    plan = results.get("reshard_plan")
+    if plan and "error" not in plan:
+        add("reshard plan 4096 -> 2048 ranks seconds", plan["seconds"], RESHARD_PLAN_S, False)
     scale = results.get("scale")
     if scale and "error" not in scale:
         for stage in ("build_s", "validate_s", "serialize_s", "parse_s"):

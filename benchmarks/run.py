@@ -1,6 +1,6 @@
 """Benchmark ckptkit against torch.save, safetensors and DCP, and against the machine's limits.
 
-Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale]``.
+Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan]``.
 Prints a table and writes a JSON document (``<out>/results.json`` unless ``--json``); the
 checkpoints it writes under ``<out>/work`` are deleted at the end. See docs/PERFORMANCE.md.
 """
@@ -23,11 +23,11 @@ from typing import Any
 import psutil
 
 from . import report
-from .phases import Runs, Settings, load_phase, run_worker, save_phase, verify_phase
+from .phases import Runs, Settings, load_phase, run_rounds, run_worker, save_phase, verify_phase
 from .state import state_bytes, state_specs
 from .table import render
 
-PHASES = ("save", "load", "verify", "scale")
+PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -157,6 +157,26 @@ def run_scale_phase(args: argparse.Namespace, settings: Settings) -> dict[str, A
     return {"runs": len(runs), "median": median, "all": runs}
 
 
+def run_reshard_phase(settings: Settings) -> dict[str, Any]:
+    """Prepare the reshard source (untimed), then time ckptkit, DCP and the disk limit on it."""
+    from .reshards import prepare_request, reshard_tools
+
+    meta = run_worker(prepare_request(settings))
+    if "error" in meta:
+        settings.say(f"[reshard] prepare FAILED: {meta['error']}")
+        return {"error": meta["error"]}
+    settings.say(f"[reshard] source of {meta['state_bytes'] / 1e9:.2f} GB, {meta['tensors']} tensors written (untimed)")
+    runs = run_rounds(settings, "reshard", reshard_tools(), lambda tool: {"kind": "reshard", "tool": tool, "work": settings.work})
+    return {"source": meta, **report.reshard_summary(runs), "runs": runs}
+
+
+def run_reshard_plan_phase(settings: Settings) -> dict[str, Any]:
+    result = run_worker({"kind": "reshard-plan", "size_mib": 1})
+    if "error" not in result:
+        settings.say(f"[reshard-plan] plan {result['plan_s']:.1f} s + reads {result['reads_s']:.1f} s")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = os.path.abspath(args.out)
@@ -179,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         run_io_phases(args, settings, results)
         if "scale" in args.only.split(","):
             results["scale"] = run_scale_phase(args, settings)
+        if "reshard" in args.only.split(","):
+            results["reshard"] = run_reshard_phase(settings)
+        if "reshard-plan" in args.only.split(","):
+            results["reshard_plan"] = run_reshard_plan_phase(settings)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -27,6 +27,10 @@ def render(results: dict[str, Any]) -> str:
             lines += ["", *_phase_table(phase, results[phase])]
     if "scale" in results:
         lines += ["", *_scale_table(results["scale"])]
+    if "reshard" in results:
+        lines += ["", *_reshard_table(results["reshard"])]
+    if "reshard_plan" in results:
+        lines += ["", *_plan_table(results["reshard_plan"])]
     lines += ["", *_targets_table(results["targets"])]
     return "\n".join(lines)
 
@@ -79,6 +83,37 @@ def _scale_table(scale: dict[str, Any]) -> list[str]:
         lines.append(f"  {what:<44}{m[stage]:>9.2f} s")
     lines.append(f"  {'JSON size':<44}{m['json_bytes'] / 1e6:>9.2f} MB")
     return lines
+
+
+def _reshard_table(block: dict[str, Any]) -> list[str]:
+    if "error" in block:
+        return [f"RESHARD: FAILED: {block['error']}"]
+    src = block["source"]
+    lines = [f"RESHARD (4,2,2,z1) -> (2,1,4,z2), {src['state_bytes'] / 1e9:.2f} GB, {src['tensors']} tensors, cold source"
+             f"{'median s':>12}{'peak RSS':>12}"]
+    for tool, s in block["tools"].items():
+        if "median_s" not in s:
+            lines.append(f"  {tool:<44}FAILED: {'; '.join(s['errors'])[:100]}")
+            continue
+        peak = f"{s['peak_rss_bytes'] / (1 << 20):.0f} MiB" if "peak_rss_bytes" in s else "-"
+        lines.append(f"  {tool:<82}{s['median_s']:>12.2f}{peak:>12}")
+    for name, key in (("ckptkit time / disk limit time", "time_vs_limit"), ("ckptkit time / DCP time", "time_vs_dcp")):
+        value = block.get(key)
+        lines.append(f"  {name:<82}{'-' if value is None else f'{value:.2f}':>12}")
+    lines.append(f"  {'RSS bound: 256 MiB + 2x largest tensor':<82}{'':>12}{block['rss_bound_bytes'] / (1 << 20):>8.0f} MiB")
+    return lines
+
+
+def _plan_table(plan: dict[str, Any]) -> list[str]:
+    if "error" in plan:
+        return [f"RESHARD PLAN: FAILED: {plan['error']}"]
+    return [
+        f"RESHARD PLAN: {plan['source_ranks']} -> {plan['target_ranks']} ranks, {plan['logical_tensors']} logical tensors "
+        f"({plan['tensors']} with both Adam moments), {plan['target_files']} target files, {plan['reads']} reads",
+        f"  {'source manifest (input, untimed)':<44}{plan['inputs_s']:>9.2f} s",
+        f"  {'target layout, files, manifest entries':<44}{plan['plan_s']:>9.2f} s",
+        f"  {'reads of every target file (one process)':<44}{plan['reads_s']:>9.2f} s",
+    ]
 
 
 def _targets_table(rows: list[dict[str, Any]]) -> list[str]:

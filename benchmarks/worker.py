@@ -129,6 +129,18 @@ def run_scale(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any
     return asdict(measure_scale(request["tensors"], request["ranks"], request["dp"]))
 
 
+def run_reshard(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
+    from . import reshards
+
+    if request["kind"] == "reshard-prepare":
+        meta = reshards.prepare(request["work"], request["size_mib"])
+        reshards.write_meta(request["work"], meta)
+        return meta
+    if request["kind"] == "reshard-plan":
+        return reshards.plan_at_scale()
+    return reshards.run(request)
+
+
 RUNNERS = {
     "save": run_save,
     "load": run_load,
@@ -136,6 +148,9 @@ RUNNERS = {
     "write-limit": run_limit,
     "read-limit": run_limit,
     "scale": run_scale,
+    "reshard": run_reshard,
+    "reshard-prepare": run_reshard,
+    "reshard-plan": run_reshard,
 }
 
 
@@ -145,7 +160,7 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     specs = state_specs(request["size_mib"])
     figures = RUNNERS[request["kind"]](request, specs)
-    figures["state_bytes"] = state_bytes(specs)
+    figures.setdefault("state_bytes", state_bytes(specs))
     return figures
 
 

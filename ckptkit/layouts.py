@@ -32,6 +32,27 @@ class Layout(Protocol):
         """The boxes of every tensor (fqn) that `rank` of `topology` holds."""
 
 
+def holders(layout: Layout, topology: Topology) -> dict[str, dict[Box, list[int]]]:
+    """Return every tensor's distinct non-empty boxes over `topology`, with the ranks holding each.
+
+    Uses the layout's own ``holders(topology)`` when it has one (computing replicas once
+    is much faster for thousands of ranks), else asks every rank.
+    """
+    fast = getattr(layout, "holders", None)
+    if fast is not None:
+        return fast(topology)  # type: ignore[no-any-return]
+    out: dict[str, dict[Box, list[int]]] = {}
+    for rank in range(topology.world_size):
+        for fqn, boxes in layout.rank_boxes(topology, rank).items():
+            by_box = out.setdefault(fqn, {})
+            for box in boxes:
+                if box.volume or not box.ndim:
+                    owners = by_box.setdefault(box, [])
+                    if rank not in owners:
+                        owners.append(rank)
+    return out
+
+
 @dataclass(frozen=True)
 class LlamaLayout:
     """The reference trainer's layout: model/<name> and optimizer/exp_avg[_sq]/<name>."""
@@ -53,6 +74,12 @@ class LlamaLayout:
 
         names = logical_param_names(self.config)
         return {prefix: [f"{prefix}/{n}" for n in names] for prefix in _PREFIXES}
+
+    def holders(self, topology: Topology) -> dict[str, dict[Box, list[int]]]:
+        from .trainer.layout import topology_holders
+
+        t = topology
+        return topology_holders(self.config, t.tp, t.pp, t.dp, t.zero_stage)
 
     def rank_boxes(self, topology: Topology, rank: int) -> dict[str, list[Box]]:
         from .trainer.layout import rank_boxes

@@ -6,13 +6,15 @@ global tensor; the plan intersects it with the source shards of the manifest.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .boxes import Box, in_bounds
 from .errors import LayoutError
-from .manifest import Manifest
-from .shards import shards_overlapping
+from .manifest import BoxShards, Manifest
+from .shards import Shard, iter_shards, shards_overlapping
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +49,64 @@ class LoadPlan:
         return sum(r.overlap.volume for t in self.targets for r in t.reads)
 
 
-def plan_load(manifest: Manifest, requests: Sequence[tuple[str, Box]]) -> LoadPlan:
+class ShardLookup:
+    """Find the shards of a manifest's tensors that meet a box, fast for long box lists.
+
+    Grids are searched by bisection (``shards_overlapping``). A list of many boxes (ZeRO
+    partitions of thousands of ranks) is indexed along dim 0 once per tensor, so that a
+    query looks only at the few boxes near it. Reuse one lookup across the `plan_load`
+    calls of one plan.
+    """
+
+    MIN_INDEXED = 2
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._index: dict[str, _DimZeroIndex | None] = {}
+
+    def overlapping(self, fqn: str, box: Box) -> list[Shard]:
+        """Return the shards of tensor `fqn` that share an element with `box`."""
+        entry = self.manifest.tensors[fqn]
+        if fqn not in self._index:
+            boxed = isinstance(entry.shards, BoxShards) and len(entry.shards.boxes) >= self.MIN_INDEXED
+            self._index[fqn] = _DimZeroIndex(list(iter_shards(entry))) if boxed and entry.shape else None
+        index = self._index[fqn]
+        return shards_overlapping(entry, box) if index is None else index.overlapping(box)
+
+
+class _DimZeroIndex:
+    """Boxes sorted by their start along dim 0, with the boxes covering each start position.
+
+    The boxes meeting rows [a, b) are those covering row a (found at the last start <= a)
+    and those starting inside (a, b): for a tiling, a handful each, whatever their heights.
+    """
+
+    def __init__(self, shards: list[Shard]) -> None:
+        self.shards = sorted(shards, key=lambda s: s.box.offsets[0])
+        self.starts = [s.box.offsets[0] for s in self.shards]
+        self.points: list[int] = []
+        self.covering: list[list[Shard]] = []
+        active: list[Shard] = []
+        for i, shard in enumerate(self.shards):
+            start = self.starts[i]
+            if self.points and self.points[-1] == start:
+                self.covering[-1].append(shard)
+                active.append(shard)
+                continue
+            active = [s for s in active if s.box.offsets[0] + s.box.lengths[0] > start] + [shard]
+            self.points.append(start)
+            self.covering.append(active)
+            active = list(active)
+
+    def overlapping(self, box: Box) -> list[Shard]:
+        a, b = box.offsets[0], box.offsets[0] + box.lengths[0]
+        at = bisect.bisect_right(self.points, a) - 1
+        around = self.covering[at] if at >= 0 else []
+        inside = self.shards[bisect.bisect_right(self.starts, a) : bisect.bisect_left(self.starts, b)]
+        return [s for s in itertools.chain(around, inside) if s.box.intersect(box) is not None]
+
+
+def plan_load(manifest: Manifest, requests: Sequence[tuple[str, Box]], *, lookup: ShardLookup | None = None) -> LoadPlan:
     """Plan the reads that fill each requested (fqn, box).
 
     Raises:
@@ -70,7 +129,8 @@ def plan_load(manifest: Manifest, requests: Sequence[tuple[str, Box]]) -> LoadPl
         reads = []
         covered = 0
         if box.volume or not box.ndim:
-            for shard in shards_overlapping(entry, box):
+            found = lookup.overlapping(fqn, box) if lookup is not None else shards_overlapping(entry, box)
+            for shard in found:
                 overlap = shard.box.intersect(box)
                 if overlap is not None:
                     reads.append(Read(shard.file, shard.key, shard.box, overlap))

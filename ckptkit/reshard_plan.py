@@ -1,30 +1,30 @@
 """Plan an offline reshard (pure): the target checkpoint's files, and the source bytes of each.
 
 The target is planned exactly as a save by the target topology's ranks would be: every rank
-holds the boxes its layout gives it, replicas are written once (``plan_save``), and each box
-of each target file is then filled from the source shards it overlaps (``plan_load``).
+holds the boxes its layout gives it, replicas are written once (``plan_files``). Then, per
+target file, ``plan_reads`` finds the source shard bytes that fill each of its boxes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from .boxes import Box, in_bounds, tiling_problems
 from .errors import LayoutError
-from .layouts import Layout
+from .layouts import Layout, holders
 from .manifest import Manifest, Topology
-from .planner import TargetPlan, plan_load
-from .save_plan import FilePlan, ItemDesc, SavePlan, plan_save
+from .planner import ShardLookup, TargetPlan, plan_load
+from .save_plan import FilePlan, ItemDesc, SavePlan, plan_files
 from .shards import iter_shards
 
 
 @dataclass(frozen=True, slots=True)
 class FileJob:
-    """One target payload file: the rank that would have written it, its plan, and the reads
-    that fill each of its items (``reads[i]`` fills ``plan.items[i]``)."""
+    """One target payload file and the rank that would have written it."""
 
     rank: int
     plan: FilePlan
-    reads: tuple[TargetPlan, ...]
 
     @property
     def nbytes(self) -> int:
@@ -76,27 +76,47 @@ def plan_reshard(
             raise LayoutError(f"the checkpoint holds only part of {group!r}: missing {shown}")
         placed.update(names)
     world = topology.world_size
-    ranks: list[list[ItemDesc]] = [[] for _ in range(world)]
-    for rank in range(world):
-        for fqn, boxes in layout.rank_boxes(topology, rank).items():
-            if fqn in placed:
-                entry = manifest.tensors[fqn]
-                ranks[rank].extend(ItemDesc(fqn, entry.dtype, entry.shape, box) for box in boxes)
+    by_tensor = {fqn: boxes for fqn, boxes in holders(layout, topology).items() if fqn in placed}
     kept = tuple(sorted(set(manifest.tensors) - placed))
     for fqn in kept:
         entry = manifest.tensors[fqn]
-        for i, shard in enumerate(iter_shards(entry)):
-            ranks[i % world].append(ItemDesc(fqn, entry.dtype, entry.shape, shard.box))
-    try:
-        save = plan_save(ranks, max_file_bytes=max_file_bytes, files_per_rank=files_per_rank)
-    except LayoutError as exc:
-        raise LayoutError(f"the model config in info.model does not match the saved tensors: {exc}") from None
-    missing_kept = sorted(set(manifest.tensors) - set(save.tensors))
-    if missing_kept:
-        raise LayoutError(f"tensors with no place in the target: {', '.join(missing_kept[:10])}")
-    jobs = []
-    for rank, files in enumerate(save.files):
-        for f in files:
-            reads = plan_load(manifest, [(item.fqn, item.box) for item, _ in f.items]).targets
-            jobs.append(FileJob(rank, f, reads))
+        by_tensor[fqn] = {shard.box: [i % world] for i, shard in enumerate(iter_shards(entry))}
+    problems = []
+    meta = {}
+    for fqn in sorted(set(by_tensor) | placed):
+        entry = manifest.tensors[fqn]
+        meta[fqn] = ItemDesc(fqn, entry.dtype, entry.shape, Box((0,) * len(entry.shape), entry.shape))
+        problems += [f"{fqn}: {p}" for p in _tiling_problems(entry.shape, list(by_tensor.get(fqn, {})))]
+    if problems:
+        raise LayoutError(
+            f"the model config in info.model does not match the saved tensors: {len(problems)} problem(s): "
+            + "; ".join(problems[:20])
+        )
+    save = plan_files(by_tensor, meta, world, max_file_bytes=max_file_bytes, files_per_rank=files_per_rank)
+    jobs = [FileJob(rank, f) for rank, files in enumerate(save.files) for f in files]
     return ReshardPlan(topology, save, tuple(jobs), kept)
+
+
+def plan_reads(manifest: Manifest, job: FileJob, lookup: ShardLookup | None = None) -> tuple[TargetPlan, ...]:
+    """Return the source reads that fill each item of a target file (``[i]`` fills ``job.plan.items[i]``).
+
+    Planned per file, by the process that writes it, so that the processes of a split
+    reshard plan only their own reads; share one `lookup` between the files of a process.
+    """
+    requests = [(item.fqn, item.box) for item, _ in job.plan.items]
+    return plan_load(manifest, requests, lookup=lookup or ShardLookup(manifest)).targets
+
+
+# Boxes from a layout are checked for overlaps only up to this many per tensor; past it, for
+# bounds and total volume (a sweep over hundreds of thousands of ZeRO boxes would dominate).
+FULL_TILING_CHECK = 2000
+
+
+def _tiling_problems(shape: tuple[int, ...], boxes: list[Box]) -> list[str]:
+    if len(boxes) <= FULL_TILING_CHECK:
+        return tiling_problems(shape, boxes)
+    outside = [b for b in boxes if not in_bounds(b, shape)]
+    if outside:
+        return [f"box at {list(outside[0].offsets)} of size {list(outside[0].lengths)} is outside shape {list(shape)}"]
+    covered = sum(b.volume for b in boxes)
+    return [] if covered == math.prod(shape) else [f"boxes hold {covered} of {math.prod(shape)} elements"]

@@ -36,8 +36,8 @@ from .errors import CheckpointExistsError, IntegrityError
 from .layouts import Layout, layout_for
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, Producer, Topology, manifest_to_json
 from .payload import header_entry, open_checkpoint, read_header
-from .planner import Read, TargetPlan
-from .reshard_plan import FileJob, ReshardPlan, plan_reshard
+from .planner import Read, ShardLookup, TargetPlan
+from .reshard_plan import FileJob, ReshardPlan, plan_reads, plan_reshard
 from .safetensors_format import build_header
 from .save_plan import ItemDesc, tensor_entries
 from .storage import Storage
@@ -193,13 +193,19 @@ class _Source:
 def _write_jobs(
     src_loc: Location, manifest: Manifest, dst: Storage, tmp: str, jobs: list[FileJob], threads: int, checked: list[int]
 ) -> list[_Written]:
-    files = sorted({r.file for job in jobs for target in job.reads for r in target.reads})
+    lookup = ShardLookup(manifest)
+    reads = {job.plan.path: plan_reads(manifest, job, lookup) for job in jobs}
+    files = sorted({r.file for targets in reads.values() for target in targets for r in target.reads})
     source = _Source(src_loc, manifest, files, threads)
     local = threading.local()
     order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first: the threads finish together
+
+    def write(job: FileJob) -> _Written:
+        return _write_job(source, dst, f"{tmp}/{job.plan.path}", job, reads[job.plan.path], local)
+
     with ThreadPoolExecutor(max_workers=1) as checker, ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         findings = checker.submit(checksum_findings, src_loc, manifest, checked, 1, None)
-        written = list(pool.map(lambda job: _write_job(source, dst, f"{tmp}/{job.plan.path}", job, local), order))
+        written = list(pool.map(write, order))
         problems = [f"{src_loc}/{f.where}: {f.message}" for f in findings.result()[0]]
     if problems:
         raise IntegrityError("the source does not match its manifest: " + "; ".join(problems[:10]))
@@ -214,7 +220,9 @@ def _buffers(local: threading.local) -> tuple[np.ndarray, np.ndarray]:
     return local.piece, local.scratch
 
 
-def _write_job(source: _Source, dst: Storage, key: str, job: FileJob, local: threading.local) -> _Written:
+def _write_job(
+    source: _Source, dst: Storage, key: str, job: FileJob, reads: tuple[TargetPlan, ...], local: threading.local
+) -> _Written:
     prefix, _ = build_header(
         [(k, item.dtype, item.box.lengths) for item, k in job.plan.items], {"format": "pt", "producer": "ckptkit"}
     )
@@ -226,7 +234,7 @@ def _write_job(source: _Source, dst: Storage, key: str, job: FileJob, local: thr
         hasher.update(head)
         yield head
         piece, scratch = _buffers(local)
-        for (item, _), target in zip(job.plan.items, job.reads):
+        for (item, _), target in zip(job.plan.items, reads):
             for view, n_read in _pieces(source, item, target, piece, scratch):
                 counted[0] += n_read
                 hasher.update(view)

@@ -71,7 +71,24 @@ def plan_save(
         LayoutError: a tensor's dtype or shape differs between ranks, or its distinct boxes
             overlap or leave gaps; every problem is listed.
     """
-    holders: dict[str, dict[Box, list[int]]] = defaultdict(dict)
+    holders, meta, problems = collect_holders(ranks)
+    for fqn, boxes in holders.items():
+        if grid_cuts_of(meta[fqn].shape, list(boxes)) is not None:
+            continue  # the cells of a grid tile their tensor by construction
+        for problem in tiling_problems(meta[fqn].shape, list(boxes)):
+            problems.append(f"{fqn}: {problem}")
+    if problems:
+        raise LayoutError(f"cannot save: {len(problems)} problem(s): " + "; ".join(problems[:20]))
+    return plan_files(holders, meta, len(ranks), max_file_bytes=max_file_bytes, files_per_rank=files_per_rank)
+
+
+Holders = dict[str, dict[Box, list[int]]]
+
+
+def collect_holders(ranks: Sequence[Sequence[ItemDesc]]) -> tuple[Holders, dict[str, ItemDesc], list[str]]:
+    """Return every tensor's distinct non-empty boxes with the ranks holding each, one description
+    per tensor, and the tensors whose dtype or shape differs between ranks."""
+    holders: Holders = defaultdict(dict)
     meta: dict[str, ItemDesc] = {}
     problems: list[str] = []
     for rank, items in enumerate(ranks):
@@ -89,14 +106,15 @@ def plan_save(
             owners = boxes.setdefault(item.box, [])
             if rank not in owners:
                 owners.append(rank)
-    for fqn, boxes in holders.items():
-        if grid_cuts_of(meta[fqn].shape, list(boxes)) is not None:
-            continue  # the cells of a grid tile their tensor by construction
-        for problem in tiling_problems(meta[fqn].shape, list(boxes)):
-            problems.append(f"{fqn}: {problem}")
-    if problems:
-        raise LayoutError(f"cannot save: {len(problems)} problem(s): " + "; ".join(problems[:20]))
-    assigned = _assign(holders, meta, len(ranks))
+    return holders, meta, problems
+
+
+def plan_files(
+    holders: Holders, meta: dict[str, ItemDesc], world: int, *, max_file_bytes: int | None = None, files_per_rank: int = 1
+) -> SavePlan:
+    """Assign each distinct box (already checked to tile its tensor) to one of its holders and
+    group every rank's boxes into files; ``meta`` gives each tensor's dtype and shape."""
+    assigned = _assign(holders, meta, world)
     files = tuple(_files(rank, items, max_file_bytes, files_per_rank) for rank, items in enumerate(assigned))
     return SavePlan(files, {fqn: (d.dtype, d.shape) for fqn, d in sorted(meta.items())})
 

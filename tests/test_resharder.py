@@ -18,7 +18,7 @@ from ckptkit.boxes import Box, flat_range_to_boxes
 from ckptkit.catalog import list_root
 from ckptkit.errors import CheckpointExistsError, LayoutError, StorageError
 from ckptkit.manifest import Topology
-from ckptkit.reshard_plan import plan_reshard
+from ckptkit.reshard_plan import plan_reads, plan_reshard
 from ckptkit.shards import iter_shards
 from ckptkit.storage import MemoryStorage
 
@@ -108,7 +108,8 @@ def test_reshard_covers_every_target_byte_once_and_copies_exactly(case: tuple) -
     manifest = ckptkit.read_manifest("src", storage=store)
     plan = plan_reshard(manifest, layout, topology)
     for fqn, t in tensors.items():
-        items = [(item, reads) for job in plan.jobs for (item, _), reads in zip(job.plan.items, job.reads) if item.fqn == fqn]
+        items = [(item, reads) for job in plan.jobs
+                 for (item, _), reads in zip(job.plan.items, plan_reads(manifest, job)) if item.fqn == fqn]
         assert sum(item.box.volume for item, _ in items) == t.numel()  # distinct boxes tile the tensor
         for item, reads in items:
             covered = np.zeros(item.box.lengths, dtype=np.int64)
@@ -195,3 +196,24 @@ def test_a_checkpoint_without_model_info_names_what_is_missing() -> None:
     src = _small_source()
     with pytest.raises(LayoutError, match=r"names no model \(info.model\).*knows the families llama"):
         resharder.reshard("src", "dst", Topology(world_size=1), storage=src, dst_storage=MemoryStorage())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.integers(1, 80), st.data())
+def test_shard_lookup_finds_exactly_the_shards_a_scan_finds(shape: list[int], ranks: int, data: st.DataObject) -> None:
+    from ckptkit.manifest import BoxShard, BoxShards, TensorEntry
+    from ckptkit.planner import ShardLookup
+    from ckptkit.shards import shards_overlapping
+
+    n = math.prod(shape)
+    cuts = sorted({0, n} | set(data.draw(st.lists(st.integers(0, n), max_size=ranks))))
+    boxes = [b for lo, hi in zip(cuts, cuts[1:]) for b in flat_range_to_boxes(shape, lo, hi)]
+    entry = TensorEntry(shape=tuple(shape), dtype="float32", kind="optimizer", shards=BoxShards(boxes=tuple(
+        BoxShard(offsets=b.offsets, lengths=b.lengths, file=i, key="k") for i, b in enumerate(boxes))))
+    manifest = ckptkit.manifest.Manifest(checkpoint_id="x", step=0, created_at="t", producer={"ckptkit": "t"},
+                                         topology=Topology(world_size=1), files=(), tensors={"t": entry})
+    lookup = ShardLookup(manifest)
+    for _ in range(5):
+        lo = [data.draw(st.integers(0, s - 1)) for s in shape]
+        query = Box(tuple(lo), tuple(data.draw(st.integers(1, s - o)) for s, o in zip(shape, lo)))
+        assert sorted(s.file for s in lookup.overlapping("t", query)) == sorted(s.file for s in shards_overlapping(entry, query))

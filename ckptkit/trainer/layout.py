@@ -171,3 +171,38 @@ def logical_param_names(model: ModelConfig) -> list[str]:
                                   "attn.o.weight", "mlp_norm.weight", "mlp.gate.weight", "mlp.up.weight",
                                   "mlp.down.weight")]
     return names
+
+
+STATE_KEYS = ("model", "optimizer/exp_avg", "optimizer/exp_avg_sq")
+
+
+def topology_holders(cfg: ModelConfig, tp: int, pp: int, dp: int, zero: int) -> dict[str, dict[Box, list[int]]]:
+    """Return, for every tensor (``<key>/<name>`` for the keys of `rank_boxes`), each distinct
+    non-empty box any rank of the topology holds, with the ranks holding it.
+
+    The same boxes as `rank_boxes` over every rank, computed once per (tp, pp) group: a
+    replica held by a whole DP group (or all TP ranks) is one entry, not one per rank.
+    """
+    out: dict[str, dict[Box, list[int]]] = {}
+
+    def add(keys: tuple[str, ...], part: Part, boxes: list[Box], ranks: list[int]) -> None:
+        for box in boxes:
+            global_box = Box(tuple(o + b for o, b in zip(box.offsets, part.offsets)), box.lengths)
+            for key in keys:
+                out.setdefault(f"{key}/{part.name}", {}).setdefault(global_box, []).extend(ranks)
+
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            group = [tp_rank + tp * (d + dp * pp_rank) for d in range(dp)]
+            for params in stage_units(cfg, tp, tp_rank, pp, pp_rank):
+                numel = unit_offsets(params)[1]
+                # Held whole by the DP group: the parameters below ZeRO 3, the moments at ZeRO 0.
+                whole: tuple[str, ...] = () if zero == 3 else ("model",) if zero else STATE_KEYS
+                split = tuple(k for k in STATE_KEYS if k not in whole)
+                for part, start, x, y in part_ranges(params, 0, numel) if whole else ():
+                    add(whole, part, flat_range_to_boxes(part.lengths, x - start, y - start), group)
+                for d in range(dp) if split else ():
+                    _, lo, hi = partition(numel, dp, d)
+                    for part, start, x, y in part_ranges(params, lo, hi):
+                        add(split, part, flat_range_to_boxes(part.lengths, x - start, y - start), [group[d]])
+    return out

@@ -8,7 +8,7 @@ from ckptkit.boxes import tiling_problems
 from ckptkit.trainer.checkpointing import tensor_state
 from ckptkit.trainer.config import model_config
 from ckptkit.trainer.engine import module_params
-from ckptkit.trainer.layout import rank_boxes, stage_units
+from ckptkit.trainer.layout import rank_boxes, stage_units, topology_holders
 from ckptkit.trainer.model import Stage
 from ckptkit.trainer.tp import TPContext
 from ckptkit.trainer.zero import DPContext, Unit
@@ -48,3 +48,18 @@ def test_the_ranks_of_a_topology_tile_every_tensor(topology: tuple[int, int, int
         assert set(distinct) == set(shapes)
         for name, boxes in distinct.items():
             assert tiling_problems(shapes[name], list(boxes)) == [], (key, name)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES + [(4, 2, 3, 1), (2, 4, 2, 3)], ids=lambda t: "tp{}-pp{}-dp{}-z{}".format(*t))
+def test_topology_holders_are_the_boxes_of_every_rank_with_their_holders(topology: tuple[int, int, int, int]) -> None:
+    cfg = model_config("tiny", vocab_size=98)
+    tp, pp, dp, zero = topology
+    want: dict[str, dict] = {}
+    for rank in range(tp * pp * dp):
+        for key, by_name in rank_boxes(cfg, tp, pp, dp, zero, rank).items():
+            for name, boxes in by_name.items():
+                for box in boxes:
+                    want.setdefault(f"{key}/{name}", {}).setdefault(box, set()).add(rank)
+    got = topology_holders(cfg, tp, pp, dp, zero)
+    assert {f: {b: sorted(r) for b, r in bs.items()} for f, bs in got.items()} == {
+        f: {b: sorted(r) for b, r in bs.items()} for f, bs in want.items()}
