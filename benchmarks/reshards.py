@@ -13,8 +13,9 @@ the state size, saved as ranks of (tp 4, pp 2, dp 2, ZeRO 1) would; the target i
 - ``disk limit``: a durable sequential write of the target's bytes plus a cold sequential
   read of the source's bytes (``benchmarks.limits``), the time any reshard must at least take.
 
-The planning benchmark plans 4,096 -> 2,048 ranks of a 224-layer model (2,019 tensors) from
-the layout alone: (tp 8, pp 8, dp 64, ZeRO 1) -> (tp 4, pp 4, dp 128, ZeRO 2).
+The planning benchmark plans 4,096 -> 2,048 ranks of a checkpoint of 1,953 tensors (an 8B-class
+model of 72 layers: 651 parameters and their two Adam moments) from the layout alone:
+(tp 8, pp 8, dp 64, ZeRO 1) -> (tp 4, pp 4, dp 128, ZeRO 2).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ SOURCE = (4, 2, 2, 1)
 TARGET = (2, 1, 4, 2)
 PLAN_SOURCE = (8, 8, 64, 1)
 PLAN_TARGET = (4, 4, 128, 2)
+PLAN_LAYERS = 72
 DCP_THREADS = 2
 
 
@@ -171,7 +173,7 @@ def write_meta(work: str, meta: dict[str, Any]) -> None:
 
 
 def plan_at_scale() -> dict[str, Any]:
-    """Time planning PLAN_SOURCE -> PLAN_TARGET for a 224-layer 8B-class model."""
+    """Time planning PLAN_SOURCE -> PLAN_TARGET for a 72-layer 8B-class model (about 2,000 tensors)."""
     from ckptkit.layouts import LlamaLayout
     from ckptkit.planner import ShardLookup
     from ckptkit.reshard_plan import plan_reads, plan_reshard
@@ -179,7 +181,7 @@ def plan_at_scale() -> dict[str, Any]:
 
     from .reshard_scale import source_manifest
 
-    cfg = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=224,
+    cfg = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=PLAN_LAYERS,
                       num_heads=32, num_kv_heads=8)
     layout = LlamaLayout(cfg)
     start = time.perf_counter()

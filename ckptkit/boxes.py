@@ -32,8 +32,10 @@ class Box:
         offsets = []
         lengths = []
         for a, la, b, lb in zip(self.offsets, self.lengths, other.offsets, other.lengths):
-            lo = max(a, b)
-            hi = min(a + la, b + lb)
+            lo = a if a > b else b  # plain comparisons: this runs millions of times in big plans
+            hi = a + la
+            if b + lb < hi:
+                hi = b + lb
             if hi <= lo:
                 return None
             offsets.append(lo)
@@ -60,9 +62,12 @@ def full_box(shape: Sequence[int]) -> Box:
 
 
 def in_bounds(box: Box, shape: Sequence[int]) -> bool:
-    return len(box.offsets) == len(shape) == len(box.lengths) and all(
-        o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(box.offsets, box.lengths, shape)
-    )
+    if not len(box.offsets) == len(shape) == len(box.lengths):
+        return False
+    for o, n, s in zip(box.offsets, box.lengths, shape):
+        if o < 0 or n < 0 or o + n > s:
+            return False
+    return True
 
 
 def flat_range_to_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .boxes import Box, in_bounds
 from .errors import LayoutError
-from .manifest import BoxShards, Manifest
+from .manifest import BoxShards, Manifest, TensorEntry
 from .shards import Shard, iter_shards, shards_overlapping
 
 
@@ -64,14 +64,25 @@ class ShardLookup:
         self.manifest = manifest
         self._index: dict[str, _DimZeroIndex | None] = {}
 
-    def overlapping(self, fqn: str, box: Box) -> list[Shard]:
-        """Return the shards of tensor `fqn` that share an element with `box`."""
-        entry = self.manifest.tensors[fqn]
+    def overlaps(self, fqn: str, box: Box) -> list[tuple[Shard, Box]]:
+        """Return (shard, common box) for every shard of tensor `fqn` that shares an element with `box`."""
         if fqn not in self._index:
+            entry = self.manifest.tensors[fqn]
             boxed = isinstance(entry.shards, BoxShards) and len(entry.shards.boxes) >= self.MIN_INDEXED
             self._index[fqn] = _DimZeroIndex(list(iter_shards(entry))) if boxed and entry.shape else None
         index = self._index[fqn]
-        return shards_overlapping(entry, box) if index is None else index.overlapping(box)
+        if index is None:
+            return _overlaps(self.manifest.tensors[fqn], box)
+        return index.overlaps(box)
+
+
+def _overlaps(entry: TensorEntry, box: Box) -> list[tuple[Shard, Box]]:
+    out = []
+    for shard in shards_overlapping(entry, box):
+        common = shard.box.intersect(box)
+        if common is not None:
+            out.append((shard, common))
+    return out
 
 
 class _DimZeroIndex:
@@ -79,31 +90,55 @@ class _DimZeroIndex:
 
     The boxes meeting rows [a, b) are those covering row a (found at the last start <= a)
     and those starting inside (a, b): for a tiling, a handful each, whatever their heights.
+    Boxes covering a row side by side (TP column splits) are sorted along dim 1 so that a
+    query bisects to the columns it needs.
     """
 
     def __init__(self, shards: list[Shard]) -> None:
         self.shards = sorted(shards, key=lambda s: s.box.offsets[0])
         self.starts = [s.box.offsets[0] for s in self.shards]
         self.points: list[int] = []
-        self.covering: list[list[Shard]] = []
+        self.covering: list[_Row] = []
         active: list[Shard] = []
         for i, shard in enumerate(self.shards):
             start = self.starts[i]
             if self.points and self.points[-1] == start:
-                self.covering[-1].append(shard)
                 active.append(shard)
                 continue
+            if self.points:
+                self.covering.append(_Row(active))
             active = [s for s in active if s.box.offsets[0] + s.box.lengths[0] > start] + [shard]
             self.points.append(start)
-            self.covering.append(active)
-            active = list(active)
+        if self.points:
+            self.covering.append(_Row(active))
 
-    def overlapping(self, box: Box) -> list[Shard]:
+    def overlaps(self, box: Box) -> list[tuple[Shard, Box]]:
         a, b = box.offsets[0], box.offsets[0] + box.lengths[0]
         at = bisect.bisect_right(self.points, a) - 1
-        around = self.covering[at] if at >= 0 else []
+        around = self.covering[at].near(box) if at >= 0 else []
         inside = self.shards[bisect.bisect_right(self.starts, a) : bisect.bisect_left(self.starts, b)]
-        return [s for s in itertools.chain(around, inside) if s.box.intersect(box) is not None]
+        out = []
+        for shard in itertools.chain(around, inside):
+            common = shard.box.intersect(box)
+            if common is not None:
+                out.append((shard, common))
+        return out
+
+
+class _Row:
+    """The boxes covering one row position, sorted along dim 1 when there are several."""
+
+    def __init__(self, shards: list[Shard]) -> None:
+        wide = len(shards) > 2 and len(shards[0].box.offsets) > 1
+        self.shards = sorted(shards, key=lambda s: s.box.offsets[1]) if wide else shards
+        self.starts = [s.box.offsets[1] for s in self.shards] if wide else []
+        self.reach = max((s.box.lengths[1] for s in self.shards), default=0) if wide else 0
+
+    def near(self, box: Box) -> list[Shard]:
+        if not self.starts:
+            return self.shards
+        c, d = box.offsets[1], box.offsets[1] + box.lengths[1]
+        return self.shards[bisect.bisect_left(self.starts, c - self.reach + 1) : bisect.bisect_left(self.starts, d)]
 
 
 def plan_load(manifest: Manifest, requests: Sequence[tuple[str, Box]], *, lookup: ShardLookup | None = None) -> LoadPlan:
@@ -129,12 +164,10 @@ def plan_load(manifest: Manifest, requests: Sequence[tuple[str, Box]], *, lookup
         reads = []
         covered = 0
         if box.volume or not box.ndim:
-            found = lookup.overlapping(fqn, box) if lookup is not None else shards_overlapping(entry, box)
-            for shard in found:
-                overlap = shard.box.intersect(box)
-                if overlap is not None:
-                    reads.append(Read(shard.file, shard.key, shard.box, overlap))
-                    covered += overlap.volume
+            found = lookup.overlaps(fqn, box) if lookup is not None else _overlaps(entry, box)
+            for shard, overlap in found:
+                reads.append(Read(shard.file, shard.key, shard.box, overlap))
+                covered += overlap.volume
         if covered != box.volume:
             problems.append(f"{fqn}: the checkpoint's shards cover {covered} of the {box.volume} elements requested")
         targets.append(TargetPlan(fqn, box, tuple(reads)))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from .boxes import Box, tiling_problems
 from .dtypes import itemsize
@@ -25,10 +26,10 @@ class ItemDesc:
     dtype: str
     shape: tuple[int, ...]
     box: Box
+    nbytes: int = field(init=False, compare=False, repr=False)  # bytes of the box, computed once
 
-    @property
-    def nbytes(self) -> int:
-        return self.box.volume * itemsize(self.dtype)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", math.prod(self.box.lengths) * itemsize(self.dtype))
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +125,9 @@ def _assign(holders: dict[str, dict[Box, list[int]]], meta: dict[str, ItemDesc],
     out: list[list[ItemDesc]] = [[] for _ in range(world)]
     shared = []
     for fqn, boxes in holders.items():
+        dtype, shape = meta[fqn].dtype, meta[fqn].shape
         for box, owners in boxes.items():
-            item = ItemDesc(fqn, meta[fqn].dtype, meta[fqn].shape, box)
+            item = ItemDesc(fqn, dtype, shape, box)
             if len(owners) == 1:
                 out[owners[0]].append(item)
                 load[owners[0]] += item.nbytes
@@ -161,7 +163,8 @@ def _files(rank: int, items: list[ItemDesc], max_file_bytes: int | None, files_p
     for n, group in enumerate(groups):
         path = f"rank{rank:05d}.safetensors" if len(groups) == 1 else f"rank{rank:05d}-{n:03d}.safetensors"
         # Largest element size first keeps every tensor aligned to its element size in the file.
-        ordered = sorted(group, key=lambda i: -itemsize(i.dtype))
+        sizes = {i.dtype for i in group}
+        ordered = sorted(group, key=lambda i: -itemsize(i.dtype)) if len(sizes) > 1 else group
         seen: dict[str, int] = defaultdict(int)
         keyed = []
         for item in ordered:

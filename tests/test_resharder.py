@@ -198,16 +198,22 @@ def test_a_checkpoint_without_model_info_names_what_is_missing() -> None:
         resharder.reshard("src", "dst", Topology(world_size=1), storage=src, dst_storage=MemoryStorage())
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.integers(1, 80), st.data())
 def test_shard_lookup_finds_exactly_the_shards_a_scan_finds(shape: list[int], ranks: int, data: st.DataObject) -> None:
     from ckptkit.manifest import BoxShard, BoxShards, TensorEntry
     from ckptkit.planner import ShardLookup
     from ckptkit.shards import shards_overlapping
 
-    n = math.prod(shape)
-    cuts = sorted({0, n} | set(data.draw(st.lists(st.integers(0, n), max_size=ranks))))
-    boxes = [b for lo, hi in zip(cuts, cuts[1:]) for b in flat_range_to_boxes(shape, lo, hi)]
+    # Column blocks side by side (as TP splits make them), each cut into flat (ZeRO) ranges.
+    columns = sorted({0, shape[-1]} | set(data.draw(st.lists(st.integers(1, shape[-1]), max_size=3))))
+    boxes = []
+    for c0, c1 in zip(columns, columns[1:]):
+        block = (*shape[:-1], c1 - c0)
+        n = math.prod(block)
+        cuts = sorted({0, n} | set(data.draw(st.lists(st.integers(0, n), max_size=ranks))))
+        for lo, hi in zip(cuts, cuts[1:]):
+            boxes += [Box(b.offsets[:-1] + (b.offsets[-1] + c0,), b.lengths) for b in flat_range_to_boxes(block, lo, hi)]
     entry = TensorEntry(shape=tuple(shape), dtype="float32", kind="optimizer", shards=BoxShards(boxes=tuple(
         BoxShard(offsets=b.offsets, lengths=b.lengths, file=i, key="k") for i, b in enumerate(boxes))))
     manifest = ckptkit.manifest.Manifest(checkpoint_id="x", step=0, created_at="t", producer={"ckptkit": "t"},
@@ -216,4 +222,6 @@ def test_shard_lookup_finds_exactly_the_shards_a_scan_finds(shape: list[int], ra
     for _ in range(5):
         lo = [data.draw(st.integers(0, s - 1)) for s in shape]
         query = Box(tuple(lo), tuple(data.draw(st.integers(1, s - o)) for s, o in zip(shape, lo)))
-        assert sorted(s.file for s in lookup.overlapping("t", query)) == sorted(s.file for s in shards_overlapping(entry, query))
+        found = lookup.overlaps("t", query)
+        assert sorted(s.file for s, _ in found) == sorted(s.file for s in shards_overlapping(entry, query))
+        assert all(common == s.box.intersect(query) for s, common in found)

@@ -186,23 +186,33 @@ def topology_holders(cfg: ModelConfig, tp: int, pp: int, dp: int, zero: int) -> 
     out: dict[str, dict[Box, list[int]]] = {}
 
     def add(keys: tuple[str, ...], part: Part, boxes: list[Box], ranks: list[int]) -> None:
+        tables = [out.setdefault(f"{key}/{part.name}", {}) for key in keys]
         for box in boxes:
             global_box = Box(tuple(o + b for o, b in zip(box.offsets, part.offsets)), box.lengths)
-            for key in keys:
-                out.setdefault(f"{key}/{part.name}", {}).setdefault(global_box, []).extend(ranks)
+            for table in tables:
+                table.setdefault(global_box, []).extend(ranks)
 
+    # Held whole by the DP group: the parameters below ZeRO 3, the moments at ZeRO 0.
+    whole: tuple[str, ...] = () if zero == 3 else ("model",) if zero else STATE_KEYS
+    split = tuple(k for k in STATE_KEYS if k not in whole)
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             group = [tp_rank + tp * (d + dp * pp_rank) for d in range(dp)]
             for params in stage_units(cfg, tp, tp_rank, pp, pp_rank):
-                numel = unit_offsets(params)[1]
-                # Held whole by the DP group: the parameters below ZeRO 3, the moments at ZeRO 0.
-                whole: tuple[str, ...] = () if zero == 3 else ("model",) if zero else STATE_KEYS
-                split = tuple(k for k in STATE_KEYS if k not in whole)
-                for part, start, x, y in part_ranges(params, 0, numel) if whole else ():
+                numel = unit_offsets(params)[1]  # padding rows included: ZeRO cuts the padded buffer
+                spans = part_ranges(params, 0, numel)  # (part, start, start, end), in flat order
+                for part, start, x, y in spans if whole else ():
                     add(whole, part, flat_range_to_boxes(part.lengths, x - start, y - start), group)
-                for d in range(dp) if split else ():
+                first = 0
+                for d in range(dp) if split else ():  # one sweep: the DP ranges and the parts are both in order
                     _, lo, hi = partition(numel, dp, d)
-                    for part, start, x, y in part_ranges(params, lo, hi):
-                        add(split, part, flat_range_to_boxes(part.lengths, x - start, y - start), [group[d]])
+                    while first < len(spans) and spans[first][3] <= lo:
+                        first += 1
+                    i = first
+                    while i < len(spans) and spans[i][2] < hi:
+                        part, start, a, b = spans[i]
+                        x, y = max(a, lo), min(b, hi)
+                        if x < y:
+                            add(split, part, flat_range_to_boxes(part.lengths, x - start, y - start), [group[d]])
+                        i += 1
     return out
