@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import mmap
 import os
 import platform
 import threading
@@ -204,12 +205,43 @@ def _write_jobs(
         return _write_job(source, dst, f"{tmp}/{job.plan.path}", job, reads[job.plan.path], local)
 
     with ThreadPoolExecutor(max_workers=1) as checker, ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        findings = checker.submit(checksum_findings, src_loc, manifest, checked, 1, None)
+        findings = checker.submit(_check_sources, src_loc, manifest, checked)
         written = list(pool.map(write, order))
-        problems = [f"{src_loc}/{f.where}: {f.message}" for f in findings.result()[0]]
+        problems = findings.result()
     if problems:
         raise IntegrityError("the source does not match its manifest: " + "; ".join(problems[:10]))
     return written
+
+
+def _check_sources(loc: Location, manifest: Manifest, files: list[int]) -> list[str]:
+    """Check the checksums of source payload files; return the problems.
+
+    Local files are hashed through a read-only memory map: the pages the copy threads read
+    are hashed in place from the page cache, without a second copy into this process.
+    """
+    path_of = getattr(loc.storage, "path", None)
+    if path_of is None:
+        return [f"{loc}/{f.where}: {f.message}" for f in checksum_findings(loc, manifest, files, 1, None)[0]]
+    problems = []
+    for index in files:
+        entry = manifest.files[index]
+        hasher = hasher_for(entry.checksum)
+        try:
+            with open(path_of(loc.key(entry.path)), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size:
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                        mapped.madvise(mmap.MADV_SEQUENTIAL)
+                        view = memoryview(mapped)
+                        for offset in range(0, size, PIECE):
+                            hasher.update(view[offset : offset + PIECE])
+                        view.release()
+        except OSError as exc:
+            problems.append(f"{loc}/{entry.path}: cannot read ({exc.strerror or exc})")
+            continue
+        if size != entry.size or hasher.digest() != entry.checksum:
+            problems.append(f"{loc}/{entry.path}: content hashes to {hasher.digest()}, manifest says {entry.checksum}")
+    return problems
 
 
 def _buffers(local: threading.local) -> tuple[np.ndarray, np.ndarray]:
