@@ -7,7 +7,10 @@ target file, ``plan_reads`` finds the source shard bytes that fill each of its b
 
 from __future__ import annotations
 
+import gc
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .boxes import Box, in_bounds, tiling_problems
@@ -66,6 +69,13 @@ def plan_reshard(
     problems = layout.problems(topology)
     if problems:
         raise LayoutError(f"cannot reshard to {describe(topology)}: " + "; ".join(problems))
+    with collector_paused():
+        return _plan(manifest, layout, topology, files_per_rank, max_file_bytes)
+
+
+def _plan(
+    manifest: Manifest, layout: Layout, topology: Topology, files_per_rank: int, max_file_bytes: int | None
+) -> ReshardPlan:
     placed: set[str] = set()
     for group, names in layout.tensor_groups().items():
         missing = [n for n in names if n not in manifest.tensors]
@@ -104,7 +114,21 @@ def plan_reads(manifest: Manifest, job: FileJob, lookup: ShardLookup | None = No
     reshard plan only their own reads; share one `lookup` between the files of a process.
     """
     requests = [(item.fqn, item.box) for item, _ in job.plan.items]
-    return plan_load(manifest, requests, lookup=lookup or ShardLookup(manifest)).targets
+    with collector_paused():
+        return plan_load(manifest, requests, lookup=lookup or ShardLookup(manifest)).targets
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector: plans allocate hundreds of thousands of small
+    acyclic objects, and each full collection would walk them all again (and the manifest)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # Boxes from a layout are checked for overlaps only up to this many per tensor; past it, for
