@@ -61,6 +61,7 @@ __all__ = [
     "list_checkpoints",
     "load",
     "read_manifest",
+    "reshard",
     "save",
     "verify",
 ]
@@ -93,6 +94,14 @@ def verify(path: str, **options: Any) -> Any:
     from .verifier import verify as _verify
 
     return _verify(path, **options)
+
+
+def reshard(src: str, dst: str, topology: Topology, **options: Any) -> Any:
+    """Write the checkpoint at `src` as the one `topology`'s ranks would have saved, at `dst`;
+    return a ``ReshardReport``. Options are those of :func:`ckptkit.resharder.reshard`."""
+    from .resharder import reshard as _reshard
+
+    return _reshard(src, dst, topology, **options)
 
 
 def inspect(path: str) -> Any:

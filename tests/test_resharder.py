@@ -225,3 +225,12 @@ def test_shard_lookup_finds_exactly_the_shards_a_scan_finds(shape: list[int], ra
         found = lookup.overlaps("t", query)
         assert sorted(s.file for s, _ in found) == sorted(s.file for s in shards_overlapping(entry, query))
         assert all(common == s.box.intersect(query) for s, common in found)
+
+
+def test_a_destination_inside_the_source_is_refused_and_the_source_stays_sound(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    w = torch.arange(6, dtype=torch.float32)
+    ckptkit.save({"model": {"w": w}}, str(tmp_path / "src"), step=1)
+    layout = BoxLayout(({"model/w": [Box((0,), (6,))]},))
+    with pytest.raises(CheckpointExistsError, match="may not be, contain or lie inside the source"):
+        ckptkit.reshard(str(tmp_path / "src"), str(tmp_path / "src" / "inner"), Topology(world_size=1), layout=layout)
+    assert ckptkit.verify(str(tmp_path / "src")).ok and not (tmp_path / "src" / "inner").exists()
