@@ -113,6 +113,8 @@ def _plan_table(plan: dict[str, Any]) -> list[str]:
         f"  {'source manifest (input, untimed)':<44}{plan['inputs_s']:>9.2f} s",
         f"  {'target layout, files, manifest entries':<44}{plan['plan_s']:>9.2f} s",
         f"  {'reads of every target file (one process)':<44}{plan['reads_s']:>9.2f} s",
+        f"  {'total (median run; all runs: ' + ', '.join(f'{x:.1f}' for x in plan.get('all_seconds', [])) + ')':<44}"
+        f"{plan['seconds']:>9.2f} s",
     ]
 
 

@@ -7,7 +7,7 @@ global tensor; the plan intersects it with the source shards of the manifest.
 from __future__ import annotations
 
 import bisect
-import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -118,10 +118,11 @@ class _DimZeroIndex:
         around = self.covering[at].near(box) if at >= 0 else []
         inside = self.shards[bisect.bisect_right(self.starts, a) : bisect.bisect_left(self.starts, b)]
         out = []
-        for shard in itertools.chain(around, inside):
-            common = shard.box.intersect(box)
-            if common is not None:
-                out.append((shard, common))
+        for shards in (around, inside):
+            for shard in shards:
+                common = shard.box.intersect(box)
+                if common is not None:
+                    out.append((shard, common))
         return out
 
 
@@ -150,8 +151,9 @@ def plan_load(manifest: Manifest, requests: Sequence[tuple[str, Box]], *, lookup
     """
     problems: list[str] = []
     targets = []
+    tensors = manifest.tensors
     for fqn, box in requests:
-        entry = manifest.tensors.get(fqn)
+        entry = tensors.get(fqn)
         if entry is None:
             problems.append(f"{fqn}: not in the checkpoint")
             continue
@@ -161,16 +163,16 @@ def plan_load(manifest: Manifest, requests: Sequence[tuple[str, Box]], *, lookup
                 f"is outside the checkpoint's shape {list(entry.shape)}"
             )
             continue
-        reads = []
+        volume = math.prod(box.lengths)
+        reads: tuple[Read, ...] = ()
         covered = 0
-        if box.volume or not box.ndim:
+        if volume or not box.lengths:
             found = lookup.overlaps(fqn, box) if lookup is not None else _overlaps(entry, box)
-            for shard, overlap in found:
-                reads.append(Read(shard.file, shard.key, shard.box, overlap))
-                covered += overlap.volume
-        if covered != box.volume:
-            problems.append(f"{fqn}: the checkpoint's shards cover {covered} of the {box.volume} elements requested")
-        targets.append(TargetPlan(fqn, box, tuple(reads)))
+            reads = tuple([Read(shard.file, shard.key, shard.box, overlap) for shard, overlap in found])
+            covered = sum([math.prod(overlap.lengths) for _, overlap in found])
+        if covered != volume:
+            problems.append(f"{fqn}: the checkpoint's shards cover {covered} of the {volume} elements requested")
+        targets.append(TargetPlan(fqn, box, reads))
     if problems:
         raise LayoutError(f"cannot load: {len(problems)} problem(s): " + "; ".join(problems[:20]))
     return LoadPlan(tuple(targets))

@@ -111,17 +111,18 @@ def plan_reads(manifest: Manifest, job: FileJob, lookup: ShardLookup | None = No
     """Return the source reads that fill each item of a target file (``[i]`` fills ``job.plan.items[i]``).
 
     Planned per file, by the process that writes it, so that the processes of a split
-    reshard plan only their own reads; share one `lookup` between the files of a process.
+    reshard plan only their own reads; share one `lookup` between the files of a process,
+    and plan many files inside one ``collector_paused()``.
     """
     requests = [(item.fqn, item.box) for item, _ in job.plan.items]
-    with collector_paused():
-        return plan_load(manifest, requests, lookup=lookup or ShardLookup(manifest)).targets
+    return plan_load(manifest, requests, lookup=lookup or ShardLookup(manifest)).targets
 
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector: plans allocate hundreds of thousands of small
-    acyclic objects, and each full collection would walk them all again (and the manifest)."""
+    acyclic objects, and each full collection would walk them all again (and the manifest).
+    Pause once around a whole planning pass: re-enabling it triggers a collection."""
     enabled = gc.isenabled()
     gc.disable()
     try:

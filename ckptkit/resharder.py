@@ -38,7 +38,7 @@ from .layouts import Layout, layout_for
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, Producer, Topology, manifest_to_json
 from .payload import header_entry, open_checkpoint, read_header
 from .planner import Read, ShardLookup, TargetPlan
-from .reshard_plan import FileJob, ReshardPlan, plan_reads, plan_reshard
+from .reshard_plan import FileJob, ReshardPlan, collector_paused, plan_reads, plan_reshard
 from .safetensors_format import build_header
 from .save_plan import ItemDesc, tensor_entries
 from .storage import Storage
@@ -208,7 +208,8 @@ def _write_jobs(
     src_loc: Location, manifest: Manifest, dst: Storage, tmp: str, jobs: list[FileJob], threads: int, checked: list[int]
 ) -> list[_Written]:
     lookup = ShardLookup(manifest)
-    reads = {job.plan.path: plan_reads(manifest, job, lookup) for job in jobs}
+    with collector_paused():
+        reads = {job.plan.path: plan_reads(manifest, job, lookup) for job in jobs}
     files = sorted({r.file for targets in reads.values() for target in targets for r in target.reads})
     source = _Source(src_loc, manifest, files, threads)
     local = threading.local()
