@@ -32,7 +32,7 @@ def _emit_json(model: Any) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckptkit")
 def cli() -> None:
-    """Checkpoints for sharded large-model training: list, inspect, verify, diff, reshard, train, demo."""
+    """Checkpoints for sharded large-model training: list, inspect, verify, diff, reshard, export, train, demo."""
 
 
 @cli.command("ls")
@@ -210,6 +210,43 @@ def _init_torchrun() -> Any:
 
     dist.init_process_group("gloo")
     return dist
+
+
+@cli.command("export")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--format", "fmt", default="hf", show_default=True, type=click.Choice(["hf"]), help="Output format.")
+@click.option("--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32"]), help="Weights dtype.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output file (5GB, 500MB, 2GiB, bytes).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the export report).")
+def export_cmd(src: str, dst: str, fmt: str, dtype: str, max_shard_size: str, as_json: bool) -> None:
+    """Export the model weights of the checkpoint at SRC (any topology) to DST, e.g. as a
+    Hugging Face model directory.
+
+    Exit 0 when DST is complete, 1 on a ckptkit error (unmapped or missing tensors, DST exists;
+    DST does not appear), 2 on bad usage or when SRC holds no committed checkpoint.
+    """
+    from .exporter import export, parse_size
+
+    try:
+        size = parse_size(max_shard_size)
+    except CkptkitError as exc:
+        _fail(f"--max-shard-size: {exc}", 2)
+        return
+    try:
+        report = export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size)
+    except CheckpointNotFoundError as exc:
+        _fail(str(exc), 2)
+        return
+    if as_json:
+        _emit_json(report)
+        return
+    total = sum(f.size for f in report.files)
+    click.echo(
+        f"{report.destination}: {len(report.tensors)} tensors as {report.dtype} in "
+        f"{sum(1 for f in report.files if f.path.endswith('.safetensors'))} shard(s), {total / 1e6:.1f} MB "
+        f"(step {report.step}; {len(report.skipped)} non-weight tensors not exported)"
+    )
 
 
 @cli.command("train")

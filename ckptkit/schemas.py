@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any
 
+from .exporter import ExportReport
 from .inspector import InspectReport
 from .manifest import SCHEMA_MAJOR, manifest_json_schema
 from .reports import ListingReport
@@ -21,7 +22,8 @@ from .verifier import VerifyReport
 def all_schemas() -> dict[str, dict[str, Any]]:
     """Return relative file path -> JSON Schema for every published document."""
     out = {f"manifest/v{SCHEMA_MAJOR}.schema.json": manifest_json_schema()}
-    for name, model in (("verify", VerifyReport), ("inspect", InspectReport), ("ls", ListingReport), ("reshard", ReshardReport)):
+    for name, model in (("verify", VerifyReport), ("inspect", InspectReport), ("ls", ListingReport), ("reshard", ReshardReport),
+                        ("export", ExportReport)):
         schema = model.model_json_schema()
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         out[f"cli/{name}.v1.schema.json"] = schema

@@ -61,7 +61,7 @@ class Tokenizer:
                 for i, t in enumerate(SPECIALS)
             ],
             "normalizer": None,
-            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(?s)."}, "behavior": "Isolated", "invert": False},
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated", "invert": False},
             "post_processor": None,
             "decoder": {"type": "Fuse"},
             "model": {"type": "WordLevel", "vocab": self.vocab, "unk_token": "<unk>"},

@@ -1,0 +1,61 @@
+"""The Hugging Face mapping (pure): names, shard plan, sizes, configs."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptkit import hf
+from ckptkit.errors import LayoutError
+from ckptkit.exporter import parse_size
+from ckptkit.trainer.config import model_config
+from ckptkit.trainer.layout import logical_param_names
+
+
+def test_every_logical_parameter_has_a_distinct_llama_name() -> None:
+    names = logical_param_names(model_config("tiny", vocab_size=98))
+    mapped = {n: hf.hf_name(n) for n in names}
+    assert mapped["embed.weight"] == "model.embed_tokens.weight" and mapped["lm_head.weight"] == "lm_head.weight"
+    assert mapped["layers.3.attn.k.weight"] == "model.layers.3.self_attn.k_proj.weight"
+    assert mapped["layers.0.mlp_norm.weight"] == "model.layers.0.post_attention_layernorm.weight"
+    assert None not in mapped.values() and len(set(mapped.values())) == len(names)
+    assert hf.hf_name("layers.0.attn.qkv.weight") is None and hf.hf_name("rng/torch_cpu") is None
+
+
+def test_unmapped_and_missing_tensors_are_all_listed() -> None:
+    names = ["embed.weight", "norm.weight", "layers.0.attn.q.weight"]
+    tensors = {"model/embed.weight": 1, "model/layers.0.attn.q.weight": 1, "model/extra.bias": 1, "model/other": 1}
+    with pytest.raises(LayoutError, match=r"2 tensor\(s\) with no Hugging Face name: model/extra.bias, model/other; "
+                                          r"1 tensor\(s\) the model config needs are missing: model/norm.weight"):
+        hf.name_map(tensors, names)
+
+
+def test_shards_follow_module_order_and_the_size_bound() -> None:
+    sizes = {"lm_head.weight": 40, "model.norm.weight": 1, "model.layers.10.mlp.up_proj.weight": 30,
+             "model.layers.2.mlp.up_proj.weight": 30, "model.embed_tokens.weight": 40}
+    shards = hf.plan_shards(sizes, 64)
+    assert [s.names for s in shards] == [
+        ("model.embed_tokens.weight",),
+        ("model.layers.2.mlp.up_proj.weight", "model.layers.10.mlp.up_proj.weight", "model.norm.weight"),
+        ("lm_head.weight",)]
+    assert [s.file for s in shards] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert [s.names for s in hf.plan_shards({"a": 100}, 10)] == [("a",)]  # too big for the bound: alone
+
+
+@pytest.mark.parametrize("text,size", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 << 30), ("123", 123), ("1.5kb", 1500)])
+def test_sizes_parse(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "0", "-5MB", "5XB"])
+def test_bad_sizes_are_refused(text: str) -> None:
+    with pytest.raises(LayoutError, match="is not a size"):
+        parse_size(text)
+
+
+def test_config_describes_the_model() -> None:
+    cfg = model_config("tiny", vocab_size=98).to_json()
+    doc = hf.config_json(cfg, "bfloat16")
+    assert doc["model_type"] == "llama" and doc["num_key_value_heads"] == 4 and doc["head_dim"] == 8
+    assert doc["torch_dtype"] == "bfloat16" and doc["tie_word_embeddings"] is False
+    tok = hf.tokenizer_config_json({"model": {"vocab": {"<unk>": 0, "<eos>": 1, "a": 2}}}, 256)
+    assert tok == {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 256, "unk_token": "<unk>", "eos_token": "<eos>"}

@@ -1,0 +1,129 @@
+"""Export of real trainer checkpoints to Hugging Face: transformers loads it and computes the same logits."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptkit
+from ckptkit.checksum import checksum_of
+from ckptkit.errors import CheckpointExistsError, LayoutError
+from ckptkit.exporter import REPORT_NAME, export
+from ckptkit.manifest import Topology
+from ckptkit.trainer.config import ModelConfig
+from ckptkit.trainer.data import Tokenizer
+from ckptkit.trainer.engine import module_params
+from ckptkit.trainer.model import Stage
+from ckptkit.trainer.tp import TPContext
+
+from .runs import train
+
+pytestmark = pytest.mark.multiprocess
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A (2,2,2,z1) checkpoint after 4 steps."""
+    root = tmp_path_factory.mktemp("export-src")
+    train(root / "run", (2, 2, 2, 1), 4)
+    return root / "run" / "step_00000004"
+
+
+def _trainer_logits(checkpoint: Path, ids: torch.Tensor) -> torch.Tensor:
+    """The reference trainer's own forward (one process) with the checkpoint's weights."""
+    cfg = ModelConfig(**ckptkit.read_manifest(str(checkpoint)).info.model.config)  # type: ignore[union-attr]
+    whole = ckptkit.load(str(checkpoint))["model"]
+    stage = Stage(cfg, TPContext(1, 0), pp_rank=0, pp=1, seed=0)
+    with torch.no_grad():
+        for module in {id(m): m for m in stage.units()}.values():
+            for _, param, parts in module_params(module):
+                for part in parts:
+                    param.data[part.row0 : part.row1] = whole[part.name].reshape(part.row1 - part.row0, *param.shape[1:])
+        return stage(ids)
+
+
+def test_fp32_export_loads_in_transformers_with_the_same_logits(source: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "hf"
+    report = export(source, dst, dtype="fp32", max_shard_bytes=200_000)
+    shards = sorted(p.name for p in dst.glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(dst), output_loading_info=True)
+    assert not info["missing_keys"]
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(dst))
+    text = "the cat sat on the mat.\nit was warm."
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == Tokenizer().encode(text).tolist()
+    with torch.no_grad():
+        theirs = model(ids).logits
+    assert (theirs - _trainer_logits(source, ids)).abs().max().item() <= 1e-4
+    written = json.loads((dst / REPORT_NAME).read_text())
+    assert written == json.loads(report.model_dump_json())
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(t.name for t in report.tensors) and len(report.tensors) == 39
+    for t in report.tensors[:5]:  # each tensor's checksum is that of its bytes in its file
+        tensor = load_file(str(dst / t.file))[t.name]
+        assert checksum_of(tensor.contiguous().view(torch.uint8).numpy().tobytes()) == t.checksum
+    assert set(report.skipped) == {f for f in ckptkit.read_manifest(str(source)).tensors if not f.startswith("model/")}
+
+
+def test_bf16_export_holds_the_rounded_master_weights(source: Path, tmp_path: Path) -> None:
+    export(source, tmp_path / "hf", dtype="bf16")
+    whole = ckptkit.load(str(source))["model"]
+    got = load_file(str(tmp_path / "hf" / "model-00001-of-00001.safetensors"))
+    assert got["model.layers.2.self_attn.k_proj.weight"].dtype == torch.bfloat16
+    for name, logical in (("model.embed_tokens.weight", "embed.weight"), ("model.layers.3.mlp.down_proj.weight", "mlp.down.weight")):
+        key = logical if logical == "embed.weight" else "layers.3." + logical
+        assert torch.equal(got[name].view(torch.int16), whole[key].to(torch.bfloat16).view(torch.int16))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_export_from_any_topology_gives_byte_identical_files(source: Path, tmp_path: Path) -> None:
+    single = tmp_path / "single" / "step_00000004"
+    ckptkit.reshard(str(source), str(single), Topology(world_size=1))
+    export(source, tmp_path / "a")
+    export(single, tmp_path / "b")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir() if p.name != REPORT_NAME)
+    assert names == sorted(p.name for p in (tmp_path / "b").iterdir() if p.name != REPORT_NAME)
+    for name in names:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_export_refuses_bad_input_before_writing(source: Path, tmp_path: Path, run_ckptkit: Callable) -> None:
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(CheckpointExistsError):
+        export(source, tmp_path / "taken")
+    bad = run_ckptkit("export", str(source), str(tmp_path / "x"), "--max-shard-size", "lots")
+    assert bad.returncode == 2 and bad.stderr.startswith("ckptkit: error: --max-shard-size:") and bad.stderr.count("\n") == 1
+    missing = run_ckptkit("export", str(tmp_path / "nothing"), str(tmp_path / "x"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1
+    assert not (tmp_path / "x").exists()
+    # A checkpoint that lacks a parameter the model config needs: every missing name is listed.
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    doc = json.loads((broken / "manifest.json").read_text())
+    for name in ("model/layers.1.attn.q.weight", "model/norm.weight"):
+        del doc["tensors"][name]
+    (broken / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(LayoutError, match=r"2 tensor\(s\) the model config needs are missing: model/layers.1.attn.q.weight, model/norm.weight"):
+        export(broken, tmp_path / "y")
+    assert not (tmp_path / "y").exists()
+
+
+def test_a_failed_write_leaves_no_output(source: Path) -> None:
+    from ckptkit.errors import StorageError
+
+    from ..fakes import FaultyStorage
+
+    dst = FaultyStorage(fail_write=2)
+    with pytest.raises(StorageError, match="No space left"):
+        export(source, "hf", dst_storage=dst, max_shard_bytes=200_000)
+    assert dst.list("") == []
