@@ -10,6 +10,7 @@ it into place. The same logical state gives byte-identical files whatever topolo
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import uuid
@@ -21,12 +22,12 @@ from pydantic import BaseModel, ConfigDict
 
 from . import hf
 from .catalog import Location, discard, locate, temp_name
-from .checksum import Hasher, hasher_for
+from .checksum import Hasher, checksum_of
 from .dtypes import itemsize
-from .errors import CheckpointExistsError, IntegrityError, LayoutError, StorageError
+from .errors import CheckpointExistsError, LayoutError, StorageError
 from .loader import fill
 from .manifest import Manifest, Topology
-from .payload import open_checkpoint
+from .payload import open_checkpoint, read_checked
 from .safetensors_format import build_header
 from .sharded import ShardedTensor
 from .storage import Storage
@@ -119,7 +120,7 @@ def export(
     names = hf.name_map(manifest.tensors, logical_param_names(ModelConfig(**model)))
     out_dtype = hf.DTYPES[dtype]
     sizes = {names[fqn]: manifest.tensors[fqn].shape for fqn in names}
-    nbytes = {name: _numel(shape) * itemsize(out_dtype) for name, shape in sizes.items()}
+    nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in sizes.items()}
     shards = hf.plan_shards(nbytes, max_shard_bytes)
     dst_loc = locate(dst, dst_storage)
     if dst_loc.storage.exists(dst_loc.name):
@@ -142,7 +143,7 @@ def export(
         for path, doc in extra.items():
             data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
             dst_loc.storage.write(f"{tmp}/{path}", [data])
-            files.append(ExportedFile(path=path, size=len(data), checksum=_hash(data)))
+            files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
         skipped = sorted(fqn for fqn in manifest.tensors if fqn not in names)
         report = ExportReport(
             format=format, dtype=out_dtype, source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
@@ -167,13 +168,6 @@ def _llama_config(manifest: Manifest, where: str) -> dict[str, Any]:
     return dict(model.config)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _write_shard(
     src_loc: Location, manifest: Manifest, dst: Storage, tmp: str, shard: hf.Shard, source_of: dict[str, str],
     out_dtype: str, report: list[ExportedTensor],
@@ -194,17 +188,11 @@ def _write_shard(
             view = byte_view(out)
             hasher.update(view)
             report.append(ExportedTensor(name=name, source=fqn, shape=list(entry.shape), source_dtype=entry.dtype,
-                                         dtype=out_dtype, file=shard.file, checksum=_hash(view)))
+                                         dtype=out_dtype, file=shard.file, checksum=checksum_of(view)))
             yield view
 
     size = dst.write(f"{tmp}/{shard.file}", chunks())
     return ExportedFile(path=shard.file, size=size, checksum=hasher.digest())
-
-
-def _hash(data: bytes | memoryview) -> str:
-    hasher = Hasher()
-    hasher.update(data)
-    return hasher.digest()
 
 
 def _tokenizer_files(
@@ -217,11 +205,7 @@ def _tokenizer_files(
     for entry in manifest.files:
         if entry.role != "tokenizer":
             continue
-        data = src_loc.storage.read(src_loc.key(entry.path))
-        hasher = hasher_for(entry.checksum)
-        hasher.update(data)
-        if hasher.digest() != entry.checksum:
-            raise IntegrityError(f"{src_loc}/{entry.path}: does not match its manifest checksum")
+        data = read_checked(src_loc, entry)
         name = entry.path.removeprefix("tokenizer/")
         dst.write(f"{tmp}/{name}", [data])
         copied[name] = data

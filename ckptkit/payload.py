@@ -8,7 +8,8 @@ from .catalog import Location, read_manifest, resolve
 from .consistency import manifest_findings
 from .errors import IntegrityError, ManifestError
 from .storage import Storage
-from .manifest import Manifest
+from .checksum import hasher_for
+from .manifest import FileEntry, Manifest
 from .planner import Read
 from .safetensors_format import Header, HeaderEntry, header_length, parse_header
 
@@ -66,3 +67,17 @@ def header_entry(loc: Location, manifest: Manifest, header: Header, read: Read, 
             f"manifest says {dtype}{list(read.src_box.lengths)}"
         )
     return entry
+
+
+def read_checked(loc: Location, entry: FileEntry) -> bytes:
+    """Return the whole content of a (small) file of the checkpoint, checked against its size and checksum.
+
+    Raises:
+        IntegrityError: the content does not match the manifest entry.
+    """
+    data = loc.storage.read(loc.key(entry.path))
+    hasher = hasher_for(entry.checksum)
+    hasher.update(data)
+    if len(data) != entry.size or hasher.digest() != entry.checksum:
+        raise IntegrityError(f"{loc}/{entry.path}: does not match its manifest entry (size or checksum)")
+    return data

@@ -36,7 +36,7 @@ from .dtypes import itemsize
 from .errors import CheckpointExistsError, IntegrityError
 from .layouts import Layout, layout_for
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, Producer, Topology, manifest_to_json
-from .payload import header_entry, open_checkpoint, read_header
+from .payload import header_entry, open_checkpoint, read_checked, read_header
 from .planner import Read, ShardLookup, TargetPlan
 from .reshard_plan import FileJob, ReshardPlan, collector_paused, plan_reads, plan_reshard
 from .safetensors_format import build_header
@@ -381,10 +381,5 @@ def _commit(
 
 def _copy_asset(src_loc: Location, dst: Storage, tmp: str, entry: FileEntry) -> FileEntry:
     """Copy a non-tensor file (tokenizer, asset) unchanged, checking it against its checksum."""
-    data = src_loc.storage.read(src_loc.key(entry.path))
-    hasher = hasher_for(entry.checksum)
-    hasher.update(data)
-    if len(data) != entry.size or hasher.digest() != entry.checksum:
-        raise IntegrityError(f"{src_loc}/{entry.path}: does not match its manifest entry (size or checksum)")
-    dst.write(f"{tmp}/{entry.path}", [data])
+    dst.write(f"{tmp}/{entry.path}", [read_checked(src_loc, entry)])
     return entry
