@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .errors import CheckpointNotFoundError, ManifestError, StorageError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, ManifestError, StorageError
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 from .storage import Storage, check_key, open_storage
 
@@ -103,6 +103,22 @@ def read_latest(root: Storage) -> str:
 def write_latest(root: Storage, name: str) -> None:
     """Point the root's latest pointer at `name`, atomically."""
     root.write(LATEST_NAME, [f"{name}\n".encode()])
+
+
+def refuse_nesting(src: Location, dst: Location) -> None:
+    """Refuse a destination that is, contains or lies inside the source checkpoint (writing it
+    would add files to a committed checkpoint).
+
+    Raises:
+        CheckpointExistsError: the two overlap.
+    """
+    a, b = str(src), str(dst)
+    if os.path.isabs(a) and os.path.isabs(b):  # two local paths
+        a, b = os.path.realpath(a), os.path.realpath(b)
+    elif src.storage is not dst.storage:
+        return
+    if a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/"):
+        raise CheckpointExistsError(f"{dst}: the destination may not be, contain or lie inside the source {src}")
 
 
 def commit(loc: Location, tmp: str, manifest: bytes, *, update_latest: bool) -> None:

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from . import hf
-from .catalog import Location, discard, locate, temp_name
+from .catalog import Location, discard, locate, refuse_nesting, temp_name
 from .checksum import Hasher, checksum_of
 from .dtypes import itemsize
 from .errors import CheckpointExistsError, LayoutError, StorageError
@@ -123,6 +123,7 @@ def export(
     nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in sizes.items()}
     shards = hf.plan_shards(nbytes, max_shard_bytes)
     dst_loc = locate(dst, dst_storage)
+    refuse_nesting(src_loc, dst_loc)
     if dst_loc.storage.exists(dst_loc.name):
         raise CheckpointExistsError(f"{dst_loc}: already exists; choose another path or remove it")
     tmp = temp_name(dst_loc.name, uuid.uuid4().hex[:12])

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from . import __version__
 from .boxes import Box, byte_runs, flat_range_to_boxes
-from .catalog import Location, commit, discard, locate, temp_name
+from .catalog import Location, commit, discard, locate, refuse_nesting, temp_name
 from .checksum import Hasher, hasher_for
 from .collective import default_collective, guard, unwrap
 from .dtypes import itemsize
@@ -129,7 +129,7 @@ def reshard(
     per_rank = files_per_rank or max(2, -(-threads // topology.world_size))
     plan = plan_reshard(manifest, layout, topology, files_per_rank=per_rank, max_file_bytes=max_file_bytes)
     dst_loc = locate(dst, dst_storage)
-    _refuse_nesting(src_loc, dst_loc)
+    refuse_nesting(src_loc, dst_loc)
     uid = unwrap(coll.broadcast(guard(lambda: _claim(dst_loc)) if coll.rank == 0 else None))
     tmp = temp_name(dst_loc.name, uid)
     mine = [job for job in plan.jobs if job.rank % coll.world_size == coll.rank]
@@ -163,18 +163,6 @@ def reshard(
         source_checked=check_source,
         seconds=round(time.perf_counter() - started, 3),
     )
-
-
-def _refuse_nesting(src: Location, dst: Location) -> None:
-    """Refuse a destination inside the source checkpoint (it would add files to a committed
-    checkpoint) or a source inside the destination."""
-    a, b = str(src), str(dst)
-    if os.path.isabs(a) and os.path.isabs(b):  # two local paths
-        a, b = os.path.realpath(a), os.path.realpath(b)
-    elif src.storage is not dst.storage:
-        return
-    if a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/"):
-        raise CheckpointExistsError(f"{dst}: the destination may not be, contain or lie inside the source {src}")
 
 
 def _claim(loc: Location) -> str:

@@ -99,6 +99,9 @@ def test_export_refuses_bad_input_before_writing(source: Path, tmp_path: Path, r
     (tmp_path / "taken").mkdir()
     with pytest.raises(CheckpointExistsError):
         export(source, tmp_path / "taken")
+    with pytest.raises(CheckpointExistsError, match="may not be, contain or lie inside the source"):
+        export(source, source / "hf")
+    assert not (source / "hf").exists() and ckptkit.verify(str(source)).ok
     bad = run_ckptkit("export", str(source), str(tmp_path / "x"), "--max-shard-size", "lots")
     assert bad.returncode == 2 and bad.stderr.startswith("ckptkit: error: --max-shard-size:") and bad.stderr.count("\n") == 1
     missing = run_ckptkit("export", str(tmp_path / "nothing"), str(tmp_path / "x"))
