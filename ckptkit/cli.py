@@ -10,18 +10,27 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
 from .errors import CheckpointNotFoundError, CkptkitError
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int) -> NoReturn:
     click.echo(f"ckptkit: error: {message}", err=True)
     sys.exit(code)
+
+
+def _needs_checkpoint(fn: Callable[[], T]) -> T:
+    """Run `fn`; no committed checkpoint where one was named is bad usage: exit 2."""
+    try:
+        return fn()
+    except CheckpointNotFoundError as exc:
+        _fail(str(exc), 2)
 
 
 def _emit_json(model: Any) -> None:
@@ -81,11 +90,7 @@ def verify_cmd(path: str, quick: bool, as_json: bool, workers: int) -> None:
     Exit 0 when sound, 1 when problems were found, 2 on bad usage or when PATH holds no
     committed checkpoint.
     """
-    try:
-        report = _with_progress(path, quick, workers, show=not as_json and sys.stderr.isatty())
-    except CheckpointNotFoundError as exc:
-        _fail(str(exc), 2)
-        return
+    report = _needs_checkpoint(lambda: _with_progress(path, quick, workers, show=not as_json and sys.stderr.isatty()))
     if as_json:
         _emit_json(report)
     else:
@@ -129,11 +134,7 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, include_rng: bool, limit:
     from .differ import diff
 
     kinds = ("param", "optimizer", "buffer", "other") + (("rng",) if include_rng else ())
-    try:
-        report = diff(a, b, atol=atol, rtol=rtol, kinds=kinds)
-    except CheckpointNotFoundError as exc:
-        _fail(str(exc), 2)
-        return
+    report = _needs_checkpoint(lambda: diff(a, b, atol=atol, rtol=rtol, kinds=kinds))
     if as_json:
         _emit_json(report)
     else:
@@ -180,10 +181,9 @@ def reshard_cmd(
     dist = _init_torchrun()
     rank = dist.get_rank() if dist is not None else 0
     try:
-        report = reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest)
-    except CheckpointNotFoundError as exc:
-        _fail(str(exc), 2)
-        return
+        report = _needs_checkpoint(
+            lambda: reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest)
+        )
     finally:
         if dist is not None:
             dist.destroy_process_group()
@@ -233,11 +233,7 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str, max_shard_size: str, as
     except CkptkitError as exc:
         _fail(f"--max-shard-size: {exc}", 2)
         return
-    try:
-        report = export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size)
-    except CheckpointNotFoundError as exc:
-        _fail(str(exc), 2)
-        return
+    report = _needs_checkpoint(lambda: export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size))
     if as_json:
         _emit_json(report)
         return
