@@ -57,6 +57,8 @@ __all__ = [
     "Topology",
     "__version__",
     "code_version",
+    "diff",
+    "export",
     "inspect",
     "list_checkpoints",
     "load",
@@ -67,15 +69,15 @@ __all__ = [
 ]
 
 
+# Calls that need torch, imported on first use: name -> module.
+_LAZY = {"save": "saver", "load": "loader", "diff": "differ", "export": "exporter"}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "save":
-        from .saver import save
+    if name in _LAZY:
+        import importlib
 
-        return save
-    if name == "load":
-        from .loader import load
-
-        return load
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
 
 

@@ -215,13 +215,16 @@ def _init_torchrun() -> Any:
 @cli.command("export")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--format", "fmt", default="hf", show_default=True, type=click.Choice(["hf"]), help="Output format.")
-@click.option("--dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32"]), help="Weights dtype.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output file (5GB, 500MB, 2GiB, bytes).")
+@click.option("--format", "fmt", default="hf", show_default=True, type=click.Choice(["hf", "dcp", "zarr"]),
+              help="hf: Hugging Face model directory; dcp: torch.distributed.checkpoint; zarr: the topology-free form.")
+@click.option("--dtype", default=None, type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Output dtype. hf: default bf16; dcp: default the saved dtype; zarr: always the saved dtype.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="hf: largest output file (5GB, 500MB, 2GiB, bytes).")
+@click.option("--include-optimizer", is_flag=True, help="dcp: also export the optimizer state (zarr always has it).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the export report).")
-def export_cmd(src: str, dst: str, fmt: str, dtype: str, max_shard_size: str, as_json: bool) -> None:
-    """Export the model weights of the checkpoint at SRC (any topology) to DST, e.g. as a
-    Hugging Face model directory.
+def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, as_json: bool) -> None:
+    """Export the checkpoint at SRC (any topology) to DST: a Hugging Face model directory, a
+    torch DCP checkpoint, or the zarr form (every tensor as a zarr v3 array, manifest beside it).
 
     Exit 0 when DST is complete, 1 on a ckptkit error (unmapped or missing tensors, DST exists;
     DST does not appear), 2 on bad usage or when SRC holds no committed checkpoint.
@@ -232,16 +235,20 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str, max_shard_size: str, as
         size = parse_size(max_shard_size)
     except CkptkitError as exc:
         _fail(f"--max-shard-size: {exc}", 2)
-        return
-    report = _needs_checkpoint(lambda: export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size))
+    if fmt == "zarr" and dtype is not None:
+        _fail("--dtype: the zarr form keeps every tensor in its saved dtype", 2)
+    if fmt == "hf" and include_optimizer:
+        _fail("--include-optimizer: the hf format holds model weights only (use --format dcp or zarr)", 2)
+    report = _needs_checkpoint(lambda: export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size,
+                                              include_optimizer=include_optimizer))
     if as_json:
         _emit_json(report)
         return
     total = sum(f.size for f in report.files)
     click.echo(
-        f"{report.destination}: {len(report.tensors)} tensors as {report.dtype} in "
-        f"{sum(1 for f in report.files if f.path.endswith('.safetensors'))} shard(s), {total / 1e6:.1f} MB "
-        f"(step {report.step}; {len(report.skipped)} non-weight tensors not exported)"
+        f"{report.destination}: {len(report.tensors)} tensors ({report.format}, {report.dtype}) in "
+        f"{len(report.files)} file(s), {total / 1e6:.1f} MB "
+        f"(step {report.step}; {len(report.skipped)} tensors not exported)"
     )
 
 

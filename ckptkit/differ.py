@@ -8,12 +8,8 @@ import os
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from .catalog import Location
-from .loader import fill
+from .loader import Headers, read_tensor
 from .payload import open_checkpoint
-from .manifest import Manifest
-from .sharded import ShardedTensor
-from .torch_io import torch_dtype
 
 
 class TensorDiff(BaseModel):
@@ -66,13 +62,15 @@ def diff(
     names_b = {n for n, t in man_b.tensors.items() if t.kind in kinds}
     diffs = [TensorDiff(name=n, problem="only in A") for n in sorted(names_a - names_b)]
     diffs += [TensorDiff(name=n, problem="only in B") for n in sorted(names_b - names_a)]
+    headers_a: Headers = {}
+    headers_b: Headers = {}
     for name in sorted(names_a & names_b):
         ta, tb = man_a.tensors[name], man_b.tensors[name]
         if (ta.shape, ta.dtype) != (tb.shape, tb.dtype):
             diffs.append(TensorDiff(name=name, problem=f"A is {ta.dtype}{list(ta.shape)}, B is {tb.dtype}{list(tb.shape)}"))
             continue
-        x = _read(loc_a, man_a, name)
-        y = _read(loc_b, man_b, name)
+        x = read_tensor(loc_a, man_a, name, headers_a)
+        y = read_tensor(loc_b, man_b, name, headers_b)
         found = compare(name, x, y, atol, rtol)
         if found is not None:
             diffs.append(found)
@@ -82,13 +80,6 @@ def diff(
         a=str(loc_a), b=str(loc_b), equal=not diffs and objects_equal, atol=atol, rtol=rtol, kinds=list(kinds),
         tensors_compared=len(names_a & names_b), differences=diffs, objects_equal=objects_equal,
     )
-
-
-def _read(loc: Location, manifest: Manifest, name: str) -> torch.Tensor:
-    entry = manifest.tensors[name]
-    out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
-    fill(loc, manifest, {name: [ShardedTensor(out, tuple(out.shape), (0,) * out.dim())]})
-    return out
 
 
 def compare(name: str, x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> TensorDiff | None:

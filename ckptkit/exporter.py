@@ -1,10 +1,11 @@
-"""Export a checkpoint (any topology) to portable full weights: Hugging Face safetensors shards.
+"""Export a checkpoint (any topology) to portable full weights: Hugging Face, torch DCP, zarr.
 
-Call order: open the source and map every parameter to its output name (an unmapped or
-missing tensor fails before anything is written); plan the output files; then stream the
-tensors one at a time (each read whole from whatever boxes hold it, converted, written) into
-a temporary directory, add the index, configs, tokenizer and the export report, and rename
-it into place. The same logical state gives byte-identical files whatever topology saved it.
+Call order: open the source and plan the output (an unmapped or missing tensor fails before
+anything is written); then stream the tensors one at a time (each read whole from whatever
+boxes hold it, converted, written) into a temporary directory, add the format's other files
+and the export report, and rename it into place. The same logical state gives byte-identical
+files whatever topology saved it. The Hugging Face writer is here; ``export_dcp`` and
+``zarr_form`` hold the others.
 """
 
 from __future__ import annotations
@@ -14,61 +15,27 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-from pydantic import BaseModel, ConfigDict
-
 from . import hf
-from .catalog import Location, discard, locate, refuse_nesting, temp_name
+from .catalog import discard, locate, refuse_nesting, temp_name
 from .checksum import Hasher, checksum_of
 from .dtypes import itemsize
 from .errors import CheckpointExistsError, LayoutError, StorageError
-from .loader import fill
-from .manifest import Manifest, Topology
+from .export_types import (
+    REPORT_NAME, ExportedFile, ExportedTensor, ExportReport, Source, Writer, Written, convert, exported, report_bytes,
+)
+from .manifest import Manifest
 from .payload import open_checkpoint, read_checked
 from .safetensors_format import build_header
-from .sharded import ShardedTensor
 from .storage import Storage
-from .torch_io import byte_view, torch_dtype
+from .torch_io import byte_view
+from .zarr_form import CHUNK_BYTES
 
-REPORT_NAME = "export_report.json"
+__all__ = ["REPORT_NAME", "ExportReport", "export", "parse_size"]
+
 DEFAULT_MAX_SHARD = 5 * 10**9
-
-
-class ExportedTensor(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str
-    source: str
-    shape: list[int]
-    source_dtype: str
-    dtype: str
-    file: str
-    checksum: str
-
-
-class ExportedFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    path: str
-    size: int
-    checksum: str
-
-
-class ExportReport(BaseModel):
-    """What ``ckptkit export --json`` prints, also written as ``export_report.json`` in DST."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    format: str
-    dtype: str
-    source: str
-    source_checkpoint_id: str
-    step: int
-    source_topology: Topology
-    destination: str
-    tensors: list[ExportedTensor]
-    files: list[ExportedFile]
-    skipped: list[str]
 
 
 def parse_size(text: str) -> int:
@@ -85,73 +52,80 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * units[match.group(2)])
 
 
+FORMATS = ("hf", "dcp", "zarr")
+
+
 def export(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
     format: str = "hf",
-    dtype: str = "bf16",
+    dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD,
+    include_optimizer: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
     storage: Storage | None = None,
     dst_storage: Storage | None = None,
 ) -> ExportReport:
-    """Export the model weights of the checkpoint at `src` to the directory `dst`.
+    """Export the checkpoint at `src` to the directory `dst` in `format`.
 
-    ``format="hf"``: a Hugging Face Llama directory (``config.json``, ``generation_config.json``,
-    ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, the tokenizer).
-    Weights come from the checkpoint's parameters (the fp32 master weights the reference
-    trainer saves), converted to `dtype` (bf16, fp16 or fp32) with round-to-nearest-even.
+    - ``hf``: a Hugging Face Llama directory (``config.json``, ``generation_config.json``,
+      ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, the tokenizer).
+      Weights come from the checkpoint's parameters (the fp32 master weights the reference
+      trainer saves), converted to `dtype` (default bf16) with round-to-nearest-even.
+    - ``dcp``: a torch.distributed.checkpoint directory of the parameters (``model.<name>``)
+      and, with `include_optimizer`, the optimizer state (``optimizer.exp_avg.<name>``, ...),
+      in their saved dtype unless `dtype` is given.
+    - ``zarr``: the topology-free form (see ``ckptkit.zarr_form``): every tensor as a zarr v3
+      array with the manifest beside it, bit for bit; `dtype` must be None.
+
+    Every format writes ``export_report.json`` (each tensor's source, dtypes and checksum, each
+    file, the tensors left out). Tensors stream one at a time; `dst` appears only when complete.
 
     Raises:
-        LayoutError: the model family has no export, or a parameter is unmapped or missing
-            (all are listed); nothing is written.
+        LayoutError: an unknown format or dtype, a model family with no HF export, or tensors
+            that cannot be mapped (all are listed); nothing is written.
         CheckpointExistsError: something exists at `dst`.
         IntegrityError, StorageError: reading or writing failed; `dst` does not appear.
     """
-    if format != "hf":
-        raise LayoutError(f"export format {format!r} is not available; available: hf")
-    if dtype not in hf.DTYPES:
+    if format not in FORMATS:
+        raise LayoutError(f"export format {format!r} is not available; available: {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in hf.DTYPES:
         raise LayoutError(f"dtype {dtype!r} is not one of {', '.join(hf.DTYPES)}")
+    if format == "zarr" and dtype is not None:
+        raise LayoutError("the zarr form keeps every tensor in its saved dtype; drop --dtype")
+    if format == "hf" and include_optimizer:
+        raise LayoutError("the hf format holds model weights only; --include-optimizer applies to dcp")
+    out_dtype = hf.DTYPES[dtype or "bf16"] if format == "hf" else hf.DTYPES[dtype] if dtype else None
     src_loc, manifest = open_checkpoint(src, storage)
-    model = _llama_config(manifest, str(src_loc))
-    from .trainer.config import ModelConfig
-    from .trainer.layout import logical_param_names
+    source = Source(src_loc, manifest)
+    writer: Writer
+    if format == "hf":
+        writer = _hf_writer(source, hf.DTYPES[dtype or "bf16"], max_shard_bytes)
+    elif format == "dcp":
+        from .export_dcp import dcp_writer
 
-    names = hf.name_map(manifest.tensors, logical_param_names(ModelConfig(**model)))
-    out_dtype = hf.DTYPES[dtype]
-    sizes = {names[fqn]: manifest.tensors[fqn].shape for fqn in names}
-    nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in sizes.items()}
-    shards = hf.plan_shards(nbytes, max_shard_bytes)
+        writer = dcp_writer(source, out_dtype, include_optimizer)
+    else:
+        from .zarr_form import zarr_writer
+
+        writer = zarr_writer(source, chunk_bytes)
     dst_loc = locate(dst, dst_storage)
     refuse_nesting(src_loc, dst_loc)
     if dst_loc.storage.exists(dst_loc.name):
         raise CheckpointExistsError(f"{dst_loc}: already exists; choose another path or remove it")
     tmp = temp_name(dst_loc.name, uuid.uuid4().hex[:12])
-    source_of = {name: fqn for fqn, name in names.items()}
     try:
-        tensors: list[ExportedTensor] = []
-        files = [_write_shard(src_loc, manifest, dst_loc.storage, tmp, shard, source_of, out_dtype, tensors) for shard in shards]
-        index = {"metadata": {"total_size": sum(nbytes.values())},
-                 "weight_map": {name: shard.file for shard in shards for name in shard.names}}
-        extra = {
-            "model.safetensors.index.json": index,
-            "config.json": hf.config_json(model, out_dtype),
-            "generation_config.json": hf.generation_config_json(_eos_id(src_loc, manifest)),
-        }
-        copied, tokenizer_extra = _tokenizer_files(src_loc, manifest, dst_loc.storage, tmp, model)
-        files += copied
-        extra.update(tokenizer_extra)
-        for path, doc in extra.items():
-            data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
-            dst_loc.storage.write(f"{tmp}/{path}", [data])
-            files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
-        skipped = sorted(fqn for fqn in manifest.tensors if fqn not in names)
+        written = writer(source, dst_loc.storage, tmp)
         report = ExportReport(
-            format=format, dtype=out_dtype, source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
+            format=format, dtype=out_dtype or "saved", source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
             step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
-            tensors=tensors, files=sorted(files, key=lambda f: f.path), skipped=skipped,
+            tensors=written.tensors, files=sorted(written.files, key=lambda f: f.path), skipped=written.skipped,
         )
-        dst_loc.storage.write(f"{tmp}/{REPORT_NAME}", [report.model_dump_json(indent=2).encode()])
+        data = report_bytes(report)
+        dst_loc.storage.write(f"{tmp}/{REPORT_NAME}", [data])
+        if written.finish is not None:
+            written.finish(ExportedFile(path=REPORT_NAME, size=len(data), checksum=checksum_of(data)))
         dst_loc.storage.rename(tmp, dst_loc.name)
     except BaseException as exc:
         discard(dst_loc.storage, tmp)
@@ -159,6 +133,41 @@ def export(
             raise StorageError(f"{dst_loc}: export failed, nothing written: {exc}") from exc
         raise
     return report
+
+
+def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int) -> Writer:
+    """Plan the HF export (failing before any write) and return its writer."""
+    manifest = source.manifest
+    model = _llama_config(manifest, str(source.loc))
+    from .trainer.config import ModelConfig
+    from .trainer.layout import logical_param_names
+
+    names = hf.name_map(manifest.tensors, logical_param_names(ModelConfig(**model)))
+    sizes = {names[fqn]: manifest.tensors[fqn].shape for fqn in names}
+    nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in sizes.items()}
+    shards = hf.plan_shards(nbytes, max_shard_bytes)
+    source_of = {name: fqn for fqn, name in names.items()}
+
+    def write(source: Source, dst: Storage, tmp: str) -> Written:
+        tensors: list[ExportedTensor] = []
+        files = [_write_shard(source, dst, tmp, shard, source_of, out_dtype, tensors) for shard in shards]
+        index = {"metadata": {"total_size": sum(nbytes.values())},
+                 "weight_map": {name: shard.file for shard in shards for name in shard.names}}
+        extra = {
+            "model.safetensors.index.json": index,
+            "config.json": hf.config_json(model, out_dtype),
+            "generation_config.json": hf.generation_config_json(_eos_id(source)),
+        }
+        copied, tokenizer_extra = _tokenizer_files(source, dst, tmp, model)
+        files += copied
+        extra.update(tokenizer_extra)
+        for path, doc in extra.items():
+            data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+            dst.write(f"{tmp}/{path}", [data])
+            files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
+        return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in names))
+
+    return write
 
 
 def _llama_config(manifest: Manifest, where: str) -> dict[str, Any]:
@@ -170,9 +179,10 @@ def _llama_config(manifest: Manifest, where: str) -> dict[str, Any]:
 
 
 def _write_shard(
-    src_loc: Location, manifest: Manifest, dst: Storage, tmp: str, shard: hf.Shard, source_of: dict[str, str],
+    source: Source, dst: Storage, tmp: str, shard: hf.Shard, source_of: dict[str, str],
     out_dtype: str, report: list[ExportedTensor],
 ) -> ExportedFile:
+    manifest = source.manifest
     header, _ = build_header([(name, out_dtype, manifest.tensors[source_of[name]].shape) for name in shard.names], {"format": "pt"})
     hasher = Hasher()
 
@@ -181,15 +191,10 @@ def _write_shard(
         yield memoryview(header)
         for name in shard.names:
             fqn = source_of[name]
-            entry = manifest.tensors[fqn]
-            whole = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
-            fill(src_loc, manifest, {fqn: [ShardedTensor(whole, entry.shape, (0,) * len(entry.shape))]})
-            out = whole.to(torch_dtype(out_dtype)).contiguous()
-            del whole
+            out = convert(source.read(fqn), out_dtype)
             view = byte_view(out)
             hasher.update(view)
-            report.append(ExportedTensor(name=name, source=fqn, shape=list(entry.shape), source_dtype=entry.dtype,
-                                         dtype=out_dtype, file=shard.file, checksum=checksum_of(view)))
+            report.append(exported(name, fqn, manifest.tensors[fqn].dtype, out, out_dtype, shard.file))
             yield view
 
     size = dst.write(f"{tmp}/{shard.file}", chunks())
@@ -197,16 +202,16 @@ def _write_shard(
 
 
 def _tokenizer_files(
-    src_loc: Location, manifest: Manifest, dst: Storage, tmp: str, model: dict[str, Any]
+    source: Source, dst: Storage, tmp: str, model: dict[str, Any]
 ) -> tuple[list[ExportedFile], dict[str, Any]]:
     """Copy the checkpoint's tokenizer files (checked) to the output; return them and the JSON
     files to add (a ``tokenizer_config.json`` when the checkpoint has none)."""
     copied: dict[str, bytes] = {}
     files: list[ExportedFile] = []
-    for entry in manifest.files:
+    for entry in source.manifest.files:
         if entry.role != "tokenizer":
             continue
-        data = read_checked(src_loc, entry)
+        data = read_checked(source.loc, entry)
         name = entry.path.removeprefix("tokenizer/")
         dst.write(f"{tmp}/{name}", [data])
         copied[name] = data
@@ -217,10 +222,10 @@ def _tokenizer_files(
     return files, {}
 
 
-def _eos_id(src_loc: Location, manifest: Manifest) -> int | None:
-    for entry in manifest.files:
+def _eos_id(source: Source) -> int | None:
+    for entry in source.manifest.files:
         if entry.path == "tokenizer/tokenizer.json":
-            vocab = json.loads(src_loc.storage.read(src_loc.key(entry.path))).get("model", {}).get("vocab", {})
+            vocab = json.loads(read_checked(source.loc, entry)).get("model", {}).get("vocab", {})
             eos = vocab.get("<eos>")
             return eos if isinstance(eos, int) else None
     return None

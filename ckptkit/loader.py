@@ -64,12 +64,28 @@ def load(
     return unflatten({**manifest.objects, **leaves})
 
 
-def fill(loc: Location, manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]) -> None:
-    """Fill every ShardedTensor of `pieces` (by fqn) in place with its box of the checkpoint."""
+Headers = dict[int, tuple[Header, bytes]]
+
+
+def fill(
+    loc: Location, manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]], headers: Headers | None = None
+) -> None:
+    """Fill every ShardedTensor of `pieces` (by fqn) in place with its box of the checkpoint.
+
+    `headers` caches the checked payload headers (by file index) across calls.
+    """
     _check_targets(manifest, pieces)
     requests = [(fqn, p.box) for fqn, ps in pieces.items() for p in ps]
     plan = plan_load(manifest, requests)
-    _execute(loc, manifest, plan, [p.local for ps in pieces.values() for p in ps])
+    _execute(loc, manifest, plan, [p.local for ps in pieces.values() for p in ps], {} if headers is None else headers)
+
+
+def read_tensor(loc: Location, manifest: Manifest, fqn: str, headers: Headers | None = None) -> torch.Tensor:
+    """Return the whole tensor `fqn` of the checkpoint, read from whatever shards hold it."""
+    entry = manifest.tensors[fqn]
+    out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+    fill(loc, manifest, {fqn: [ShardedTensor(out, tuple(out.shape), (0,) * out.dim())]}, headers)
+    return out
 
 
 def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]) -> None:
@@ -88,10 +104,12 @@ def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]
         raise LayoutError(f"cannot load into target: {len(problems)} problem(s): " + "; ".join(problems[:20]))
 
 
-def _execute(loc: Location, manifest: Manifest, plan: LoadPlan, outputs: list[torch.Tensor]) -> None:
+def _execute(loc: Location, manifest: Manifest, plan: LoadPlan, outputs: list[torch.Tensor], headers: Headers) -> None:
     """Run the plan's reads on a few threads, in file and offset order; check the checksum of every
     file read whole, from the bytes read (hashing overlaps the reads still in flight)."""
-    headers = {i: read_header(loc, manifest, i) for i in plan.files()}
+    for i in plan.files():
+        if i not in headers:
+            headers[i] = read_header(loc, manifest, i)
     jobs = []
     for target, out in zip(plan.targets, outputs):
         dtype = manifest.tensors[target.fqn].dtype
@@ -179,7 +197,7 @@ class _FileCheck:
 
 
 def _whole_file_checks(
-    manifest: Manifest, headers: dict[int, tuple[Header, bytes]], jobs: list[Any]
+    manifest: Manifest, headers: Headers, jobs: list[Any]
 ) -> dict[int, _FileCheck]:
     """Return a checksum check for every file whose tensor bytes the jobs read exactly once, all of them."""
     spans: dict[int, list[tuple[int, int]]] = {}

@@ -17,7 +17,7 @@ from .errors import ManifestError
 
 FORMAT = "ckptkit"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 0
+SCHEMA_MINOR = 1
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 MANIFEST_NAME = "manifest.json"
 
@@ -57,12 +57,20 @@ class Topology(Model):
 
 
 class FileEntry(Model):
-    """One payload file of the checkpoint, relative to the checkpoint directory."""
+    """One payload file of the checkpoint, relative to the checkpoint directory.
+
+    ``role``: ``tensors`` (payload), ``tokenizer`` and ``asset`` (carried over by reshard and
+    export), ``format`` (since 1.1: a file of the storage form itself, such as the ``zarr.json``
+    documents of the zarr form, never carried over). ``encoding`` of a tensors file: ``safetensors`` (the default, omitted when written), or
+    ``raw`` (since 1.1): the file is the bytes of exactly one shard, C order, little-endian,
+    from offset 0, possibly followed by padding (the chunks of the zarr form).
+    """
 
     path: str
     size: int = Field(ge=0)
     checksum: str
-    role: Literal["tensors", "tokenizer", "asset"] = "tensors"
+    role: Literal["tensors", "tokenizer", "asset", "format"] = "tensors"
+    encoding: Literal["safetensors", "raw"] = Field(default="safetensors", exclude_if=lambda v: v == "safetensors")
 
 
 class BoxShard(Model):

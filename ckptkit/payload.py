@@ -1,4 +1,8 @@
-"""Payload files as the manifest describes them: read and check their safetensors headers (no torch); open a checkpoint with its checked manifest."""
+"""Payload files as the manifest describes them: read and check their headers (no torch); open a checkpoint with its checked manifest.
+
+A tensors file is a safetensors file, or (``encoding: raw``) the bytes of one shard from
+offset 0: its "header" is empty and the shard's place follows from the manifest alone.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from .consistency import manifest_findings
 from .errors import IntegrityError, ManifestError
 from .storage import Storage
 from .checksum import hasher_for
+from .dtypes import itemsize
 from .manifest import FileEntry, Manifest
 from .planner import Read
 from .safetensors_format import Header, HeaderEntry, header_length, parse_header
@@ -31,7 +36,7 @@ def open_checkpoint(path: str | os.PathLike[str], storage: Storage | None = None
 
 def read_header(loc: Location, manifest: Manifest, index: int) -> tuple[Header, bytes]:
     """Read and check the safetensors header of payload file `index`; return it and its raw bytes
-    (length prefix included).
+    (length prefix included). A raw file has an empty header: data from byte 0, no entries.
 
     Raises:
         IntegrityError: the file is missing, of another size than the manifest says, or its
@@ -45,6 +50,8 @@ def read_header(loc: Location, manifest: Manifest, index: int) -> tuple[Header, 
     size = loc.storage.size(key)
     if size != entry.size:
         raise IntegrityError(f"{where}: {size} bytes, manifest says {entry.size} (truncated or replaced?)")
+    if entry.encoding == "raw":
+        return Header(0, {}, {}), b""
     first = loc.storage.read(key, 0, 8)
     n = header_length(first, where=where)
     if 8 + n > size:
@@ -57,8 +64,15 @@ def header_entry(loc: Location, manifest: Manifest, header: Header, read: Read, 
     """Return the header entry of the shard `read` reads, checked against the manifest's dtype and box.
 
     Raises:
-        IntegrityError: the key is missing from the file, or holds another dtype or shape.
+        IntegrityError: the key is missing from the file, or holds another dtype or shape (for a
+            raw file: the file is shorter than the shard).
     """
+    file = manifest.files[read.file]
+    if file.encoding == "raw":
+        nbytes = read.src_box.volume * itemsize(dtype)
+        if nbytes > file.size:
+            raise IntegrityError(f"{loc}/{file.path}: {file.size} bytes, too short for {dtype}{list(read.src_box.lengths)}")
+        return HeaderEntry(dtype, read.src_box.lengths, 0, nbytes)
     entry = header.entries.get(read.key)
     if entry is None or entry.shape != read.src_box.lengths or entry.dtype != dtype:
         found = "missing" if entry is None else f"{entry.dtype}{list(entry.shape)}"

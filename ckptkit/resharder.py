@@ -350,7 +350,7 @@ def _commit(
     written = {w.path: w for res in results for w in res[1]}
     files = [FileEntry(path=f.path, size=written[f.path].size, checksum=written[f.path].checksum) for f in plan.save.all_files()]
     index = {f.path: i for i, f in enumerate(files)}
-    files += [_copy_asset(src_loc, loc.storage, tmp, entry) for entry in manifest.files if entry.role != "tensors"]
+    files += [_copy_asset(src_loc, loc.storage, tmp, entry) for entry in manifest.files if entry.role in ("tokenizer", "asset")]
     target = Manifest(
         checkpoint_id=uuid.uuid4().hex,
         step=manifest.step,

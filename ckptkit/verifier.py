@@ -6,6 +6,7 @@ a few threads read ahead (reads release the GIL) while the calling thread hashes
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from .catalog import Location, resolve
 from .checksum import hasher_for
 from .consistency import Finding, manifest_findings
+from .dtypes import itemsize
 from .errors import CkptkitError, IntegrityError, ManifestError, StorageError
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 from .safetensors_format import header_length, parse_header
@@ -130,6 +132,8 @@ def _file_findings(loc: Location, manifest: Manifest, index: int, expected: Expe
         return [Finding("size", entry.path, f"{size} bytes, manifest says {entry.size}")]
     if entry.role != "tensors":
         return []
+    if entry.encoding == "raw":
+        return _raw_findings(entry.path, size, expected)
     try:
         n = header_length(loc.storage.read(key, 0, 8), where=entry.path)
         if 8 + n > size:
@@ -149,6 +153,17 @@ def _file_findings(loc: Location, manifest: Manifest, index: int, expected: Expe
     for extra in sorted(set(header.entries) - set(expected)):
         found.append(Finding("header", entry.path, f"tensor {extra!r} is not in the manifest"))
     return found
+
+
+def _raw_findings(path: str, size: int, expected: Expected) -> list[Finding]:
+    """A raw file holds the bytes of exactly one shard (then possibly padding)."""
+    if len(expected) != 1:
+        return [Finding("header", path, f"a raw file holds one shard; the manifest puts {len(expected)} here")]
+    ((dtype, lengths, fqn),) = expected.values()
+    nbytes = math.prod(lengths) * itemsize(dtype)
+    if nbytes > size:
+        return [Finding("size", path, f"{size} bytes, too short for {dtype}{list(lengths)} (of {fqn})")]
+    return []
 
 
 def _stray_findings(loc: Location, manifest: Manifest) -> list[Finding]:

@@ -8,7 +8,20 @@ from .base import Capabilities, Storage, check_key
 from .local import LocalStorage
 from .memory import MemoryStorage
 
-__all__ = ["Capabilities", "LocalStorage", "MemoryStorage", "Storage", "check_key", "open_storage"]
+__all__ = ["Capabilities", "LocalStorage", "MemoryStorage", "Storage", "check_key", "local_path", "open_storage"]
+
+
+def local_path(storage: Storage, key: str, purpose: str) -> str:
+    """Return the filesystem path of `key`, for writers that need one (tensorstore, torch DCP).
+
+    Raises:
+        StorageError: the storage is not a local directory.
+    """
+    from ..errors import StorageError
+
+    if not isinstance(storage, LocalStorage):
+        raise StorageError(f"{storage!r}: {purpose} is written to a local directory only")
+    return storage.path(key)
 
 
 def open_storage(url: str | os.PathLike[str]) -> Storage:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -130,3 +131,54 @@ def test_a_failed_write_leaves_no_output(source: Path) -> None:
     with pytest.raises(StorageError, match="No space left"):
         export(source, "hf", dst_storage=dst, max_shard_bytes=200_000)
     assert dst.list("") == []
+
+
+def test_dcp_export_holds_model_and_optimizer_bitwise(source: Path, tmp_path: Path) -> None:
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    export(source, tmp_path / "dcp", format="dcp", include_optimizer=True)
+    saved = ckptkit.load(str(source))
+    metadata = FileSystemReader(str(tmp_path / "dcp")).read_metadata()
+    plain = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_load(plain, checkpoint_id=str(tmp_path / "dcp"))
+    expected = {f"model.{k}": v for k, v in saved["model"].items()}
+    for moment in ("exp_avg", "exp_avg_sq"):
+        expected.update({f"optimizer.{moment}.{k}": v for k, v in saved["optimizer"][moment].items()})
+    assert sorted(plain) == sorted(expected) and len(expected) == 3 * 39
+    for key, value in expected.items():
+        assert torch.equal(plain[key].view(torch.int32), value.view(torch.int32)), key
+
+
+def test_zarr_form_reshards_and_exports_like_the_native_checkpoint(
+    source: Path, tmp_path: Path, run_ckptkit: Callable
+) -> None:
+    zarr = pytest.importorskip("zarr")
+    form = tmp_path / "form"
+    done = run_ckptkit("export", str(source), str(form), "--format", "zarr")
+    assert done.returncode == 0, done.stderr
+    saved = ckptkit.load(str(source))
+    group = zarr.open_group(str(form), mode="r")
+    for name in ("model/embed.weight", "model/layers.1.mlp.up.weight", "optimizer/exp_avg_sq/norm.weight"):
+        *path, leaf = name.split("/")
+        want = functools.reduce(lambda tree, key: tree[key], path, saved)[leaf]
+        assert (group[name][...] == want.numpy()).all(), name
+        assert (group[name][3:7, ...] == want[3:7].numpy()).all(), name
+    # The form as a reshard source: the same checkpoint as from the native source.
+    done = run_ckptkit("reshard", str(form), str(tmp_path / "from-zarr"), "--tp", "1", "--pp", "1", "--dp", "1")
+    assert done.returncode == 0, done.stderr
+    ckptkit.reshard(str(source), str(tmp_path / "native"), Topology(world_size=1))
+    same = run_ckptkit("diff", str(tmp_path / "from-zarr"), str(tmp_path / "native"))
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert ckptkit.verify(str(tmp_path / "from-zarr")).ok
+    assert not list((tmp_path / "from-zarr").rglob("zarr.json"))  # the form's own files stay behind
+    # The form as an export source: the same Hugging Face files.
+    export(form, tmp_path / "hf-a")
+    export(source, tmp_path / "hf-b")
+    names = sorted(p.name for p in (tmp_path / "hf-a").iterdir() if p.name != REPORT_NAME)
+    for name in names:
+        assert (tmp_path / "hf-a" / name).read_bytes() == (tmp_path / "hf-b" / name).read_bytes(), name
