@@ -78,10 +78,12 @@ def best_dcp(summary: dict[str, dict[str, Any]]) -> str | None:
 RESHARD_VS_LIMIT = 1.3
 RESHARD_RSS_FIXED = 256 << 20
 RESHARD_PLAN_S = 10.0
+EXPORT_VS_LIMIT = 1.3
 
 
-def reshard_summary(runs: Runs) -> dict[str, Any]:
-    """Medians per tool, ckptkit's time over the disk limit and over DCP (paired per repeat), peak RSS."""
+def tool_summary(runs: Runs, peers: dict[str, str], rss_fixed: int = RESHARD_RSS_FIXED) -> dict[str, Any]:
+    """Medians per tool, ckptkit's time over each peer's (paired per repeat; `peers` maps the key
+    to the tool), peak RSS, and the RSS bound `rss_fixed` + 2x the largest tensor."""
     tools: dict[str, Any] = {}
     for tool, results in runs.items():
         ok = [r for r in results if "error" not in r]
@@ -100,8 +102,22 @@ def reshard_summary(runs: Runs) -> dict[str, Any]:
 
     ok = [r for r in runs.get("ckptkit", []) if "error" not in r]
     largest = ok[0]["largest_tensor_bytes"] if ok else 0
-    return {"tools": tools, "time_vs_limit": time_ratio("disk limit"), "time_vs_dcp": time_ratio("dcp load+save"),
-            "rss_bound_bytes": RESHARD_RSS_FIXED + 2 * largest}
+    return {"tools": tools, **{key: time_ratio(tool) for key, tool in peers.items()}, "rss_bound_bytes": rss_fixed + 2 * largest}
+
+
+def reshard_summary(runs: Runs) -> dict[str, Any]:
+    """Medians per tool, ckptkit's time over the disk limit and over DCP (paired per repeat), peak RSS."""
+    return tool_summary(runs, {"time_vs_limit": "disk limit", "time_vs_dcp": "dcp load+save"})
+
+
+def export_summary(runs: Runs) -> dict[str, Any]:
+    """Medians per tool, ckptkit's time over the disk limit and over the naive path, peak RSS,
+    and the time inside the command (its start-up left out) over the disk limit."""
+    summary = tool_summary(runs, {"time_vs_limit": "disk limit", "time_vs_naive": "dcp consolidate+save_file"})
+    pairs = [a["in_process_s"] / b["seconds"] for a, b in zip(runs.get("ckptkit", []), runs.get("disk limit", []))
+             if "in_process_s" in a and "error" not in b]
+    summary["in_process_vs_limit"] = statistics.median(pairs) if pairs else None
+    return summary
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -128,6 +144,11 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         add("ckptkit reshard time / disk limit time", reshard["time_vs_limit"], RESHARD_VS_LIMIT, False)
         peak = reshard["tools"].get("ckptkit", {}).get("peak_rss_bytes")
         add("ckptkit reshard peak RSS / (256 MiB + 2x largest)", None if peak is None else peak / reshard["rss_bound_bytes"], 1.0, False)
+    export = results.get("export")
+    if export and "error" not in export:
+        add("ckptkit export time / disk limit time", export["time_vs_limit"], EXPORT_VS_LIMIT, False)
+        peak = export["tools"].get("ckptkit", {}).get("peak_rss_bytes")
+        add("ckptkit export peak RSS / (256 MiB + 2x largest)", None if peak is None else peak / export["rss_bound_bytes"], 1.0, False)
     plan = results.get("reshard_plan")
     if plan and "error" not in plan:
         add("reshard plan 4096 -> 2048 ranks seconds", plan["seconds"], RESHARD_PLAN_S, False)

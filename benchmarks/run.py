@@ -1,6 +1,6 @@
 """Benchmark ckptkit against torch.save, safetensors and DCP, and against the machine's limits.
 
-Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan]``.
+Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export]``.
 Prints a table and writes a JSON document (``<out>/results.json`` unless ``--json``); the
 checkpoints it writes under ``<out>/work`` are deleted at the end. See docs/PERFORMANCE.md.
 """
@@ -27,7 +27,7 @@ from .phases import Runs, Settings, load_phase, run_rounds, run_worker, save_pha
 from .state import state_bytes, state_specs
 from .table import render
 
-PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan")
+PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -170,6 +170,23 @@ def run_reshard_phase(settings: Settings) -> dict[str, Any]:
     return {"source": meta, **report.reshard_summary(runs), "runs": runs}
 
 
+def run_export_phase(settings: Settings, prepared: bool) -> dict[str, Any]:
+    """Time ckptkit export, the naive DCP path and the disk limit on the reshard phase's source
+    (prepared here, untimed, unless the reshard phase already did)."""
+    from .exports import TOOLS, source_meta
+    from .reshards import prepare_request
+
+    if not prepared:
+        meta = run_worker(prepare_request(settings))
+        if "error" in meta:
+            settings.say(f"[export] prepare FAILED: {meta['error']}")
+            return {"error": meta["error"]}
+    source = source_meta(settings.work)
+    settings.say(f"[export] source: {source['param_bytes'] / 1e9:.2f} GB of parameters to read")
+    runs = run_rounds(settings, "export", list(TOOLS), lambda tool: {"kind": "export", "tool": tool, "work": settings.work})
+    return {"source": source, **report.export_summary(runs), "runs": runs}
+
+
 def run_reshard_plan_phase(settings: Settings) -> dict[str, Any]:
     """Time reshard planning at scale --repeats times (a fresh process each); report the median run."""
     runs = []
@@ -208,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             results["scale"] = run_scale_phase(args, settings)
         if "reshard" in args.only.split(","):
             results["reshard"] = run_reshard_phase(settings)
+        if "export" in args.only.split(","):
+            results["export"] = run_export_phase(settings, "reshard" in results and "error" not in results["reshard"])
         if "reshard-plan" in args.only.split(","):
             results["reshard_plan"] = run_reshard_plan_phase(settings)
     finally:

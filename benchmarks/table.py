@@ -29,6 +29,8 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", *_scale_table(results["scale"])]
     if "reshard" in results:
         lines += ["", *_reshard_table(results["reshard"])]
+    if "export" in results:
+        lines += ["", *_export_table(results["export"])]
     if "reshard_plan" in results:
         lines += ["", *_plan_table(results["reshard_plan"])]
     lines += ["", *_targets_table(results["targets"])]
@@ -89,15 +91,30 @@ def _reshard_table(block: dict[str, Any]) -> list[str]:
     if "error" in block:
         return [f"RESHARD: FAILED: {block['error']}"]
     src = block["source"]
-    lines = [f"RESHARD (4,2,2,z1) -> (2,1,4,z2), {src['state_bytes'] / 1e9:.2f} GB, {src['tensors']} tensors, cold source"
-             f"{'median s':>12}{'peak RSS':>12}"]
+    title = f"RESHARD (4,2,2,z1) -> (2,1,4,z2), {src['state_bytes'] / 1e9:.2f} GB, {src['tensors']} tensors, cold source"
+    return _tool_table(title, block, (("ckptkit time / disk limit time", "time_vs_limit"), ("ckptkit time / DCP time", "time_vs_dcp")))
+
+
+def _export_table(block: dict[str, Any]) -> list[str]:
+    if "error" in block:
+        return [f"EXPORT: FAILED: {block['error']}"]
+    src = block["source"]
+    title = (f"EXPORT to bf16 HF from (4,2,2,z1): {src['param_bytes'] / 1e9:.2f} GB of fp32 parameters read, "
+             f"{src['output_bytes'] / 1e9:.2f} GB written, cold source")
+    return _tool_table(title, block, (("ckptkit time / disk limit time", "time_vs_limit"),
+                                      ("ckptkit time inside the command (no start-up) / disk limit time", "in_process_vs_limit"),
+                                      ("ckptkit time / naive time", "time_vs_naive")))
+
+
+def _tool_table(title: str, block: dict[str, Any], ratios: tuple[tuple[str, str], ...]) -> list[str]:
+    lines = [f"{title:<82}{'median s':>12}{'peak RSS':>12}"]
     for tool, s in block["tools"].items():
         if "median_s" not in s:
             lines.append(f"  {tool:<44}FAILED: {'; '.join(s['errors'])[:100]}")
             continue
         peak = f"{s['peak_rss_bytes'] / (1 << 20):.0f} MiB" if "peak_rss_bytes" in s else "-"
         lines.append(f"  {tool:<82}{s['median_s']:>12.2f}{peak:>12}")
-    for name, key in (("ckptkit time / disk limit time", "time_vs_limit"), ("ckptkit time / DCP time", "time_vs_dcp")):
+    for name, key in ratios:
         value = block.get(key)
         lines.append(f"  {name:<82}{'-' if value is None else f'{value:.2f}':>12}")
     lines.append(f"  {'RSS bound: 256 MiB + 2x largest tensor':<82}{'':>12}{block['rss_bound_bytes'] / (1 << 20):>8.0f} MiB")

@@ -129,6 +129,12 @@ def run_scale(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any
     return asdict(measure_scale(request["tensors"], request["ranks"], request["dp"]))
 
 
+def run_export(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
+    from . import exports
+
+    return exports.run(request)
+
+
 def run_reshard(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
     from . import reshards
 
@@ -151,6 +157,7 @@ RUNNERS = {
     "reshard": run_reshard,
     "reshard-prepare": run_reshard,
     "reshard-plan": run_reshard,
+    "export": run_export,
 }
 
 

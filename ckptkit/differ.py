@@ -8,8 +8,8 @@ import os
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from .loader import Headers, read_tensor
-from .payload import open_checkpoint
+from .loader import read_tensor
+from .payload import Headers, open_checkpoint
 
 
 class TensorDiff(BaseModel):

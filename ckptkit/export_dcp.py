@@ -17,9 +17,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .checksum import Hasher
 from .errors import LayoutError
-from .export_types import ExportedFile, ExportedTensor, Source, Writer, Written, convert, exported
+from .export_types import ExportedFile, ExportedTensor, Source, Writer, Written, exported
 from .storage import Storage, local_path
-from .torch_io import torch_dtype
+from .arrays import output_dtype
+from .torch_io import byte_view, torch_dtype
 
 READ_PIECE = 8 << 20
 
@@ -54,7 +55,7 @@ def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -
         state = {}
         for key, fqn in keys.items():
             entry = manifest.tensors[fqn]
-            state[key] = torch.empty(entry.shape, dtype=torch_dtype(out_dtype or entry.dtype), device="meta")
+            state[key] = torch.empty(entry.shape, dtype=torch_dtype(output_dtype(entry.dtype, out_dtype)), device="meta")
         planner = _StreamingPlanner(source, keys, out_dtype, report)
         writer = FileSystemWriter(local_path(dst, tmp, "a DCP export"), thread_count=1, sync_files=True)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
@@ -84,9 +85,12 @@ class _StreamingPlanner(DefaultSavePlanner):
         fqn = self.keys.get(key)
         if fqn is None:
             return super().resolve_data(write_item)
-        source_dtype = self.source.manifest.tensors[fqn].dtype
-        out = convert(self.source.read(fqn), self.out_dtype)
-        self.report.append(exported(key, fqn, source_dtype, out, self.out_dtype or source_dtype, ""))
+        entry = self.source.manifest.tensors[fqn]
+        out_dtype = output_dtype(entry.dtype, self.out_dtype)
+        saved = self.source.read(fqn)
+        tensor = torch.from_numpy(saved).view(torch_dtype(entry.dtype)).reshape(entry.shape)
+        out = tensor.to(torch_dtype(out_dtype)).contiguous()  # torch's own rounding, any float dtype
+        self.report.append(exported(self.source, key, fqn, byte_view(out), out_dtype, ""))
         return out
 
 

@@ -1,34 +1,76 @@
-"""What every export format shares: the source being read, the export report, dtype conversion."""
+"""What every export format shares: the source being read, the export report (no torch)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from .arrays import convert, read_whole
 from .catalog import Location
 from .checksum import checksum_of
-from .loader import Headers, read_tensor
+from .dtypes import itemsize
 from .manifest import Manifest, Topology
+from .payload import Headers
 from .storage import Storage
-from .torch_io import byte_view, torch_dtype
 
 REPORT_NAME = "export_report.json"
+READ_THREADS = 4
+AHEAD_THREADS = 3
+AHEAD_BYTES = 128 << 20
 
 
 @dataclass
 class Source:
-    """The checkpoint being exported: its location, checked manifest and a cache of its headers."""
+    """The checkpoint being exported: its location, checked manifest, a cache of its headers and
+    the threads that read it. Use as a context manager (the threads stop at exit)."""
 
     loc: Location
     manifest: Manifest
     headers: Headers = field(default_factory=dict)
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(READ_THREADS))
 
-    def read(self, fqn: str) -> torch.Tensor:
-        """Return tensor `fqn` whole, read from whatever shards hold it."""
-        return read_tensor(self.loc, self.manifest, fqn, self.headers)
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def read(self, fqn: str, dtype: str | None = None) -> np.ndarray[Any, Any]:
+        """Return tensor `fqn` whole as flat bytes (C order), converted to `dtype` if given."""
+        data = read_whole(self.loc, self.manifest, fqn, self.headers, self.pool)
+        saved = self.manifest.tensors[fqn].dtype
+        return convert(data, saved, dtype or saved)
+
+    def stream(self, fqns: Sequence[str], dtype: Callable[[str], str | None]) -> Iterator[tuple[str, np.ndarray[Any, Any]]]:
+        """Yield (fqn, bytes) for `fqns` in order, each converted to ``dtype(fqn)``.
+
+        Helper threads read and convert the next tensors while the caller uses the current
+        one, up to AHEAD_BYTES of saved bytes ahead (always at least the next tensor), so many
+        small tensors keep the disk busy and memory stays bounded.
+        """
+        sizes = [math.prod(self.manifest.tensors[f].shape) * itemsize(self.manifest.tensors[f].dtype) for f in fqns]
+        with ThreadPoolExecutor(AHEAD_THREADS) as ahead:
+            queue: deque[tuple[str, Future[np.ndarray[Any, Any]], int]] = deque()
+            submitted = 0
+            held = 0
+            for _ in fqns:
+                while submitted < len(fqns) and (not queue or held + sizes[submitted] <= AHEAD_BYTES):
+                    fqn = fqns[submitted]
+                    queue.append((fqn, ahead.submit(self.read, fqn, dtype(fqn)), sizes[submitted]))
+                    held += sizes[submitted]
+                    submitted += 1
+                fqn, future, size = queue.popleft()
+                data = future.result()
+                held -= size
+                yield fqn, data
+                del data
 
 
 class ExportedTensor(BaseModel):
@@ -63,6 +105,7 @@ class ExportReport(BaseModel):
     tensors: list[ExportedTensor]
     files: list[ExportedFile]
     skipped: list[str]
+    seconds: float = 0.0  # from opening the source to the last tensor written
 
 
 @dataclass
@@ -84,14 +127,8 @@ def report_bytes(report: ExportReport) -> bytes:
     return report.model_dump_json(indent=2).encode()
 
 
-def convert(tensor: torch.Tensor, dtype: str | None) -> torch.Tensor:
-    """Return `tensor` contiguous in manifest dtype `dtype` (round to nearest even; None keeps it)."""
-    if dtype is not None and tensor.dtype != torch_dtype(dtype):
-        tensor = tensor.to(torch_dtype(dtype))
-    return tensor.contiguous()
-
-
-def exported(name: str, fqn: str, source_dtype: str, out: torch.Tensor, dtype: str, file: str) -> ExportedTensor:
-    """The report line of tensor `fqn` exported as `name` (contiguous `out`, manifest dtype `dtype`) in `file`."""
-    return ExportedTensor(name=name, source=fqn, shape=list(out.shape), source_dtype=source_dtype, dtype=dtype,
-                          file=file, checksum=checksum_of(byte_view(out)))
+def exported(source: Source, name: str, fqn: str, data: memoryview, dtype: str, file: str) -> ExportedTensor:
+    """The report line of tensor `fqn` exported as `name` (bytes `data` in `dtype`) in `file`."""
+    entry = source.manifest.tensors[fqn]
+    return ExportedTensor(name=name, source=fqn, shape=list(entry.shape), source_dtype=entry.dtype,
+                          dtype=dtype, file=file, checksum=checksum_of(data))

@@ -14,23 +14,24 @@ import json
 import math
 import os
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import hf
+from .arrays import CONVERSIONS
 from .catalog import discard, locate, refuse_nesting, temp_name
 from .checksum import Hasher, checksum_of
 from .dtypes import itemsize
 from .errors import CheckpointExistsError, LayoutError, StorageError
 from .export_types import (
-    REPORT_NAME, ExportedFile, ExportedTensor, ExportReport, Source, Writer, Written, convert, exported, report_bytes,
+    REPORT_NAME, ExportedFile, ExportedTensor, ExportReport, Source, Writer, Written, exported, report_bytes,
 )
 from .manifest import Manifest
 from .payload import open_checkpoint, read_checked
 from .safetensors_format import build_header
 from .storage import Storage
-from .torch_io import byte_view
 from .zarr_form import CHUNK_BYTES
 
 __all__ = ["REPORT_NAME", "ExportReport", "export", "parse_size"]
@@ -97,11 +98,20 @@ def export(
     if format == "hf" and include_optimizer:
         raise LayoutError("the hf format holds model weights only; --include-optimizer applies to dcp")
     out_dtype = hf.DTYPES[dtype or "bf16"] if format == "hf" else hf.DTYPES[dtype] if dtype else None
+    started = time.perf_counter()
     src_loc, manifest = open_checkpoint(src, storage)
-    source = Source(src_loc, manifest)
+    with Source(src_loc, manifest) as source:
+        return _export(source, dst, format, out_dtype, max_shard_bytes, include_optimizer, chunk_bytes, dst_storage, started)
+
+
+def _export(
+    source: Source, dst: str | os.PathLike[str], format: str, out_dtype: str | None, max_shard_bytes: int,
+    include_optimizer: bool, chunk_bytes: int, dst_storage: Storage | None, started: float,
+) -> ExportReport:
+    src_loc, manifest = source.loc, source.manifest
     writer: Writer
     if format == "hf":
-        writer = _hf_writer(source, hf.DTYPES[dtype or "bf16"], max_shard_bytes)
+        writer = _hf_writer(source, out_dtype or hf.DTYPES["bf16"], max_shard_bytes)
     elif format == "dcp":
         from .export_dcp import dcp_writer
 
@@ -121,6 +131,7 @@ def export(
             format=format, dtype=out_dtype or "saved", source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
             step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
             tensors=written.tensors, files=sorted(written.files, key=lambda f: f.path), skipped=written.skipped,
+            seconds=round(time.perf_counter() - started, 3),
         )
         data = report_bytes(report)
         dst_loc.storage.write(f"{tmp}/{REPORT_NAME}", [data])
@@ -147,10 +158,15 @@ def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int) -> Writer:
     nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in sizes.items()}
     shards = hf.plan_shards(nbytes, max_shard_bytes)
     source_of = {name: fqn for fqn, name in names.items()}
+    odd = sorted(f"{fqn} ({manifest.tensors[fqn].dtype})" for fqn in names if (manifest.tensors[fqn].dtype, out_dtype) not in CONVERSIONS
+                 and manifest.tensors[fqn].dtype != out_dtype)
+    if odd:
+        raise LayoutError(f"export converts float32, bfloat16 and float16 weights; {len(odd)} are not: " + ", ".join(odd[:10]))
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
         tensors: list[ExportedTensor] = []
-        files = [_write_shard(source, dst, tmp, shard, source_of, out_dtype, tensors) for shard in shards]
+        stream = source.stream([source_of[n] for shard in shards for n in shard.names], lambda fqn: out_dtype)
+        files = [_write_shard(source, dst, tmp, shard, source_of, stream, out_dtype, tensors) for shard in shards]
         index = {"metadata": {"total_size": sum(nbytes.values())},
                  "weight_map": {name: shard.file for shard in shards for name in shard.names}}
         extra = {
@@ -180,8 +196,9 @@ def _llama_config(manifest: Manifest, where: str) -> dict[str, Any]:
 
 def _write_shard(
     source: Source, dst: Storage, tmp: str, shard: hf.Shard, source_of: dict[str, str],
-    out_dtype: str, report: list[ExportedTensor],
+    stream: Iterator[tuple[str, Any]], out_dtype: str, report: list[ExportedTensor],
 ) -> ExportedFile:
+    """Write one safetensors shard from the next tensors of `stream` (those of `shard`, in order)."""
     manifest = source.manifest
     header, _ = build_header([(name, out_dtype, manifest.tensors[source_of[name]].shape) for name in shard.names], {"format": "pt"})
     hasher = Hasher()
@@ -190,11 +207,11 @@ def _write_shard(
         hasher.update(header)
         yield memoryview(header)
         for name in shard.names:
-            fqn = source_of[name]
-            out = convert(source.read(fqn), out_dtype)
-            view = byte_view(out)
+            fqn, data = next(stream)
+            assert fqn == source_of[name]
+            view = memoryview(data)
             hasher.update(view)
-            report.append(exported(name, fqn, manifest.tensors[fqn].dtype, out, out_dtype, shard.file))
+            report.append(exported(source, name, fqn, view, out_dtype, shard.file))
             yield view
 
     size = dst.write(f"{tmp}/{shard.file}", chunks())

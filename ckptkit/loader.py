@@ -16,7 +16,7 @@ from .errors import IntegrityError, LayoutError
 from .manifest import Manifest
 from .planner import LoadPlan, plan_load
 from .checksum import hasher_for
-from .payload import header_entry, open_checkpoint, read_header
+from .payload import Headers, header_entry, open_checkpoint, read_header
 from .safetensors_format import Header
 from .sharded import ShardedTensor
 from .storage import Storage
@@ -62,9 +62,6 @@ def load(
         pieces = {fqn: leaf_shards(leaf) for fqn, leaf in leaves.items()}
     fill(loc, manifest, pieces)
     return unflatten({**manifest.objects, **leaves})
-
-
-Headers = dict[int, tuple[Header, bytes]]
 
 
 def fill(

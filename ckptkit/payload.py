@@ -19,6 +19,10 @@ from .planner import Read
 from .safetensors_format import Header, HeaderEntry, header_length, parse_header
 
 
+# Checked headers of payload files by file index (a cache callers pass along), with their raw bytes.
+Headers = dict[int, tuple[Header, bytes]]
+
+
 def open_checkpoint(path: str | os.PathLike[str], storage: Storage | None = None) -> tuple[Location, Manifest]:
     """Return the location and the checked manifest of the committed checkpoint at `path`.
 

@@ -52,21 +52,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def numpy_view(tensor: torch.Tensor) -> Any:
-    """Return a numpy array sharing the memory of a contiguous CPU tensor (bfloat16 and float8
-    as the ml_dtypes types that tensorstore reads)."""
-    special = {torch.bfloat16: ("bfloat16", torch.uint16)}
-    for name in ("float8_e4m3fn", "float8_e5m2"):
-        if hasattr(torch, name):
-            special[getattr(torch, name)] = (name, torch.uint8)
-    if tensor.dtype not in special:
-        return tensor.numpy()
-    import ml_dtypes
-
-    name, bits = special[tensor.dtype]
-    return tensor.view(bits).numpy().view(getattr(ml_dtypes, name))
-
-
 def host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     """Return `tensor` detached, on the CPU and contiguous (a copy only when needed)."""
     t = tensor.detach()

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from . import __version__
 from .boxes import Box
 from .checksum import Hasher, checksum_of
@@ -31,7 +33,6 @@ from .errors import LayoutError, StorageError
 from .manifest import MANIFEST_NAME, BoxShard, BoxShards, FileEntry, Producer, TensorEntry, manifest_to_json
 from .payload import read_checked
 from .storage import Storage, local_path
-from .torch_io import numpy_view
 
 CHUNK_BYTES = 64 << 20
 GROUP_DOC = {"zarr_format": 3, "node_type": "group", "attributes": {}}
@@ -151,10 +152,10 @@ def chunk_views(plan: ArrayPlan, data: memoryview) -> Iterator[tuple[Chunk, memo
         pos += n
 
 
-def write_array(storage: Storage, root: str, plan: ArrayPlan, array: Any) -> list[FileEntry]:
-    """Write the array of `plan` under `root` with tensorstore from the numpy `array`; return the
-    manifest entries of its chunk files (checksums of the bytes given plus padding) and its
-    ``zarr.json`` (read back as tensorstore wrote it).
+def write_array(storage: Storage, root: str, plan: ArrayPlan, data: np.ndarray[Any, Any]) -> list[FileEntry]:
+    """Write the array of `plan` under `root` with tensorstore from its bytes `data` (flat, C
+    order); return the manifest entries of its chunk files (checksums of the bytes given plus
+    padding) and its ``zarr.json`` (read back as tensorstore wrote it).
 
     Raises:
         StorageError: the storage is not a local directory, or tensorstore failed.
@@ -174,12 +175,11 @@ def write_array(storage: Storage, root: str, plan: ArrayPlan, array: Any) -> lis
     try:
         store = ts.open(spec, context=ts.Context({"cache_pool": {"total_bytes_limit": 0}})).result()
         if plan.chunks:
-            store.write(array).result()
+            store.write(typed(data, plan.dtype, plan.shape)).result()
     except ValueError as exc:
         raise StorageError(f"{path}: tensorstore could not write the array: {exc}") from exc
     files = []
-    data = memoryview(array.reshape(-1).view("uint8")) if array.size else memoryview(b"")
-    for chunk, view, pad in chunk_views(plan, data):
+    for chunk, view, pad in chunk_views(plan, data.data):
         hasher = Hasher()
         hasher.update(view)
         _hash_zeros(hasher, pad)
@@ -187,6 +187,19 @@ def write_array(storage: Storage, root: str, plan: ArrayPlan, array: Any) -> lis
     meta = storage.read(f"{root}/{plan.fqn}/zarr.json")
     files.append(FileEntry(path=f"{plan.fqn}/zarr.json", size=len(meta), checksum=checksum_of(meta), role="format"))
     return files
+
+
+def typed(data: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    """View flat bytes as a numpy array of `dtype` and `shape` (bfloat16 and float8 as the
+    ml_dtypes types tensorstore reads)."""
+    if dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        import ml_dtypes
+
+        kind: Any = getattr(ml_dtypes, dtype)
+    else:
+        kind = np.dtype(dtype)
+    out: np.ndarray[Any, Any] = data.view(kind).reshape(shape)
+    return out
 
 
 def write_groups(storage: Storage, root: str, plans: list[ArrayPlan], attributes: dict[str, Any]) -> list[FileEntry]:
@@ -226,13 +239,11 @@ def zarr_writer(source: Source, chunk_bytes: int = CHUNK_BYTES) -> Writer:
         files: list[FileEntry] = []
         tensors: dict[str, TensorEntry] = {}
         report: list[ExportedTensor] = []
-        for plan in plans:
-            entry = manifest.tensors[plan.fqn]
-            tensor = source.read(plan.fqn)
-            report.append(exported(plan.fqn, plan.fqn, entry.dtype, tensor, entry.dtype, plan.fqn))
-            tensors[plan.fqn] = tensor_entry(plan, entry.kind, len(files))
-            files += write_array(dst, tmp, plan, numpy_view(tensor))
-            del tensor
+        for plan, (fqn, data) in zip(plans, source.stream([p.fqn for p in plans], lambda fqn: None)):
+            report.append(exported(source, fqn, fqn, data.data, manifest.tensors[fqn].dtype, fqn))
+            tensors[fqn] = tensor_entry(plan, manifest.tensors[fqn].kind, len(files))
+            files += write_array(dst, tmp, plan, data)
+            del data
         attributes = {"ckptkit": {"form": "zarr", "manifest": MANIFEST_NAME, "step": manifest.step,
                                   "source_checkpoint_id": manifest.checkpoint_id}}
         files += write_groups(dst, tmp, plans, attributes)

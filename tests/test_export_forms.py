@@ -33,6 +33,7 @@ def _state() -> dict[str, Any]:
             "scale": torch.tensor(2.5),
             "empty": torch.zeros(0, 4),
             "cube": torch.randn(5, 2, 3, generator=g, dtype=torch.float64),
+            "ids": torch.arange(6, dtype=torch.int32).reshape(2, 3),
         },
         "optimizer": {"exp_avg": {"w": torch.randn(13, 5, generator=g)}, "count": torch.arange(10, dtype=torch.int64)},
         "rng": {"mask": torch.rand(4, 7, generator=g) > 0.5, "bytes": torch.randint(0, 255, (2, 33), generator=g, dtype=torch.uint8)},
@@ -165,7 +166,9 @@ def test_dcp_export_loads_with_torch_dcp_bitwise(source: Path, tmp_path: Path) -
     small = export(source, tmp_path / "dcp16", format="dcp", dtype="bf16")
     assert {t.name.split(".")[0] for t in small.tensors} == {"model"} and small.dtype == "bfloat16"
     metadata = FileSystemReader(str(tmp_path / "dcp16")).read_metadata()
-    assert {v.properties.dtype for v in metadata.state_dict_metadata.values()} == {torch.bfloat16}
+    dtypes = {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items()}
+    assert dtypes.pop("model.ids") == torch.int32  # integers keep their dtype
+    assert set(dtypes.values()) == {torch.bfloat16}
 
 
 def test_export_refusals_write_nothing(source: Path, tmp_path: Path, run_ckptkit: Any) -> None:
