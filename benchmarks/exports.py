@@ -86,7 +86,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         return {**_ckptkit(src, p["ckptkit-out"]), **cold, **meta}
     shutil.rmtree(p["naive-out"], ignore_errors=True)
     os.sync()
-    import torch  # noqa: F401  (imported before the clock starts, as the tool's code is warm)
+    import torch
     from safetensors.torch import save_file
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner

@@ -79,6 +79,8 @@ RESHARD_VS_LIMIT = 1.3
 RESHARD_RSS_FIXED = 256 << 20
 RESHARD_PLAN_S = 10.0
 EXPORT_VS_LIMIT = 1.3
+ASYNC_VS_COPY = 1.2
+ASYNC_VS_DCP = 0.5
 
 
 def tool_summary(runs: Runs, peers: dict[str, str], rss_fixed: int = RESHARD_RSS_FIXED) -> dict[str, Any]:
@@ -101,7 +103,7 @@ def tool_summary(runs: Runs, peers: dict[str, str], rss_fixed: int = RESHARD_RSS
         return statistics.median(pairs) if pairs else None
 
     ok = [r for r in runs.get("ckptkit", []) if "error" not in r]
-    largest = ok[0]["largest_tensor_bytes"] if ok else 0
+    largest = ok[0].get("largest_tensor_bytes", 0) if ok else 0
     return {"tools": tools, **{key: time_ratio(tool) for key, tool in peers.items()}, "rss_bound_bytes": rss_fixed + 2 * largest}
 
 
@@ -149,6 +151,12 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         add("ckptkit export time / disk limit time", export["time_vs_limit"], EXPORT_VS_LIMIT, False)
         peak = export["tools"].get("ckptkit", {}).get("peak_rss_bytes")
         add("ckptkit export peak RSS / (256 MiB + 2x largest)", None if peak is None else peak / export["rss_bound_bytes"], 1.0, False)
+    block = results.get("async")
+    if block and "error" not in block:
+        add("ckptkit save blocking time / copy into preallocated buffer", block["vs_copy"], ASYNC_VS_COPY, False)
+        add("ckptkit save blocking time / DCP async_save blocking", block["vs_dcp"], ASYNC_VS_DCP, False)
+        growth = block["rss_growth_bytes"]
+        add("RSS growth over 10 saves after the first, MiB", None if growth is None else growth / (1 << 20), 64.0, False)
     plan = results.get("reshard_plan")
     if plan and "error" not in plan:
         add("reshard plan 4096 -> 2048 ranks seconds", plan["seconds"], RESHARD_PLAN_S, False)

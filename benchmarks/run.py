@@ -1,6 +1,6 @@
 """Benchmark ckptkit against torch.save, safetensors and DCP, and against the machine's limits.
 
-Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export]``.
+Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export,async]``.
 Prints a table and writes a JSON document (``<out>/results.json`` unless ``--json``); the
 checkpoints it writes under ``<out>/work`` are deleted at the end. See docs/PERFORMANCE.md.
 """
@@ -27,7 +27,7 @@ from .phases import Runs, Settings, load_phase, run_rounds, run_worker, save_pha
 from .state import state_bytes, state_specs
 from .table import render
 
-PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export")
+PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export", "async")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -187,6 +187,15 @@ def run_export_phase(settings: Settings, prepared: bool) -> dict[str, Any]:
     return {"source": source, **report.export_summary(runs), "runs": runs}
 
 
+def run_async_phase(settings: Settings) -> dict[str, Any]:
+    """Time the blocking part of a save: ckptkit's async save, a plain copy, DCP's async_save."""
+    from .asyncs import TOOLS, summary
+
+    runs = run_rounds(settings, "async", list(TOOLS),
+                      lambda tool: {"kind": "async", "tool": tool, "directory": os.path.join(settings.work, "async", tool.replace(" ", "-"))})
+    return {**summary(runs), "runs": runs}
+
+
 def run_reshard_plan_phase(settings: Settings) -> dict[str, Any]:
     """Time reshard planning at scale --repeats times (a fresh process each); report the median run."""
     runs = []
@@ -227,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             results["reshard"] = run_reshard_phase(settings)
         if "export" in args.only.split(","):
             results["export"] = run_export_phase(settings, "reshard" in results and "error" not in results["reshard"])
+        if "async" in args.only.split(","):
+            results["async"] = run_async_phase(settings)
         if "reshard-plan" in args.only.split(","):
             results["reshard_plan"] = run_reshard_plan_phase(settings)
     finally:

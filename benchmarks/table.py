@@ -31,6 +31,8 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", *_reshard_table(results["reshard"])]
     if "export" in results:
         lines += ["", *_export_table(results["export"])]
+    if "async" in results:
+        lines += ["", *_async_table(results["async"])]
     if "reshard_plan" in results:
         lines += ["", *_plan_table(results["reshard_plan"])]
     lines += ["", *_targets_table(results["targets"])]
@@ -104,6 +106,23 @@ def _export_table(block: dict[str, Any]) -> list[str]:
     return _tool_table(title, block, (("ckptkit time / disk limit time", "time_vs_limit"),
                                       ("ckptkit time inside the command (no start-up) / disk limit time", "in_process_vs_limit"),
                                       ("ckptkit time / naive time", "time_vs_naive")))
+
+
+def _async_table(block: dict[str, Any]) -> list[str]:
+    size = (block.get("state_bytes") or 0) / 1e9
+    lines = [f"{f'ASYNC SAVE: time save() blocks, {size:.2f} GB CPU state':<70}{'median s':>12}{'first s':>12}"]
+    for tool, s in block["tools"].items():
+        if "median_s" not in s:
+            lines.append(f"  {tool:<68}FAILED: {'; '.join(s['errors'])[:100]}")
+            continue
+        lines.append(f"  {tool:<68}{s['median_s']:>12.3f}{s['first_s']:>12.3f}")
+    for name, key in (("ckptkit / copy into preallocated buffer", "vs_copy"), ("ckptkit / DCP async_save", "vs_dcp"),
+                      ("Python loop speed while a save is written / idle", "loop_rate_during_background")):
+        value = block.get(key)
+        lines.append(f"  {name:<68}{'-' if value is None else f'{value:.2f}':>12}")
+    growth = block.get("rss_growth_bytes")
+    lines.append(f"  {'RSS growth over 10 saves after the first':<68}{'-' if growth is None else f'{growth / (1 << 20):.0f} MiB':>12}")
+    return lines
 
 
 def _tool_table(title: str, block: dict[str, Any], ratios: tuple[tuple[str, str], ...]) -> list[str]:

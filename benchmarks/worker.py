@@ -129,6 +129,12 @@ def run_scale(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any
     return asdict(measure_scale(request["tensors"], request["ranks"], request["dp"]))
 
 
+def run_async(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
+    from . import asyncs
+
+    return asyncs.run(request, specs)
+
+
 def run_export(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
     from . import exports
 
@@ -158,6 +164,7 @@ RUNNERS = {
     "reshard-prepare": run_reshard,
     "reshard-plan": run_reshard,
     "export": run_export,
+    "async": run_async,
 }
 
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointInfo",
     "CheckpointNotFoundError",
     "CkptkitError",
@@ -70,7 +71,7 @@ __all__ = [
 
 
 # Calls that need torch, imported on first use: name -> module.
-_LAZY = {"save": "saver", "load": "loader", "diff": "differ", "export": "exporter"}
+_LAZY = {"save": "saver", "load": "loader", "diff": "differ", "export": "exporter", "CheckpointManager": "manager"}
 
 
 def __getattr__(name: str) -> Any:

@@ -18,6 +18,7 @@ from .manifest import MANIFEST_NAME, Manifest, parse_manifest
 from .storage import Storage, check_key, open_storage
 
 LATEST_NAME = "latest"
+LEASES_NAME = ".leases"  # read leases (ckptkit.retention); not a leftover
 _TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<id>[0-9a-f]+)$")
 
 
@@ -171,7 +172,7 @@ def list_root(path: str | os.PathLike[str]) -> Listing:
     leftovers: list[Entry] = []
     for child in storage.list("", recursive=False):
         name = child.rstrip("/")
-        if name == LATEST_NAME:
+        if name in (LATEST_NAME, LEASES_NAME):
             continue
         if not child.endswith("/"):
             leftovers.append(Entry(name, False, reason="stray file"))
@@ -183,7 +184,7 @@ def list_root(path: str | os.PathLike[str]) -> Listing:
         if not storage.exists(f"{name}/{MANIFEST_NAME}"):
             leftovers.append(Entry(name, False, reason=f"no {MANIFEST_NAME}"))
             continue
-        committed.append(Entry(name, True, step=_step_of(storage, name)))
+        committed.append(Entry(name, True, step=step_of(storage, name)))
     committed.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
     return Listing(str(path), tuple(committed), tuple(leftovers), read_latest(storage))
 
@@ -193,7 +194,8 @@ def _root_exists(storage: Storage) -> bool:
     return os.path.isdir(root) if isinstance(root, str) else True
 
 
-def _step_of(storage: Storage, name: str) -> int | None:
+def step_of(storage: Storage, name: str) -> int | None:
+    """The step in the manifest of checkpoint `name` (None when it cannot be read)."""
     try:
         raw = json.loads(storage.read(f"{name}/{MANIFEST_NAME}"))
         return int(raw["step"])

@@ -15,11 +15,18 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from .arrays import output_dtype
 from .checksum import Hasher
 from .errors import LayoutError
-from .export_types import ExportedFile, ExportedTensor, Source, Writer, Written, exported
+from .export_types import (
+    ExportedFile,
+    ExportedTensor,
+    Source,
+    Writer,
+    Written,
+    exported,
+)
 from .storage import Storage, local_path
-from .arrays import output_dtype
 from .torch_io import byte_view, torch_dtype
 
 READ_PIECE = 8 << 20

@@ -16,7 +16,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from . import hf
@@ -26,7 +26,15 @@ from .checksum import Hasher, checksum_of
 from .dtypes import itemsize
 from .errors import CheckpointExistsError, LayoutError, StorageError
 from .export_types import (
-    REPORT_NAME, ExportedFile, ExportedTensor, ExportReport, Source, Writer, Written, exported, report_bytes,
+    REPORT_NAME,
+    ExportedFile,
+    ExportedTensor,
+    ExportReport,
+    Source,
+    Writer,
+    Written,
+    exported,
+    report_bytes,
 )
 from .manifest import Manifest
 from .payload import open_checkpoint, read_checked

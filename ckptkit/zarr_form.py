@@ -28,9 +28,24 @@ from . import __version__
 from .boxes import Box
 from .checksum import Hasher, checksum_of
 from .dtypes import itemsize
-from .export_types import ExportedFile, ExportedTensor, Source, Writer, Written, exported
 from .errors import LayoutError, StorageError
-from .manifest import MANIFEST_NAME, BoxShard, BoxShards, FileEntry, Producer, TensorEntry, manifest_to_json
+from .export_types import (
+    ExportedFile,
+    ExportedTensor,
+    Source,
+    Writer,
+    Written,
+    exported,
+)
+from .manifest import (
+    MANIFEST_NAME,
+    BoxShard,
+    BoxShards,
+    FileEntry,
+    Producer,
+    TensorEntry,
+    manifest_to_json,
+)
 from .payload import read_checked
 from .storage import Storage, local_path
 

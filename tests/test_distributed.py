@@ -104,3 +104,54 @@ def test_ranks_that_disagree_all_get_the_same_error(tmp_path: Path) -> None:
     assert results[0] == results[1]
     assert results[0].startswith("LayoutError") and "float32[4, 5]" in results[0]
     assert not (tmp_path / "ck").exists()
+
+
+def _async_rank(rank: int, world: int, root: str, out: str) -> None:
+    """Four ranks save every step asynchronously while all-reducing on the default group; rank 2's
+    storage fails during the third save."""
+    from ckptkit.manager import CheckpointManager
+
+    from .test_manager import FailingStorage
+
+    storage = FailingStorage(root, fail_write=10**9)
+    outcome = []
+    with CheckpointManager(root, storage=storage, keep_last=2) as manager:
+        for step in range(1, 6):
+            state = rank_state(rank)
+            for t in state["model"].values():
+                (t.local if isinstance(t, ShardedTensor) else t).add_(step)
+            if rank == 2 and step == 3:
+                manager.wait()  # save 2 is committed; save 3's first write on this rank fails
+                storage.fail_write = storage.writes + 1
+            try:
+                manager.save(step, state, topology=Topology(world_size=world, tp=2, dp=2, zero_stage=1))
+                outcome.append("started")
+            except ckptkit.CkptkitError as exc:
+                outcome.append(f"error: {type(exc).__name__}")
+            total = torch.tensor([float(step)])
+            dist.all_reduce(total)  # training collectives go on while the background save runs
+            assert total.item() == step * world
+        try:
+            manager.wait()
+        except ckptkit.CkptkitError as exc:
+            outcome.append(f"error: {type(exc).__name__}")
+    Path(out, f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def test_async_collective_saves_commit_once_every_rank_is_durable(tmp_path: Path) -> None:
+    root, out = tmp_path / "root", tmp_path / "out"
+    root.mkdir()
+    out.mkdir()
+    run_ranks(_async_rank, 4, str(root), str(out))
+    outcomes = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    # Save 3 failed on rank 2: every rank learns it at its next save, none committed it.
+    assert all(o == ["started"] * 3 + ["error: StorageError"] + ["started"] for o in outcomes), outcomes
+    listing = ckptkit.list_checkpoints(str(root))
+    assert [e.step for e in listing.checkpoints] == [2, 5]  # keep_last=2 over the committed 1, 2, 5
+    assert (root / "latest").read_text().strip() == "step_00000005"
+    assert ckptkit.verify(str(root / "step_00000005")).ok
+    loaded = ckptkit.load(str(root / "step_00000005"))
+    for fqn, tensor in global_state().items():
+        group, name = fqn.split("/", 1)
+        if group == "model":  # the parameters each rank shifted by the step before saving
+            assert torch.equal(loaded["model"][name], tensor + 5), fqn

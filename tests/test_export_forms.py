@@ -13,7 +13,7 @@ import torch
 import ckptkit
 from ckptkit.errors import CheckpointExistsError, LayoutError, StorageError
 from ckptkit.exporter import REPORT_NAME, export
-from ckptkit.manifest import TensorEntry, BoxShards, BoxShard
+from ckptkit.manifest import BoxShard, BoxShards, TensorEntry
 from ckptkit.sharded import ShardedTensor
 from ckptkit.storage import MemoryStorage
 from ckptkit.zarr_form import plan_arrays, zarr_metadata

@@ -67,6 +67,7 @@ class TrainConfig:
     corpus: str | None = None
     log_jsonl: str | None = None
     tie_embeddings: bool = False
+    sync_save: bool = False
     echo: bool = False
 
     @property
@@ -76,7 +77,7 @@ class TrainConfig:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["betas"] = list(self.betas)
-        del out["echo"]
+        del out["echo"], out["sync_save"]  # how the run reports and saves, not what it trains
         return out
 
 

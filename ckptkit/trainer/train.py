@@ -26,14 +26,13 @@ from ..manifest import (
     CheckpointInfo,
     DataProgress,
     DataVersion,
-    Manifest,
     ModelInfo,
     OptimizerInfo,
     ParamGroup,
     Topology,
 )
 from ..provenance import code_version
-from ..saver import save
+from ..manager import CheckpointManager, SaveHandle
 from .checkpointing import derived_seed, restore_rng, rng_state, rng_targets, seed_rngs, tensor_state
 from .config import ModelConfig, TrainConfig, check_topology, model_config
 from .data import Dataset, Sampler, Tokenizer, load_dataset
@@ -117,7 +116,8 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> None:
     if cfg.log_jsonl and rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.log_jsonl)), exist_ok=True)
         log = open(cfg.log_jsonl, "a", encoding="utf-8")
-    with tempfile.TemporaryDirectory() as tok_dir:
+    saves: list[SaveHandle] = []
+    with tempfile.TemporaryDirectory() as tok_dir, CheckpointManager(cfg.out, sync=cfg.sync_save) as manager:
         tokenizer.save(tok_dir)
         for step in range(start + 1, cfg.steps + 1):
             ids = sampler.next_ids(cfg.global_batch)
@@ -132,11 +132,34 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> None:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-                _save(cfg, engine, sampler, step, rank, world, tok_dir, dataset, dataset_id)
-                if cfg.echo and rank == 0:
-                    print(f"saved {os.path.join(cfg.out, step_name(step))}", flush=True)
+                saves.append(_save(manager, cfg, engine, sampler, step, rank, world, tok_dir, dataset, dataset_id))
+            saves = _report_saves(saves, cfg, rank, log, final=False)
+        manager.wait()
+        _report_saves(saves, cfg, rank, log, final=True)
     if log is not None:
         log.close()
+
+
+def _report_saves(saves: list[SaveHandle], cfg: TrainConfig, rank: int, log: Any, final: bool) -> list[SaveHandle]:
+    """Log each committed save: how long it stalled training, how long it took in the background.
+    Return the saves not committed yet."""
+    left = []
+    for handle in saves:
+        if not handle.committed.done() and not final:
+            left.append(handle)
+            continue
+        handle.committed.result()  # a failed save raises (also through the manager)
+        if rank != 0:
+            continue
+        record = {"event": "save", "step": handle.step, "stall_s": round(handle.stall_s, 4),
+                  "background_s": round(handle.background_s or 0.0, 4), "sync": cfg.sync_save}
+        if cfg.echo:
+            print(f"saved {os.path.join(cfg.out, handle.name)}: stall {record['stall_s']:.3f} s, "
+                  f"background {record['background_s']:.3f} s", flush=True)
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+    return left
 
 
 def _micro_batches(cfg: TrainConfig, mesh: Mesh, dataset: Dataset, ids: list[int]) -> list[torch.Tensor]:
@@ -174,13 +197,13 @@ def _info(cfg: TrainConfig, engine: Engine, sampler: Sampler, dataset: Dataset, 
     )
 
 
-def _save(cfg: TrainConfig, engine: Engine, sampler: Sampler, step: int, rank: int, world: int,
-          tok_dir: str, dataset: Dataset, dataset_id: str) -> Manifest:
+def _save(manager: CheckpointManager, cfg: TrainConfig, engine: Engine, sampler: Sampler, step: int, rank: int,
+          world: int, tok_dir: str, dataset: Dataset, dataset_id: str) -> SaveHandle:
+    """Start saving this rank's state as checkpoint `step` (in the background unless --sync-save)."""
     state = tensor_state(list(engine.units.values()))
     state["rng"] = rng_state(rank, world)
     topo = Topology(world_size=world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero_stage=cfg.zero)
-    return save(state, os.path.join(cfg.out, step_name(step)), step=step, topology=topo,
-                info=_info(cfg, engine, sampler, dataset, dataset_id), tokenizer=tok_dir)
+    return manager.save(step, state, topology=topo, info=_info(cfg, engine, sampler, dataset, dataset_id), tokenizer=tok_dir)
 
 
 def _resume(cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world: int) -> int:

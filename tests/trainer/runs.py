@@ -8,12 +8,22 @@ from pathlib import Path
 from ckptkit.trainer.train import config_from, launch, prepare
 
 
-def train(out: Path, combo: tuple[int, int, int, int], steps: int, resume: str | None = None) -> list[dict]:
-    """Train at (tp, pp, dp, zero) up to `steps`, saving every 4 steps and at the end; return the log."""
+def train(out: Path, combo: tuple[int, int, int, int], steps: int, resume: str | None = None, **options: object) -> list[dict]:
+    """Train at (tp, pp, dp, zero) up to `steps`, saving every 4 steps and at the end; return the
+    log's step records (`save_events` gives its save records)."""
     tp, pp, dp, zero = combo
     log = out.with_suffix(".jsonl")
     cfg = config_from(tp=tp, pp=pp, dp=dp, zero=zero, steps=steps, save_every=4, out=str(out),
-                      log_jsonl=str(log), resume=resume)
+                      log_jsonl=str(log), resume=resume, **options)
     prepare(cfg)
     launch(cfg)
+    return [r for r in _records(log) if "event" not in r]
+
+
+def save_events(out: Path) -> list[dict]:
+    """The save records of the run's log: step, stall_s, background_s, sync."""
+    return [r for r in _records(out.with_suffix(".jsonl")) if r.get("event") == "save"]
+
+
+def _records(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()]

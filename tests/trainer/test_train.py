@@ -10,7 +10,7 @@ from ckptkit.differ import diff
 from ckptkit.errors import LayoutError
 from ckptkit.trainer.train import config_from, prepare
 
-from .runs import train
+from .runs import save_events, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -95,3 +95,18 @@ def test_resume_at_another_topology_continues_the_sametrain(runs: dict, combo: t
     rng = ckptkit.load(str(tmp_path / "resumed" / "step_00000008"))["rng"]["torch_cpu"]
     rows = {bytes(rng[r].numpy()) for r in range(rng.shape[0])}
     assert rng.shape[0] == combo[0] * combo[1] * combo[2] and len(rows) == rng.shape[0], "two ranks share an RNG stream"
+
+
+def test_async_and_sync_saves_write_the_same_checkpoints_and_log_their_stalls(runs: dict, tmp_path: Path) -> None:
+    combo = (1, 1, 2, 1)
+    out, logs = _trained(runs, combo)  # saved in the background (the default)
+    sync_logs = train(tmp_path / "sync", combo, STEPS, sync_save=True)
+    assert [r["loss"] for r in sync_logs] == [r["loss"] for r in logs]
+    for step in (4, 8, 10):
+        name = f"step_{step:08d}"
+        same = diff(str(out / name), str(tmp_path / "sync" / name), kinds=("param", "optimizer", "rng", "other"))
+        assert same.equal, name
+    for run, sync in ((out, False), (tmp_path / "sync", True)):
+        events = save_events(run)
+        assert [e["step"] for e in events] == [4, 8, 10] and all(e["sync"] is sync for e in events)
+        assert all(e["stall_s"] > 0 and e["background_s"] > 0 for e in events)
