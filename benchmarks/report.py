@@ -81,6 +81,7 @@ RESHARD_PLAN_S = 10.0
 EXPORT_VS_LIMIT = 1.3
 ASYNC_VS_COPY = 1.2
 ASYNC_VS_DCP = 0.5
+S3_VS_BOTO3 = 0.9
 
 
 def tool_summary(runs: Runs, peers: dict[str, str], rss_fixed: int = RESHARD_RSS_FIXED) -> dict[str, Any]:
@@ -157,6 +158,12 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         add("ckptkit save blocking time / DCP async_save blocking", block["vs_dcp"], ASYNC_VS_DCP, False)
         growth = block["rss_growth_bytes"]
         add("RSS growth over 10 saves after the first, MiB", None if growth is None else growth / (1 << 20), 64.0, False)
+    s3 = results.get("s3")
+    if s3 and "error" not in s3:
+        add("ckptkit save to S3 throughput / boto3 upload_file", s3["save_vs_upload_file"], S3_VS_BOTO3, True)
+        add("ckptkit load from S3 throughput / boto3 download_file", s3["load_vs_download_file"], S3_VS_BOTO3, True)
+        r = s3["resharding"]
+        add("S3 load-time reshard payload bytes read / box bytes", r["payload_bytes_read"] / r["box_bytes"], 1.0 + 1e-9, False)
     plan = results.get("reshard_plan")
     if plan and "error" not in plan:
         add("reshard plan 4096 -> 2048 ranks seconds", plan["seconds"], RESHARD_PLAN_S, False)

@@ -1,6 +1,6 @@
 """Benchmark ckptkit against torch.save, safetensors and DCP, and against the machine's limits.
 
-Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export,async]``.
+Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export,async,s3]``.
 Prints a table and writes a JSON document (``<out>/results.json`` unless ``--json``); the
 checkpoints it writes under ``<out>/work`` are deleted at the end. See docs/PERFORMANCE.md.
 """
@@ -27,7 +27,7 @@ from .phases import Runs, Settings, load_phase, run_rounds, run_worker, save_pha
 from .state import state_bytes, state_specs
 from .table import render
 
-PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export", "async")
+PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export", "async", "s3")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--scale-budget-s", type=float, default=120.0,
         help="stop repeating the scale benchmark once it has taken this long (default 120)",
     )
+    parser.add_argument("--s3-size-mb", type=int, default=1024, help="state size of the s3 phase in MiB (default 1024)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints under <out>/work")
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(PHASES)
@@ -196,6 +197,35 @@ def run_async_phase(settings: Settings) -> dict[str, Any]:
     return {**summary(runs), "runs": runs}
 
 
+def run_s3_phase(settings: Settings, size_mib: int) -> dict[str, Any]:
+    """Save and load through a local S3 server against boto3 upload_file / download_file of the
+    same bytes; then count the bytes a load-time reshard reads from S3."""
+    from . import s3s
+
+    try:
+        proc, env = s3s.start_server()
+    except (FileNotFoundError, RuntimeError) as exc:
+        settings.say(f"[s3] server FAILED: {exc}")
+        return {"error": f"the S3 server did not start: {exc}"}
+    try:
+        runs: Runs = {tool: [] for tool in s3s.TOOLS}
+        for repeat in range(settings.repeats):
+            pairs = [("boto3 upload_file", "ckptkit save"), ("boto3 download_file", "ckptkit load")]
+            order = [t for pair in pairs for t in (pair if repeat % 2 == 0 else pair[::-1])]
+            for tool in order:
+                request = {"kind": "s3", "tool": tool, "size_mib": size_mib, "env": env, "work": settings.work,
+                           "name": f"r{repeat}"}
+                result = run_worker(request)
+                runs[tool].append(result)
+                said = f"FAILED: {result['error']}" if "error" in result else f"{result['seconds']:.2f} s"
+                settings.say(f"[s3 {repeat + 1}/{settings.repeats}] {tool:<22} {said}")
+        reads = s3s.resharding_reads(env)
+        settings.say(f"[s3] load-time reshard read {reads['payload_bytes_read']} payload bytes for {reads['box_bytes']} box bytes")
+    finally:
+        s3s.stop_server(proc)
+    return {**s3s.summary(runs), "resharding": reads, "size_mib": size_mib, "runs": runs}
+
+
 def run_reshard_plan_phase(settings: Settings) -> dict[str, Any]:
     """Time reshard planning at scale --repeats times (a fresh process each); report the median run."""
     runs = []
@@ -238,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             results["export"] = run_export_phase(settings, "reshard" in results and "error" not in results["reshard"])
         if "async" in args.only.split(","):
             results["async"] = run_async_phase(settings)
+        if "s3" in args.only.split(","):
+            results["s3"] = run_s3_phase(settings, args.s3_size_mb)
         if "reshard-plan" in args.only.split(","):
             results["reshard_plan"] = run_reshard_plan_phase(settings)
     finally:

@@ -33,6 +33,8 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", *_export_table(results["export"])]
     if "async" in results:
         lines += ["", *_async_table(results["async"])]
+    if "s3" in results:
+        lines += ["", *_s3_table(results["s3"])]
     if "reshard_plan" in results:
         lines += ["", *_plan_table(results["reshard_plan"])]
     lines += ["", *_targets_table(results["targets"])]
@@ -122,6 +124,27 @@ def _async_table(block: dict[str, Any]) -> list[str]:
         lines.append(f"  {name:<68}{'-' if value is None else f'{value:.2f}':>12}")
     growth = block.get("rss_growth_bytes")
     lines.append(f"  {'RSS growth over 10 saves after the first':<68}{'-' if growth is None else f'{growth / (1 << 20):.0f} MiB':>12}")
+    return lines
+
+
+def _s3_table(block: dict[str, Any]) -> list[str]:
+    if "error" in block:
+        return [f"S3: FAILED: {block['error']}"]
+    size = block["size_mib"] * (1 << 20) / 1e9
+    lines = [f"{f'S3 (SeaweedFS on loopback): {size:.2f} GB state':<70}{'median s':>12}{'MB/s':>12}"]
+    for tool, s in block["tools"].items():
+        if "median_s" not in s:
+            lines.append(f"  {tool:<68}FAILED: {'; '.join(s['errors'])[:100]}")
+            continue
+        lines.append(f"  {tool:<68}{s['median_s']:>12.2f}{size * 1e3 / s['median_s']:>12.0f}")
+    for name, key in (("ckptkit save / boto3 upload_file (throughput)", "save_vs_upload_file"),
+                      ("ckptkit load / boto3 download_file (throughput)", "load_vs_download_file")):
+        value = block.get(key)
+        lines.append(f"  {name:<68}{'-' if value is None else f'{value:.2f}':>12}")
+    r = block["resharding"]
+    lines.append(f"  {'load-time reshard: payload bytes read / bytes of the boxes filled':<68}"
+                 f"{r['payload_bytes_read'] / r['box_bytes']:>12.3f}   ({r['payload_bytes_read']} / {r['box_bytes']}; "
+                 f"headers {r['header_bytes_read']}; {r['requests']} requests)")
     return lines
 
 

@@ -129,6 +129,12 @@ def run_scale(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any
     return asdict(measure_scale(request["tensors"], request["ranks"], request["dp"]))
 
 
+def run_s3(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
+    from . import s3s
+
+    return s3s.run(request, specs)
+
+
 def run_async(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
     from . import asyncs
 
@@ -165,6 +171,7 @@ RUNNERS = {
     "reshard-plan": run_reshard,
     "export": run_export,
     "async": run_async,
+    "s3": run_s3,
 }
 
 

@@ -122,19 +122,71 @@ def refuse_nesting(src: Location, dst: Location) -> None:
         raise CheckpointExistsError(f"{dst}: the destination may not be, contain or lie inside the source {src}")
 
 
-def commit(loc: Location, tmp: str, manifest: bytes, *, update_latest: bool) -> None:
-    """Commit the checkpoint written under the temporary name `tmp`: write its manifest, rename
-    it to its name, then (with `update_latest`) move the root's latest pointer to it."""
-    loc.storage.write(f"{tmp}/{MANIFEST_NAME}", [manifest])
-    loc.storage.rename(tmp, loc.name)
+@dataclass(frozen=True, slots=True)
+class Staging:
+    """Where the files of a checkpoint being written go until it is committed.
+
+    Where the storage can rename, under the temporary name ``.NAME.tmp-<id>`` (renamed at
+    commit); elsewhere (object stores) in place, under ``NAME/<id>/``, so that two writers of
+    the same name never overwrite each other's files: the manifest decides which one committed.
+    """
+
+    root: str  # the key prefix of the files being written
+    paths: str  # the prefix of their paths in the manifest ("" or "<id>/")
+
+    def key(self, path: str) -> str:
+        """The storage key of the file whose manifest path (without prefix) is `path`."""
+        return f"{self.root}/{self.paths}{path}"
+
+    def path(self, path: str) -> str:
+        """The manifest path of file `path`."""
+        return self.paths + path
+
+
+def staging(loc: Location, uid: str) -> Staging:
+    """Return where a new checkpoint at `loc` is written before its commit."""
+    if loc.storage.capabilities.rename:
+        return Staging(temp_name(loc.name, uid), "")
+    return Staging(loc.name, f"{uid}/")
+
+
+def refuse_existing(loc: Location) -> None:
+    """Refuse to write a checkpoint where one is committed (or, where the storage renames, where
+    anything exists: the rename would fail).
+
+    Raises:
+        CheckpointExistsError: there is one.
+    """
+    if not loc.storage.exists(loc.name):
+        return
+    committed = loc.storage.exists(loc.key(MANIFEST_NAME))
+    if committed or loc.storage.capabilities.rename:
+        what = "a committed checkpoint" if committed else "an uncommitted directory"
+        raise CheckpointExistsError(f"{loc}: {what} already exists; choose another path or remove it")
+
+
+def commit(loc: Location, stage: Staging, manifest: bytes, *, update_latest: bool) -> None:
+    """Commit the checkpoint written under `stage`: write its manifest and rename it to its name
+    (or, where the storage cannot rename, create its manifest only if none exists), then (with
+    `update_latest`) move the root's latest pointer to it.
+
+    Raises:
+        CheckpointExistsError: another writer committed the same name first.
+    """
+    if loc.storage.capabilities.rename:
+        loc.storage.write(f"{stage.root}/{MANIFEST_NAME}", [manifest])
+        loc.storage.rename(stage.root, loc.name)
+    else:
+        loc.storage.create(loc.key(MANIFEST_NAME), manifest)
     if update_latest:
         write_latest(loc.storage, loc.name)
 
 
-def discard(storage: Storage, tmp: str) -> None:
-    """Delete an uncommitted temporary checkpoint, quietly (it is a leftover if this fails)."""
+def discard(storage: Storage, stage: Staging | str) -> None:
+    """Delete the files of an uncommitted checkpoint, quietly (they are a leftover if this fails)."""
+    prefix = stage if isinstance(stage, str) else f"{stage.root}/{stage.paths}".rstrip("/")
     try:
-        storage.delete(tmp)
+        storage.delete(prefix)
     except StorageError:
         pass
 
@@ -182,7 +234,8 @@ def list_root(path: str | os.PathLike[str]) -> Listing:
             leftovers.append(Entry(name, False, reason=f"uncommitted save of {tmp['name']}"))
             continue
         if not storage.exists(f"{name}/{MANIFEST_NAME}"):
-            leftovers.append(Entry(name, False, reason=f"no {MANIFEST_NAME}"))
+            if storage.is_prefix(name):  # an object store may list a prefix whose keys are gone
+                leftovers.append(Entry(name, False, reason=f"no {MANIFEST_NAME}"))
             continue
         committed.append(Entry(name, True, step=step_of(storage, name)))
     committed.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
@@ -191,6 +244,8 @@ def list_root(path: str | os.PathLike[str]) -> Listing:
 
 def _root_exists(storage: Storage) -> bool:
     root = getattr(storage, "root", None)
+    if isinstance(root, str) and "://" in root:  # an object store: a root exists while it holds keys
+        return bool(storage.list("", recursive=False))
     return os.path.isdir(root) if isinstance(root, str) else True
 
 

@@ -132,7 +132,10 @@ def _export(
     refuse_nesting(src_loc, dst_loc)
     if dst_loc.storage.exists(dst_loc.name):
         raise CheckpointExistsError(f"{dst_loc}: already exists; choose another path or remove it")
-    tmp = temp_name(dst_loc.name, uuid.uuid4().hex[:12])
+    # Written under a temporary name and renamed; an object store, which cannot rename, gets the
+    # files in place, the report last (a failed export deletes what it wrote).
+    in_place = not dst_loc.storage.capabilities.rename
+    tmp = dst_loc.name if in_place else temp_name(dst_loc.name, uuid.uuid4().hex[:12])
     try:
         written = writer(source, dst_loc.storage, tmp)
         report = ExportReport(
@@ -145,7 +148,8 @@ def _export(
         dst_loc.storage.write(f"{tmp}/{REPORT_NAME}", [data])
         if written.finish is not None:
             written.finish(ExportedFile(path=REPORT_NAME, size=len(data), checksum=checksum_of(data)))
-        dst_loc.storage.rename(tmp, dst_loc.name)
+        if not in_place:
+            dst_loc.storage.rename(tmp, dst_loc.name)
     except BaseException as exc:
         discard(dst_loc.storage, tmp)
         if isinstance(exc, OSError) and not isinstance(exc, StorageError):
@@ -237,7 +241,7 @@ def _tokenizer_files(
         if entry.role != "tokenizer":
             continue
         data = read_checked(source.loc, entry)
-        name = entry.path.removeprefix("tokenizer/")
+        name = entry.path.partition("tokenizer/")[2]  # a save to an object store prefixes its paths
         dst.write(f"{tmp}/{name}", [data])
         copied[name] = data
         files.append(ExportedFile(path=name, size=len(data), checksum=entry.checksum))
@@ -249,7 +253,7 @@ def _tokenizer_files(
 
 def _eos_id(source: Source) -> int | None:
     for entry in source.manifest.files:
-        if entry.path == "tokenizer/tokenizer.json":
+        if entry.role == "tokenizer" and entry.path.endswith("tokenizer/tokenizer.json"):
             vocab = json.loads(read_checked(source.loc, entry)).get("model", {}).get("vocab", {})
             eos = vocab.get("<eos>")
             return eos if isinstance(eos, int) else None

@@ -17,7 +17,6 @@ from .manifest import Manifest
 from .planner import LoadPlan, plan_load
 from .checksum import hasher_for
 from .payload import Headers, header_entry, open_checkpoint, read_header
-from .safetensors_format import Header
 from .sharded import ShardedTensor
 from .storage import Storage
 from .torch_io import byte_view, is_leaf, leaf_shards, torch_dtype

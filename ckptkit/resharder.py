@@ -29,13 +29,13 @@ from pydantic import BaseModel, ConfigDict
 
 from . import __version__
 from .boxes import Box, byte_runs, flat_range_to_boxes
-from .catalog import Location, commit, discard, locate, refuse_nesting, temp_name
+from .catalog import Location, Staging, commit, discard, locate, refuse_existing, refuse_nesting, staging
 from .checksum import Hasher, hasher_for
 from .collective import default_collective, guard, unwrap
 from .dtypes import itemsize
-from .errors import CheckpointExistsError, IntegrityError
+from .errors import IntegrityError
 from .layouts import Layout, layout_for
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, Producer, Topology, manifest_to_json
+from .manifest import FileEntry, Manifest, Producer, Topology, manifest_to_json
 from .payload import header_entry, open_checkpoint, read_checked, read_header
 from .planner import Read, ShardLookup, TargetPlan
 from .reshard_plan import FileJob, ReshardPlan, collector_paused, plan_reads, plan_reshard
@@ -131,23 +131,23 @@ def reshard(
     dst_loc = locate(dst, dst_storage)
     refuse_nesting(src_loc, dst_loc)
     uid = unwrap(coll.broadcast(guard(lambda: _claim(dst_loc)) if coll.rank == 0 else None))
-    tmp = temp_name(dst_loc.name, uid)
+    stage = staging(dst_loc, uid)
     mine = [job for job in plan.jobs if job.rank % coll.world_size == coll.rank]
     checked = [i for i, f in enumerate(manifest.files) if f.role == "tensors" and i % coll.world_size == coll.rank]
     try:
         written = guard(
-            lambda: _write_jobs(src_loc, manifest, dst_loc.storage, tmp, mine, threads, checked if check_source else [])
+            lambda: _write_jobs(src_loc, manifest, dst_loc.storage, stage, mine, threads, checked if check_source else [])
         )
         results = coll.gather(written)
         outcome: tuple[str, Any] = ("ok", None)
         if results is not None:
-            outcome = guard(lambda: _commit(results, plan, src_loc, manifest, dst_loc, tmp, update_latest))
+            outcome = guard(lambda: _commit(results, plan, src_loc, manifest, dst_loc, stage, update_latest))
             if outcome[0] != "ok":
-                discard(dst_loc.storage, tmp)
+                discard(dst_loc.storage, stage)
         bytes_read = unwrap(coll.broadcast(outcome))
     except BaseException:
         if coll.world_size == 1:  # interrupted: leave no temporary directory behind
-            discard(dst_loc.storage, tmp)
+            discard(dst_loc.storage, stage)
         raise
     return ReshardReport(
         source=str(src_loc),
@@ -166,11 +166,8 @@ def reshard(
 
 
 def _claim(loc: Location) -> str:
-    """Check that nothing exists at the destination; return the id of its temporary name."""
-    if loc.storage.exists(loc.name):
-        committed = loc.storage.exists(loc.key(MANIFEST_NAME))
-        what = "a committed checkpoint" if committed else "an uncommitted directory"
-        raise CheckpointExistsError(f"{loc}: {what} already exists; choose another path or remove it")
+    """Check that the destination is free; return the id of the files being written."""
+    refuse_existing(loc)
     return uuid.uuid4().hex[:12]
 
 
@@ -193,7 +190,7 @@ class _Source:
 
 
 def _write_jobs(
-    src_loc: Location, manifest: Manifest, dst: Storage, tmp: str, jobs: list[FileJob], threads: int, checked: list[int]
+    src_loc: Location, manifest: Manifest, dst: Storage, stage: Staging, jobs: list[FileJob], threads: int, checked: list[int]
 ) -> list[_Written]:
     lookup = ShardLookup(manifest)
     with collector_paused():
@@ -204,7 +201,7 @@ def _write_jobs(
     order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first: the threads finish together
 
     def write(job: FileJob) -> _Written:
-        return _write_job(source, dst, f"{tmp}/{job.plan.path}", job, reads[job.plan.path], local)
+        return _write_job(source, dst, stage.key(job.plan.path), job, reads[job.plan.path], local)
 
     with ThreadPoolExecutor(max_workers=1) as checker, ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         findings = checker.submit(_check_sources, src_loc, manifest, checked)
@@ -341,16 +338,17 @@ def _copy(source: _Source, read: Read, begin: int, overlap: Box, dest: np.ndarra
 
 
 def _commit(
-    results: list[Any], plan: ReshardPlan, src_loc: Location, manifest: Manifest, loc: Location, tmp: str, update_latest: bool
+    results: list[Any], plan: ReshardPlan, src_loc: Location, manifest: Manifest, loc: Location, stage: Staging, update_latest: bool
 ) -> int:
     failed = [(r, res[1]) for r, res in enumerate(results) if res[0] != "ok"]
     if failed:
         said = [message if len(results) == 1 else f"rank {r}: {message}" for r, (_, message) in failed]
         unwrap(("error", (failed[0][1][0], "nothing committed: " + "; ".join(said))))
     written = {w.path: w for res in results for w in res[1]}
-    files = [FileEntry(path=f.path, size=written[f.path].size, checksum=written[f.path].checksum) for f in plan.save.all_files()]
-    index = {f.path: i for i, f in enumerate(files)}
-    files += [_copy_asset(src_loc, loc.storage, tmp, entry) for entry in manifest.files if entry.role in ("tokenizer", "asset")]
+    files = [FileEntry(path=stage.path(f.path), size=written[f.path].size, checksum=written[f.path].checksum)
+             for f in plan.save.all_files()]
+    index = {f.path: i for i, f in enumerate(plan.save.all_files())}
+    files += [_copy_asset(src_loc, loc.storage, stage, entry) for entry in manifest.files if entry.role in ("tokenizer", "asset")]
     target = Manifest(
         checkpoint_id=uuid.uuid4().hex,
         step=manifest.step,
@@ -363,11 +361,11 @@ def _commit(
         info=manifest.info,
         tokenizer=manifest.tokenizer,
     )
-    commit(loc, tmp, manifest_to_json(target), update_latest=update_latest)
+    commit(loc, stage, manifest_to_json(target), update_latest=update_latest)
     return sum(w.bytes_read for w in written.values())
 
 
-def _copy_asset(src_loc: Location, dst: Storage, tmp: str, entry: FileEntry) -> FileEntry:
-    """Copy a non-tensor file (tokenizer, asset) unchanged, checking it against its checksum."""
-    dst.write(f"{tmp}/{entry.path}", [read_checked(src_loc, entry)])
+def _copy_asset(src_loc: Location, dst: Storage, stage: Staging, entry: FileEntry) -> FileEntry:
+    """Copy a non-tensor file (tokenizer, asset) unchanged, at the same path, checking it against its checksum."""
+    dst.write(f"{stage.root}/{entry.path}", [read_checked(src_loc, entry)])
     return entry

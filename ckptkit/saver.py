@@ -16,13 +16,12 @@ import torch
 
 from . import __version__
 from .boxes import Box
-from .catalog import Location, commit, discard, locate, temp_name
+from .catalog import Location, Staging, commit, discard, locate, refuse_existing, staging
 from .checksum import Hasher
 from .collective import Collective, default_collective, guard, unwrap
-from .errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError
+from .errors import CkptkitError, LayoutError, StorageError
 from .manifest import (
     KINDS,
-    MANIFEST_NAME,
     CheckpointInfo,
     FileEntry,
     Manifest,
@@ -112,17 +111,17 @@ def save(
     # Every rank learns whether planning worked, then receives only its own files.
     unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
     my_files, uid = coll.scatter(shares)
-    tmp = temp_name(loc.name, uid)
-    written = guard(lambda: _write_files(loc.storage, tmp, my_files, local, io_threads))
+    stage = staging(loc, uid)
+    written = guard(lambda: _write_files(loc.storage, stage, my_files, local, io_threads))
     results = coll.gather(written)
     outcome: tuple[str, Any] = ("ok", None)
     if results is not None:
         assert plan is not None and topo is not None  # rank 0 planned
         outcome = guard(
-            lambda: _commit(results, plan, loc, tmp, step, topo, info, tokenizer, objects, kinds, update_latest)
+            lambda: _commit(results, plan, loc, stage, step, topo, info, tokenizer, objects, kinds, update_latest)
         )
         if outcome[0] != "ok":
-            discard(loc.storage, tmp)
+            discard(loc.storage, stage)
     return unwrap(coll.broadcast(outcome))  # type: ignore[no-any-return]
 
 
@@ -162,10 +161,7 @@ def _plan(
     differing = [r for r, (_, digest, _) in enumerate(gathered) if digest != gathered[0][1]]
     if differing:
         raise LayoutError(f"non-tensor values differ from rank 0's on ranks {differing}; save per-rank values as tensors")
-    if loc.storage.exists(loc.name):
-        committed = loc.storage.exists(loc.key(MANIFEST_NAME))
-        what = "a committed checkpoint" if committed else "an uncommitted directory"
-        raise CheckpointExistsError(f"{loc}: {what} already exists; choose another path or remove it")
+    refuse_existing(loc)
     topo = topology or Topology(world_size=coll.world_size, dp=coll.world_size)
     if topo.world_size != coll.world_size or topo.tp * topo.pp * topo.dp * topo.cp != topo.world_size:
         raise LayoutError(
@@ -177,12 +173,12 @@ def _plan(
 
 
 def _write_files(
-    storage: Storage, tmp: str, files: tuple[FilePlan, ...], local: dict[tuple[str, Box], torch.Tensor], threads: int
+    storage: Storage, stage: Staging, files: tuple[FilePlan, ...], local: dict[tuple[str, Box], torch.Tensor], threads: int
 ) -> list[_Written]:
     if threads <= 1 or len(files) <= 1:
-        return [_write_file(storage, f"{tmp}/{f.path}", f, local) for f in files]
+        return [_write_file(storage, stage.key(f.path), f, local) for f in files]
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        return list(pool.map(lambda f: _write_file(storage, f"{tmp}/{f.path}", f, local), files))
+        return list(pool.map(lambda f: _write_file(storage, stage.key(f.path), f, local), files))
 
 
 def _write_file(storage: Storage, key: str, plan: FilePlan, local: dict[tuple[str, Box], torch.Tensor]) -> _Written:
@@ -209,7 +205,7 @@ def _commit(
     results: list[Any],
     plan: SavePlan,
     loc: Location,
-    tmp: str,
+    stage: Staging,
     step: int,
     topo: Topology,
     info: CheckpointInfo | None,
@@ -222,11 +218,11 @@ def _commit(
     if errors:
         raise StorageError("payload writes failed, nothing committed: " + "; ".join(errors))
     written = {w.path: w for _, ws in results for w in ws}
-    files = [FileEntry(path=f.path, size=written[f.path].size, checksum=written[f.path].checksum) for f in plan.all_files()]
-    index = {f.path: i for i, f in enumerate(files)}
+    files = [FileEntry(path=stage.path(f.path), size=written[f.path].size, checksum=written[f.path].checksum) for f in plan.all_files()]
+    index = {f.path: i for i, f in enumerate(plan.all_files())}
     tok_info = None
     if tokenizer is not None:
-        tok_files = _copy_tokenizer(loc.storage, tmp, tokenizer)
+        tok_files = _copy_tokenizer(loc.storage, stage, tokenizer)
         files += tok_files
         tok_info = TokenizerInfo(name=os.path.basename(os.fspath(tokenizer).rstrip("/")), files=tuple(f.path for f in tok_files))
     manifest = Manifest(
@@ -241,7 +237,7 @@ def _commit(
         info=info or CheckpointInfo(),
         tokenizer=tok_info,
     )
-    commit(loc, tmp, manifest_to_json(manifest), update_latest=update_latest)
+    commit(loc, stage, manifest_to_json(manifest), update_latest=update_latest)
     return manifest
 
 
@@ -256,7 +252,7 @@ def kind_of(fqn: str, kinds: Mapping[str, str]) -> str:
     return DEFAULT_KINDS.get(fqn.split("/", 1)[0], "other")
 
 
-def _copy_tokenizer(storage: Storage, tmp: str, source: str | os.PathLike[str]) -> list[FileEntry]:
+def _copy_tokenizer(storage: Storage, stage: Staging, source: str | os.PathLike[str]) -> list[FileEntry]:
     src = os.fspath(source)
     if os.path.isdir(src):
         names = sorted(
@@ -274,6 +270,6 @@ def _copy_tokenizer(storage: Storage, tmp: str, source: str | os.PathLike[str]) 
         hasher = Hasher()
         hasher.update(data)
         key = f"tokenizer/{rel}"
-        storage.write(f"{tmp}/{key}", [data])
-        entries.append(FileEntry(path=key, size=len(data), checksum=hasher.digest(), role="tokenizer"))
+        storage.write(stage.key(key), [data])
+        entries.append(FileEntry(path=stage.path(key), size=len(data), checksum=hasher.digest(), role="tokenizer"))
     return entries

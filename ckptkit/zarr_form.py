@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import math
 import platform
 import uuid
@@ -177,10 +178,10 @@ def write_array(storage: Storage, root: str, plan: ArrayPlan, data: np.ndarray[A
     """
     import tensorstore as ts
 
-    path = local_path(storage, f"{root}/{plan.fqn}", "the zarr form")
+    path = f"{root}/{plan.fqn}"
     spec = {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": path},
+        "kvstore": kvstore(storage, path),
         "metadata": zarr_metadata(plan),
         "create": True,
         # A chunk equal to the fill value (a zero tensor) is written all the same: every chunk
@@ -192,7 +193,7 @@ def write_array(storage: Storage, root: str, plan: ArrayPlan, data: np.ndarray[A
         if plan.chunks:
             store.write(typed(data, plan.dtype, plan.shape)).result()
     except ValueError as exc:
-        raise StorageError(f"{path}: tensorstore could not write the array: {exc}") from exc
+        raise StorageError(f"{path}: tensorstore could not write the array: {str(exc).splitlines()[0][:300]}") from exc
     files = []
     for chunk, view, pad in chunk_views(plan, data.data):
         hasher = Hasher()
@@ -202,6 +203,28 @@ def write_array(storage: Storage, root: str, plan: ArrayPlan, data: np.ndarray[A
     meta = storage.read(f"{root}/{plan.fqn}/zarr.json")
     files.append(FileEntry(path=f"{plan.fqn}/zarr.json", size=len(meta), checksum=checksum_of(meta), role="format"))
     return files
+
+
+def kvstore(storage: Storage, key: str) -> dict[str, Any]:
+    """The tensorstore kvstore spec of `key` under `storage`: a local directory, or S3 (endpoint,
+    region and credentials from the standard AWS environment, as for boto3).
+
+    Raises:
+        StorageError: another backend.
+    """
+    from .storage.s3 import S3Storage
+
+    if isinstance(storage, S3Storage):
+        spec: dict[str, Any] = {"driver": "s3", "bucket": storage.bucket, "path": storage.prefix + key + "/",
+                                "aws_credentials": {"type": "environment"}}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if endpoint:
+            spec["endpoint"] = endpoint
+        if region:
+            spec["aws_region"] = region
+        return spec
+    return {"driver": "file", "path": local_path(storage, key, "the zarr form")}
 
 
 def typed(data: np.ndarray[Any, Any], dtype: str, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
@@ -275,7 +298,10 @@ def zarr_writer(source: Source, chunk_bytes: int = CHUNK_BYTES) -> Writer:
                 "producer": Producer(ckptkit=__version__, python=platform.python_version()),
                 "files": listed, "tensors": tensors,
             })
-            dst.write(f"{tmp}/{MANIFEST_NAME}", [manifest_to_json(form)])
+            if dst.capabilities.rename:
+                dst.write(f"{tmp}/{MANIFEST_NAME}", [manifest_to_json(form)])
+            else:  # written in place: the manifest commits, and only one writer can create it
+                dst.create(f"{tmp}/{MANIFEST_NAME}", manifest_to_json(form))
 
         out = [ExportedFile(path=f.path, size=f.size, checksum=f.checksum) for f in files]
         return Written(report, out, [], finish)

@@ -12,6 +12,8 @@ from types import ModuleType
 
 import pytest
 
+from .s3server import s3_bucket, s3_server  # noqa: F401  (fixtures for the S3 tests)
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 

@@ -37,5 +37,9 @@ def open_storage(url: str | os.PathLike[str]) -> Storage:
         scheme = text.split("://", 1)[0]
         if scheme == "file":
             return LocalStorage(text[len("file://") :])
-        raise StorageError(f"{text}: no storage backend for scheme {scheme!r} (supported: local paths, file://)")
+        if scheme == "s3":
+            from .s3 import S3Storage
+
+            return S3Storage(text)
+        raise StorageError(f"{text}: no storage backend for scheme {scheme!r} (supported: local paths, file://, s3://)")
     return LocalStorage(text)

@@ -66,6 +66,13 @@ class Storage(Protocol):
     def rename(self, src: str, dst: str) -> None:
         """Move prefix `src` to `dst` atomically; `dst` must not exist."""
 
+    def create(self, key: str, data: bytes) -> None:
+        """Store `data` under `key` atomically and durably, only if `key` does not exist.
+
+        Raises:
+            CheckpointExistsError: `key` exists (another writer got there first).
+        """
+
 
 def check_key(key: str) -> str:
     """Return `key` if it is a safe relative POSIX key, else raise StorageError.

@@ -8,7 +8,7 @@ import shutil
 import uuid
 from collections.abc import Iterable
 
-from ..errors import StorageError
+from ..errors import CheckpointExistsError, StorageError
 from .base import Buffer, Capabilities, check_key
 
 # A long write starts the write-back of every WRITEBACK_BYTES it has written (see _start_writeback).
@@ -102,6 +102,27 @@ class LocalStorage:
             _remove_quietly(tmp)
             raise
         return size
+
+    def create(self, key: str, data: bytes) -> None:
+        """Write a temporary file, then hard-link it to `key`: the link fails if `key` exists."""
+        path = self.path(key)
+        tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.new-{uuid.uuid4().hex[:8]}")
+        try:
+            _makedirs(os.path.dirname(path))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_full(fd, memoryview(data))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.link(tmp, path)
+        except FileExistsError:
+            raise CheckpointExistsError(f"{path}: already exists (another writer got there first)") from None
+        except OSError as exc:
+            raise StorageError(f"{path}: cannot write ({exc.strerror or exc})") from exc
+        finally:
+            _remove_quietly(tmp)
+        _fsync_dir(os.path.dirname(path))
 
     def size(self, key: str) -> int:
         path = self.path(key)

@@ -51,6 +51,15 @@ class MemoryStorage:
             self._data[key] = data
         return len(data)
 
+    def create(self, key: str, data: bytes) -> None:
+        from ..errors import CheckpointExistsError
+
+        check_key(key)
+        with self._lock:
+            if key in self._data or any(k.startswith(key + "/") for k in self._data):
+                raise CheckpointExistsError(f"{key}: already exists (another writer got there first)")
+            self._data[key] = bytes(data)
+
     def size(self, key: str) -> int:
         return len(self._get(key))
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..catalog import list_root, resolve
-from ..errors import LayoutError
+from ..errors import CheckpointNotFoundError, LayoutError
 from ..loader import fill
 from ..payload import open_checkpoint
 from ..torch_io import is_leaf, leaf_shards
@@ -60,7 +60,10 @@ def resume_path(cfg: TrainConfig) -> str | None:
     if not cfg.resume:
         return None
     if cfg.resume == "latest":
-        if not os.path.isdir(cfg.out) or not list_root(cfg.out).latest:
+        try:
+            if not list_root(cfg.out).latest:
+                return None
+        except CheckpointNotFoundError:  # no root yet (a local directory or an object store prefix)
             return None
         return str(resolve(cfg.out))
     return str(resolve(cfg.resume))

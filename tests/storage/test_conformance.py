@@ -8,12 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from ckptkit.errors import StorageError
+from ckptkit.errors import CheckpointExistsError, StorageError
 from ckptkit.storage import LocalStorage, MemoryStorage, Storage
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    if request.param == "s3":
+        from ckptkit.storage.s3 import S3Storage
+
+        bucket = request.getfixturevalue("s3_bucket")
+        return S3Storage(f"s3://{bucket}/some/prefix", part_size=5 << 20, concurrency=3)
     return LocalStorage(tmp_path / "root") if request.param == "local" else MemoryStorage()
 
 
@@ -88,6 +93,10 @@ def test_delete_removes_a_prefix_and_everything_under_it(storage: Storage) -> No
 
 
 def test_rename_moves_a_prefix_and_refuses_to_replace(storage: Storage) -> None:
+    if not storage.capabilities.rename:
+        with pytest.raises(StorageError, match="cannot rename"):
+            storage.rename("a", "b")
+        return
     storage.write(".tmp/a", [b"1"])
     storage.write(".tmp/b/c", [b"2"])
     storage.rename(".tmp", "final")
@@ -97,6 +106,23 @@ def test_rename_moves_a_prefix_and_refuses_to_replace(storage: Storage) -> None:
     with pytest.raises(StorageError):
         storage.rename("other", "final")
     assert storage.read("final/a") == b"1"
+
+
+def test_create_refuses_an_existing_key(storage: Storage) -> None:
+    storage.create("c/manifest.json", b"first")
+    with pytest.raises(CheckpointExistsError):
+        storage.create("c/manifest.json", b"second")
+    assert storage.read("c/manifest.json") == b"first"
+
+
+def test_large_writes_in_parts_read_back_exactly(storage: Storage) -> None:
+    data = os.urandom(13 << 20)  # several parts on S3 (5 MiB parts here), sent as uneven chunks
+    chunks = [memoryview(data)[i : i + 3_000_001] for i in range(0, len(data), 3_000_001)]
+    assert storage.write("big/blob", chunks) == len(data)
+    assert storage.size("big/blob") == len(data) and storage.read("big/blob") == data
+    buf = bytearray(1 << 20)
+    storage.readinto("big/blob", 7 << 20, memoryview(buf))
+    assert bytes(buf) == data[7 << 20 : 8 << 20]
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "../up", "a/../b", "a//b", "a\\b", "./a"])
