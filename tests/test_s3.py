@@ -211,3 +211,15 @@ def test_the_zarr_form_is_written_to_s3_with_tensorstore_and_read_back(s3_bucket
                                             "aws_credentials": {"type": "environment"}}}
     got = ts.open(spec).result()[10:20, 3:7].read().result()
     assert (got == state["model"]["w"][10:20, 3:7].numpy()).all()
+
+
+def test_bad_urls_and_settings_are_one_line_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ckptkit.StorageError, match="not an s3://bucket"):
+        S3Storage("s3:///nobucket")
+    monkeypatch.setenv("CKPTKIT_S3_PART_SIZE", "lots")
+    with pytest.raises(ckptkit.StorageError, match="CKPTKIT_S3_PART_SIZE='lots' is not a whole number"):
+        S3Storage("s3://bucket/prefix")
+    monkeypatch.setenv("CKPTKIT_S3_PART_SIZE", str(8 << 20))
+    monkeypatch.setenv("CKPTKIT_S3_CONCURRENCY", "3")
+    storage = S3Storage("s3://bucket/prefix/")
+    assert (storage.part_size, storage.concurrency, storage.root) == (8 << 20, 3, "s3://bucket/prefix")

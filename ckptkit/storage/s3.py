@@ -25,8 +25,8 @@ from typing import Any
 from ..errors import CheckpointExistsError, StorageError
 from .base import Buffer, Capabilities, check_key
 
-PART_SIZE = 16 << 20
-CONCURRENCY = 8
+PART_SIZE = 8 << 20
+CONCURRENCY = 5
 READ_ATTEMPTS = 5
 
 
@@ -37,11 +37,18 @@ class S3Storage:
         self,
         url: str,
         *,
-        part_size: int = PART_SIZE,
-        concurrency: int = CONCURRENCY,
-        max_attempts: int = 8,
+        part_size: int | None = None,
+        concurrency: int | None = None,
+        max_attempts: int | None = None,
         client: Any = None,
     ) -> None:
+        """Defaults: `part_size` 8 MiB, `concurrency` 5 parts in flight per write, `max_attempts` 8
+        tries per request; the environment's ``CKPTKIT_S3_PART_SIZE`` (bytes),
+        ``CKPTKIT_S3_CONCURRENCY`` and ``CKPTKIT_S3_MAX_ATTEMPTS`` override them (for URLs opened
+        by the commands)."""
+        part_size = part_size or _env_int("CKPTKIT_S3_PART_SIZE", PART_SIZE)
+        concurrency = concurrency or _env_int("CKPTKIT_S3_CONCURRENCY", CONCURRENCY)
+        max_attempts = max_attempts or _env_int("CKPTKIT_S3_MAX_ATTEMPTS", 8)
         bucket, _, prefix = url.removeprefix("s3://").partition("/")
         if not url.startswith("s3://") or not bucket:
             raise StorageError(f"{url}: not an s3://bucket[/prefix] URL")
@@ -270,6 +277,17 @@ def _total_size(response: dict[str, Any]) -> int | None:
     content_range = str(response.get("ContentRange", ""))
     total = content_range.rpartition("/")[2]
     return int(total) if total.isdigit() else None
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "")
+    try:
+        value = int(text) if text else default
+    except ValueError:
+        raise StorageError(f"{name}={text!r} is not a whole number") from None
+    if value < 1:
+        raise StorageError(f"{name}={text!r} must be at least 1")
+    return value
 
 
 def _backoff(attempt: int) -> None:
