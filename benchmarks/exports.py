@@ -17,16 +17,12 @@ checkpoint. Three tools, one fresh process each, the source cold:
 
 from __future__ import annotations
 
-import json
 import os
-import resource
 import shutil
-import subprocess
-import sys
-import time
 from typing import Any
 
 from .reshards import paths as reshard_paths
+from .reshards import timed_command
 
 TOOLS = ("disk limit", "ckptkit", "dcp consolidate+save_file")
 
@@ -116,17 +112,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ckptkit(src: str, out: str) -> dict[str, Any]:
-    exe = os.path.join(os.path.dirname(sys.executable), "ckptkit")
-    # Cold files, warm code: read the command's modules into the page cache, untimed.
-    subprocess.run([sys.executable, "-c", "import ckptkit.cli, ckptkit.exporter"], check=True)
-    cmd = [exe, "export", src, out, "--format", "hf", "--dtype", "bf16", "--json"]
-    start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"ckptkit export failed ({done.returncode}): {done.stderr.strip()}")
-    report = json.loads(done.stdout)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    seconds, report, peak = timed_command(["export", src, out, "--format", "hf", "--dtype", "bf16"], "ckptkit.exporter")
     written = sum(f["size"] for f in report["files"])
     shutil.rmtree(out, ignore_errors=True)
     return {"seconds": seconds, "in_process_s": report["seconds"], "bytes_written": written, "rss_peak_abs": peak}

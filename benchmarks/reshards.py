@@ -148,20 +148,28 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 def _ckptkit(src: str, out: str) -> dict[str, Any]:
     tp, pp, dp, zero = TARGET
-    exe = os.path.join(os.path.dirname(sys.executable), "ckptkit")
-    # Cold files, warm code (as for the tools preloaded in the other workers): read the
-    # command's modules back into the page cache, untimed. Process start-up stays timed.
-    subprocess.run([sys.executable, "-c", "import ckptkit.cli, ckptkit.resharder"], check=True)
-    cmd = [exe, "reshard", src, out, "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--zero", str(zero), "--json"]
-    start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"ckptkit reshard failed ({done.returncode}): {done.stderr.strip()}")
-    report = json.loads(done.stdout)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    seconds, report, peak = timed_command(
+        ["reshard", src, out, "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--zero", str(zero)], "ckptkit.resharder")
     return {"seconds": seconds, "in_process_s": report["seconds"], "bytes_read": report["bytes_read"],
             "bytes_written": report["bytes_written"], "rss_peak_abs": peak}
+
+
+def timed_command(args: list[str], module: str) -> tuple[float, dict[str, Any], int]:
+    """Run ``ckptkit ARGS --json`` as a child process; return its seconds (start-up included),
+    its JSON report and its peak RSS.
+
+    Cold files, warm code (as for the tools preloaded in the other workers): the command's
+    modules (``ckptkit.cli`` and `module`) are read back into the page cache first, untimed.
+    """
+    exe = os.path.join(os.path.dirname(sys.executable), "ckptkit")
+    subprocess.run([sys.executable, "-c", f"import ckptkit.cli, {module}"], check=True)
+    start = time.perf_counter()
+    done = subprocess.run([exe, *args, "--json"], capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"ckptkit {args[0]} failed ({done.returncode}): {done.stderr.strip()}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return seconds, json.loads(done.stdout), peak
 
 
 def write_meta(work: str, meta: dict[str, Any]) -> None:
