@@ -175,7 +175,12 @@ def commit(loc: Location, stage: Staging, manifest: bytes, *, update_latest: boo
     """
     if loc.storage.capabilities.rename:
         loc.storage.write(f"{stage.root}/{MANIFEST_NAME}", [manifest])
-        loc.storage.rename(stage.root, loc.name)
+        try:
+            loc.storage.rename(stage.root, loc.name)
+        except StorageError:
+            if loc.storage.exists(loc.key(MANIFEST_NAME)):
+                raise CheckpointExistsError(f"{loc}: another writer committed this checkpoint first") from None
+            raise
     else:
         loc.storage.create(loc.key(MANIFEST_NAME), manifest)
     if update_latest:
@@ -183,12 +188,30 @@ def commit(loc: Location, stage: Staging, manifest: bytes, *, update_latest: boo
 
 
 def discard(storage: Storage, stage: Staging | str) -> None:
-    """Delete the files of an uncommitted checkpoint, quietly (they are a leftover if this fails)."""
-    prefix = stage if isinstance(stage, str) else f"{stage.root}/{stage.paths}".rstrip("/")
+    """Delete the files of a checkpoint that did not commit, quietly (they are a leftover if this
+    fails). Files written in place are kept when the manifest there lists them: the commit
+    happened, and only a later step (moving ``latest``) failed."""
+    if isinstance(stage, str):
+        prefix = stage
+    else:
+        prefix = f"{stage.root}/{stage.paths}".rstrip("/")
+        if stage.paths and _listed(storage, stage):
+            return
     try:
         storage.delete(prefix)
     except StorageError:
         pass
+
+
+def _listed(storage: Storage, stage: Staging) -> bool:
+    """Whether the manifest at ``stage.root`` lists files under the stage's prefix."""
+    try:
+        raw = json.loads(storage.read(f"{stage.root}/{MANIFEST_NAME}"))
+        return any(str(f.get("path", "")).startswith(stage.paths) for f in raw.get("files", []))
+    except StorageError:
+        return False
+    except (ValueError, AttributeError, TypeError):
+        return True  # unreadable: keep everything rather than guess
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,11 +13,12 @@ import warnings
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .arrays import output_dtype
 from .checksum import Hasher
-from .errors import LayoutError
+from .errors import CkptkitError, LayoutError, StorageError
 from .export_types import (
     ExportedFile,
     ExportedTensor,
@@ -67,7 +68,10 @@ def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -
         writer = FileSystemWriter(local_path(dst, tmp, "a DCP export"), thread_count=1, sync_files=True)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            metadata = save(state, storage_writer=writer, planner=planner, no_dist=True)
+            try:
+                metadata = save(state, storage_writer=writer, planner=planner, no_dist=True)
+            except CheckpointException as exc:  # DCP wraps what its writer or our planner raised
+                raise _unwrapped(exc) from exc
         where = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
         tensors = sorted((t.model_copy(update={"file": where[t.name]}) for t in report), key=lambda t: t.name)
         files = [_file_entry(dst, tmp, key) for key in sorted(dst.list(tmp))]
@@ -99,6 +103,17 @@ class _StreamingPlanner(DefaultSavePlanner):
         out = tensor.to(torch_dtype(out_dtype)).contiguous()  # torch's own rounding, any float dtype
         self.report.append(exported(self.source, key, fqn, byte_view(out), out_dtype, ""))
         return out
+
+
+def _unwrapped(exc: Any) -> Exception:
+    """The ckptkit error a DCP ``CheckpointException`` carries, or a StorageError that names it."""
+    failures = list(getattr(exc, "failures", {}).values())
+    inner = failures[0] if failures else None
+    while inner is not None and not isinstance(inner, BaseException):  # DCP keeps (exception, traceback) pairs
+        inner = inner[0] if isinstance(inner, tuple) and inner else None
+    if isinstance(inner, CkptkitError):
+        return inner
+    return StorageError(f"torch.distributed.checkpoint could not write the export: {inner or exc}")
 
 
 def _file_entry(dst: Storage, tmp: str, key: str) -> ExportedFile:

@@ -151,7 +151,10 @@ def _export(
         if not in_place:
             dst_loc.storage.rename(tmp, dst_loc.name)
     except BaseException as exc:
-        discard(dst_loc.storage, tmp)
+        # In place, losing the race to create the zarr form's manifest means another export of the
+        # same destination committed: its files are not ours to delete.
+        if not (in_place and isinstance(exc, CheckpointExistsError)):
+            discard(dst_loc.storage, tmp)
         if isinstance(exc, OSError) and not isinstance(exc, StorageError):
             raise StorageError(f"{dst_loc}: export failed, nothing written: {exc}") from exc
         raise

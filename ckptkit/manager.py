@@ -22,6 +22,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ import torch
 
 from . import retention
 from .catalog import LATEST_NAME, read_latest, step_of
-from .errors import CkptkitError, LayoutError
+from .errors import CheckpointNotFoundError, CkptkitError, LayoutError
 from .manifest import MANIFEST_NAME, CheckpointInfo, Manifest, Topology
 from .sharded import ShardedTensor
 from .storage import Storage, open_storage
@@ -213,10 +214,15 @@ class CheckpointManager:
         it; yields its name under the root (a lease file under ``.leases/`` marks it for other
         processes too)."""
         name = self.name_format.format(step=step) if step is not None else read_latest(self.storage)
+        if not name:
+            raise CheckpointNotFoundError(f"{self.root}: no {LATEST_NAME} pointer, so no latest checkpoint")
         with self._lock:
             self._reading[name] = self._reading.get(name, 0) + 1
         try:
             with retention.lease(self.storage, name):
+                # Retention elsewhere may have deleted it between our reading its name and the lease.
+                if not self.storage.exists(f"{name}/{MANIFEST_NAME}"):
+                    raise CheckpointNotFoundError(f"{self.root}/{name}: no committed checkpoint")
                 yield name
         finally:
             with self._lock:
@@ -305,13 +311,21 @@ class CheckpointManager:
             start = time.perf_counter()
             manifest = save(state, handle.name, step=handle.step, storage=self.storage, process_group=self._group, **options)
             if self._rank == 0:
-                self.apply_retention()
+                self._retain()
             handle.background_s = time.perf_counter() - start
             handle.committed.set_result(manifest)
         except BaseException as exc:  # delivered at the next save, wait or close
             if not handle.staged.done():
                 handle.staged.set_exception(exc)
             handle.committed.set_exception(exc)
+
+    def _retain(self) -> None:
+        """Apply retention after a commit. Its failure does not fail the save that committed (and
+        only rank 0 runs it, so raising would leave the other ranks waiting): it is a warning."""
+        try:
+            self.apply_retention()
+        except CkptkitError as exc:
+            warnings.warn(f"ckptkit: retention after a commit failed (nothing was deleted after it): {exc}", stacklevel=2)
 
     def _committed(self) -> list[tuple[str, int]]:
         out = []
@@ -321,7 +335,8 @@ class CheckpointManager:
                 continue
             if self.storage.exists(f"{name}/{MANIFEST_NAME}"):
                 step = step_of(self.storage, name)
-                if step is not None:
+                # Only this manager's checkpoints: not an export or a reshard kept under the same root.
+                if step is not None and name == self.name_format.format(step=step):
                     out.append((name, step))
         return out
 

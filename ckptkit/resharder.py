@@ -359,13 +359,15 @@ def _commit(
         tensors=tensor_entries(plan.save, index, lambda fqn: manifest.tensors[fqn].kind),
         objects=manifest.objects,
         info=manifest.info,
-        tokenizer=manifest.tokenizer,
+        tokenizer=None if manifest.tokenizer is None else manifest.tokenizer.model_copy(
+            update={"files": tuple(stage.path(f) for f in manifest.tokenizer.files)}),
     )
     commit(loc, stage, manifest_to_json(target), update_latest=update_latest)
     return sum(w.bytes_read for w in written.values())
 
 
 def _copy_asset(src_loc: Location, dst: Storage, stage: Staging, entry: FileEntry) -> FileEntry:
-    """Copy a non-tensor file (tokenizer, asset) unchanged, at the same path, checking it against its checksum."""
-    dst.write(f"{stage.root}/{entry.path}", [read_checked(src_loc, entry)])
-    return entry
+    """Copy a non-tensor file (tokenizer, asset) unchanged, checking it against its checksum; it
+    keeps its path (under the writer's prefix where the storage cannot rename)."""
+    dst.write(stage.key(entry.path), [read_checked(src_loc, entry)])
+    return entry.model_copy(update={"path": stage.path(entry.path)})

@@ -36,20 +36,16 @@ class Policy:
     keep_every: int | None = None
     pinned: frozenset[int] = frozenset()
 
-    @property
-    def keeps_all(self) -> bool:
-        return self.keep_last is None
-
 
 def plan_deletions(
     committed: list[tuple[str, int]], latest: str, policy: Policy, busy: Collection[str] = ()
 ) -> list[str]:
     """Return the names to delete among `committed` (name, step), oldest first."""
-    if policy.keeps_all or not committed:
+    if policy.keep_last is None or not committed:
         return []
     ordered = sorted(committed, key=lambda c: (c[1], c[0]))
     newest_step = ordered[-1][1]
-    keep = {name for name, _ in ordered[-policy.keep_last :]} if policy.keep_last else set()
+    keep = {name for name, _ in ordered[-policy.keep_last :]}
     out = []
     for name, step in ordered:
         if name in keep or name == latest or name in busy or step in policy.pinned or step >= newest_step:

@@ -189,3 +189,13 @@ def test_export_refusals_write_nothing(source: Path, tmp_path: Path, run_ckptkit
     ok = run_ckptkit("export", str(source), str(tmp_path / "z"), "--format", "zarr", "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout)["format"] == "zarr"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "src", "taken", "z"]  # no temporary left
+
+
+def test_a_dcp_export_of_a_corrupt_source_is_a_ckptkit_error(source: Path, tmp_path: Path) -> None:
+    payload = next(p for p in sorted(source.glob("*.safetensors")))
+    data = bytearray(payload.read_bytes())
+    data[:8] = (10**12).to_bytes(8, "little")  # an absurd header length
+    payload.write_bytes(bytes(data))
+    with pytest.raises(ckptkit.IntegrityError, match="exceeds"):
+        export(source, tmp_path / "dcp", format="dcp", include_optimizer=True)
+    assert not (tmp_path / "dcp").exists() and not list(tmp_path.glob(".dcp.tmp-*"))

@@ -292,3 +292,21 @@ def test_cuda_tensors_are_staged_through_pinned_memory_on_a_side_stream(tmp_path
         handle.staged.result(timeout=60)
         assert all(t.is_pinned() for t in manager._buffers.tensors.values())
     assert torch.equal(ckptkit.load(str(tmp_path / "step_00000001"))["model"]["w"], want)
+
+
+def test_a_retention_failure_warns_and_does_not_fail_the_committed_save(tmp_path: Path) -> None:
+    class NoListing(LocalStorage):
+        def list(self, prefix: str = "", *, recursive: bool = True) -> list[str]:
+            raise StorageError("listing refused")
+
+    with CheckpointManager(tmp_path, storage=NoListing(tmp_path), keep_last=1) as manager:
+        with pytest.warns(UserWarning, match="retention after a commit failed"):  # from the background thread
+            handle = manager.save(1, _state(1))
+            manager.wait()
+        assert handle.committed.result().step == 1
+        with pytest.raises(ckptkit.CheckpointNotFoundError):
+            with manager.reading(7):
+                pass
+    with pytest.raises(ckptkit.CheckpointNotFoundError, match="no latest"):
+        with CheckpointManager(tmp_path / "empty").reading():
+            pass

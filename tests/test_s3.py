@@ -223,3 +223,23 @@ def test_bad_urls_and_settings_are_one_line_errors(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("CKPTKIT_S3_CONCURRENCY", "3")
     storage = S3Storage("s3://bucket/prefix/")
     assert (storage.part_size, storage.concurrency, storage.root) == (8 << 20, 3, "s3://bucket/prefix")
+
+
+def test_a_failure_after_the_manifest_keeps_the_committed_files(s3_bucket: str) -> None:
+    class NoLatest(S3Storage):
+        def write(self, key: str, chunks) -> int:  # type: ignore[no-untyped-def]
+            if key == "latest":
+                raise ckptkit.StorageError("latest: throttled for good")
+            return super().write(key, chunks)
+
+    storage = NoLatest(f"s3://{s3_bucket}/late")
+    with pytest.raises(ckptkit.StorageError, match="throttled"):
+        ckptkit.save(_state(9), "step_9", step=9, storage=storage)
+    # The manifest was created: the checkpoint committed, and its files were not discarded.
+    assert ckptkit.verify("step_9", storage=storage).ok
+    assert torch.equal(ckptkit.load("step_9", storage=storage)["model"]["w"], _state(9)["model"]["w"])
+    # A create retried after its first try succeeded finds its own bytes: not a conflict.
+    storage.create("k", b"mine")
+    storage.create("k", b"mine")
+    with pytest.raises(CheckpointExistsError):
+        storage.create("k", b"theirs")

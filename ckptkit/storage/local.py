@@ -116,13 +116,13 @@ class LocalStorage:
             finally:
                 os.close(fd)
             os.link(tmp, path)
+            _fsync_dir(os.path.dirname(path))
         except FileExistsError:
             raise CheckpointExistsError(f"{path}: already exists (another writer got there first)") from None
         except OSError as exc:
             raise StorageError(f"{path}: cannot write ({exc.strerror or exc})") from exc
         finally:
             _remove_quietly(tmp)
-        _fsync_dir(os.path.dirname(path))
 
     def size(self, key: str) -> int:
         path = self.path(key)
@@ -185,7 +185,10 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     """Start writing a range of dirty pages back to disk without waiting (Linux starts writeback
     on POSIX_FADV_DONTNEED), so that the final fsync finds little left to write."""
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError:  # only a hint
+            pass
 
 
 def _write_full(fd: int, view: memoryview) -> int:

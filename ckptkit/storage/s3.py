@@ -19,7 +19,7 @@ import os
 import random
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ..errors import CheckpointExistsError, StorageError
@@ -78,7 +78,10 @@ class S3Storage:
         if length == 0:
             self.size(key)
             return b""
-        buf = bytearray(length if length is not None else self.size(key) - offset)
+        total = length if length is not None else self.size(key) - offset
+        if total < 0:
+            raise StorageError(f"{self.root}/{key}: short read, offset {offset} is past the end")
+        buf = bytearray(total)
         if buf:
             self.readinto(key, offset, memoryview(buf))
         return bytes(buf)
@@ -94,13 +97,19 @@ class S3Storage:
             got = 0
             try:
                 for chunk in response["Body"].iter_chunks(1 << 20):
+                    if got + len(chunk) > len(view):
+                        raise StorageError(f"{where}: the server sent more than the {len(view)} bytes asked")
                     view[got : got + len(chunk)] = chunk
                     got += len(chunk)
+            except StorageError:
+                raise
             except Exception as exc:  # a connection dropped mid-body: read the range again
                 if attempt + 1 == READ_ATTEMPTS:
                     raise StorageError(f"{where}: read failed: {exc}") from exc
                 _backoff(attempt)
                 continue
+            finally:
+                response["Body"].close()
             if got == len(view):
                 return
             total = _total_size(response)
@@ -163,6 +172,9 @@ class S3Storage:
         try:
             self._call("put_object", f"{self.root}/{key}", Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
         except _Precondition:
+            # A retried request whose first try succeeded also ends here: then the bytes are ours.
+            if self.read(key) == bytes(data):
+                return
             raise CheckpointExistsError(f"{self.root}/{key}: already exists (another writer got there first)") from None
 
     def _multipart(self, key: str, target: str, first: bytearray, second: bytearray, rest: Iterator[bytearray]) -> int:
@@ -176,8 +188,9 @@ class S3Storage:
                 for part in _chain(first, second, rest):
                     number += 1
                     size += len(part)
-                    while sum(not f.done() for f in pending) >= self.concurrency:
-                        next(f for f in pending if not f.done()).result()
+                    running = [f for f in pending if not f.done()]
+                    if len(running) >= self.concurrency:
+                        wait(running, return_when=FIRST_COMPLETED)
                     pending.append(pool.submit(self._upload_part, where, target, upload, number, part))
                 done = [f.result() for f in pending]
             self._call("complete_multipart_upload", where, Bucket=self.bucket, Key=target, UploadId=upload,

@@ -173,10 +173,6 @@ def _micro_batches(cfg: TrainConfig, mesh: Mesh, dataset: Dataset, ids: list[int
     return [torch.stack([dataset.sample(i) for i in mine[m * size : (m + 1) * size]]) for m in range(cfg.micro_batches)]
 
 
-def step_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
 def _info(cfg: TrainConfig, engine: Engine, sampler: Sampler, dataset: Dataset, dataset_id: str) -> CheckpointInfo:
     names = tuple(sorted(logical_param_names(engine.model_cfg)))
     return CheckpointInfo(
