@@ -72,7 +72,7 @@ def prepare(work: str, size_mib: int) -> dict[str, Any]:
     import ckptkit
     from ckptkit.manifest import CheckpointInfo, ModelInfo
     from ckptkit.resharder import reshard
-    from ckptkit.trainer.layout import logical_param_names, stage_units
+    from ckptkit.layouts import stage_units
 
     p = paths(work)
     for key in ("seed", "src", "dcp-src"):
@@ -80,11 +80,11 @@ def prepare(work: str, size_mib: int) -> dict[str, Any]:
     cfg = model_config(size_mib)
     shapes = {}
     for pp_rank in range(1):
-        for unit in stage_units(cfg, 1, 0, 1, pp_rank):
+        for unit in stage_units(cfg.layout(), 1, 0, 1, pp_rank):
             for spec in unit:
                 for part in spec.parts:
                     shapes[part.name] = part.global_shape
-    assert sorted(shapes) == sorted(logical_param_names(cfg))
+    assert sorted(shapes) == sorted(cfg.layout().tensors())
     generator = torch.Generator().manual_seed(20241130)
     state: dict[str, Any] = {"model": {}, "optimizer": {"exp_avg": {}, "exp_avg_sq": {}}}
     for name, shape in sorted(shapes.items()):
@@ -186,7 +186,7 @@ def write_meta(work: str, meta: dict[str, Any]) -> None:
 
 def plan_at_scale() -> dict[str, Any]:
     """Time planning PLAN_SOURCE -> PLAN_TARGET for a 72-layer 8B-class model (about 2,000 tensors)."""
-    from ckptkit.layouts import LlamaLayout
+    from ckptkit.layouts import reference_llama
     from ckptkit.planner import ShardLookup
     from ckptkit.reshard_plan import collector_paused, plan_reads, plan_reshard
     from ckptkit.trainer.config import ModelConfig
@@ -195,7 +195,7 @@ def plan_at_scale() -> dict[str, Any]:
 
     cfg = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=PLAN_LAYERS,
                       num_heads=32, num_kv_heads=8)
-    layout = LlamaLayout(cfg)
+    layout = reference_llama(cfg.to_json())
     start = time.perf_counter()
     manifest = source_manifest(layout, topology(PLAN_SOURCE))
     inputs_s = time.perf_counter() - start

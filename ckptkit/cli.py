@@ -41,7 +41,7 @@ def _emit_json(model: Any) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckptkit")
 def cli() -> None:
-    """Checkpoints for sharded large-model training: list, inspect, verify, diff, reshard, export, train, demo."""
+    """Checkpoints for sharded large-model training: list, inspect, verify, diff, reshard, export, layout, train, demo."""
 
 
 @cli.command("ls")
@@ -160,29 +160,36 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, include_rng: bool, limit:
 @click.option("--threads", default=4, show_default=True, type=click.IntRange(1, 64), help="Files written at once per process.")
 @click.option("--no-check", is_flag=True, help="Do not check the source checksums while copying.")
 @click.option("--no-latest", is_flag=True, help="Leave the latest pointer of DST's root where it is.")
+@click.option("--layout", "layout_file", default=None, help="A layout file for the model (default: the one SRC records).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def reshard_cmd(
-    src: str, dst: str, tp: int, pp: int, dp: int, zero: int, threads: int, no_check: bool, no_latest: bool, as_json: bool
+    src: str, dst: str, tp: int, pp: int, dp: int, zero: int, threads: int, no_check: bool, no_latest: bool,
+    layout_file: str | None, as_json: bool,
 ) -> None:
     """Write the checkpoint at SRC as the one a tp x pp x dp (ZeRO) job would have saved, at DST.
 
-    Every tensor is copied bitwise; training assets and the tokenizer come along. Under
-    torchrun the ranks split the files. Exit 0 when DST is committed, 1 on a ckptkit error
-    (impossible target, DST exists, source corrupt; nothing is committed), 2 on bad usage
-    or when SRC holds no committed checkpoint.
+    Every tensor is copied bitwise; training assets and the tokenizer come along. The
+    tensors are placed by the model's layout: the one SRC records (or the built-in one of
+    the model family it names), or --layout FILE. Under torchrun the ranks split the files.
+    Exit 0 when DST is committed, 1 on a ckptkit error (impossible target, a layout with
+    mistakes, DST exists, source corrupt; nothing is committed), 2 on bad usage or when SRC
+    holds no committed checkpoint.
     """
+    from .layouts import load_layout
     from .manifest import Topology
     from .reshard_plan import describe
     from .resharder import reshard
 
     if zero not in (0, 1, 2, 3):
         _fail(f"zero stage {zero} is not one of 0, 1, 2, 3", 2)
+    layout = load_layout(layout_file) if layout_file is not None else None
     target = Topology(world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp, zero_stage=zero)
     dist = _init_torchrun()
     rank = dist.get_rank() if dist is not None else 0
     try:
         report = _needs_checkpoint(
-            lambda: reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest)
+            lambda: reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest,
+                            layout=layout)
         )
     finally:
         if dist is not None:
@@ -200,6 +207,61 @@ def reshard_cmd(
     )
     if report.kept:
         click.echo(f"kept with their saved boxes: {', '.join(report.kept)}")
+
+
+@cli.group("layout")
+def layout_group() -> None:
+    """Model layouts: how a model's tensors are cut over TP, PP and ZeRO (see ckptkit.layouts)."""
+
+
+@layout_group.command("show")
+@click.argument("path")
+def layout_show_cmd(path: str) -> None:
+    """Print the layout of the checkpoint at PATH as a layout file (JSON).
+
+    The layout the checkpoint records, or for a checkpoint written before layouts were
+    recorded, the built-in layout of the model family its manifest names. Exit 0, 1 when
+    the checkpoint has no layout, 2 when PATH holds no committed checkpoint.
+    """
+    from .layouts import layout_for
+    from .payload import open_checkpoint
+
+    loc, manifest = _needs_checkpoint(lambda: open_checkpoint(path))
+    click.echo(json.dumps(layout_for(manifest, where=str(loc)).to_json(), indent=2))
+
+
+@layout_group.command("check")
+@click.argument("file")
+@click.option("--tp", default=None, type=click.IntRange(1), help="Also check that the layout fits this tensor-parallel degree.")
+@click.option("--pp", default=None, type=click.IntRange(1), help="... this number of pipeline stages.")
+@click.option("--dp", default=None, type=click.IntRange(1), help="... this data-parallel degree.")
+@click.option("--cp", default=None, type=click.IntRange(1), help="... this context-parallel degree.")
+@click.option("--zero", default=None, type=click.IntRange(0, 3), help="... this ZeRO stage.")
+def layout_check_cmd(file: str, tp: int | None, pp: int | None, dp: int | None, cp: int | None, zero: int | None) -> None:
+    """Check the layout file FILE (and, with --tp/--pp/--dp/--cp/--zero, that it fits that topology).
+
+    Prints one line per problem. Exit 0 when sound, 1 when problems were found or FILE
+    cannot be read.
+    """
+    from .layouts import layout_problems, parse_layout, topology_problems
+    from .manifest import Topology
+
+    try:
+        with open(file, "rb") as f:
+            data = f.read(1 << 26)
+    except OSError as exc:
+        _fail(f"{file}: cannot read the layout file ({exc.strerror or exc})", 1)
+    problems = layout_problems(data)
+    if not problems and any(n is not None for n in (tp, pp, dp, cp, zero)):
+        t, p, d, c = tp or 1, pp or 1, dp or 1, cp or 1
+        topology = Topology(world_size=t * p * d * c, tp=t, pp=p, dp=d, cp=c, zero_stage=zero or 0)
+        problems = topology_problems(parse_layout(data, source=file), topology)
+    for problem in problems:
+        click.echo(f"ckptkit: error: {file}: {problem}", err=True)
+    if problems:
+        sys.exit(1)
+    layout = parse_layout(data, source=file)
+    click.echo(f"{file}: sound ({layout.name}: {len(layout.tensors())} tensors, {layout.num_layers} layers)")
 
 
 def _init_torchrun() -> Any:

@@ -36,7 +36,7 @@ from .export_types import (
     exported,
     report_bytes,
 )
-from .manifest import Manifest
+from .layouts import layout_for
 from .payload import open_checkpoint, read_checked
 from .safetensors_format import build_header
 from .storage import Storage
@@ -164,11 +164,9 @@ def _export(
 def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int) -> Writer:
     """Plan the HF export (failing before any write) and return its writer."""
     manifest = source.manifest
-    model = _llama_config(manifest, str(source.loc))
-    from .trainer.config import ModelConfig
-    from .trainer.layout import logical_param_names
-
-    names = hf.name_map(manifest.tensors, logical_param_names(ModelConfig(**model)))
+    layout = layout_for(manifest, where=str(source.loc))
+    model = hf.llama_config(layout, str(source.loc))
+    names = hf.name_map(manifest.tensors, list(layout.tensors()))
     sizes = {names[fqn]: manifest.tensors[fqn].shape for fqn in names}
     nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in sizes.items()}
     shards = hf.plan_shards(nbytes, max_shard_bytes)
@@ -199,14 +197,6 @@ def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int) -> Writer:
         return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in names))
 
     return write
-
-
-def _llama_config(manifest: Manifest, where: str) -> dict[str, Any]:
-    model = manifest.info.model
-    if model is None or model.family != "llama":
-        family = "no model (info.model)" if model is None else f"model family {model.family!r}"
-        raise LayoutError(f"{where}: the checkpoint names {family}; export knows the family llama")
-    return dict(model.config)
 
 
 def _write_shard(

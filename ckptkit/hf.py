@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import LayoutError
+from .layouts import Layout
 
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -94,6 +95,24 @@ def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[Shard]:
         size += sizes[name]
     n = len(groups)
     return [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(g)) for i, g in enumerate(groups)]
+
+
+CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+               "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings")
+
+
+def llama_config(layout: Layout, where: str) -> dict[str, Any]:
+    """Return the reference Llama config a Hugging Face export needs, from the checkpoint's layout.
+
+    Raises:
+        LayoutError: the layout is not the reference Llama's, or its config lacks a value.
+    """
+    if layout.name != "llama":
+        raise LayoutError(f"{where}: the checkpoint's layout is {layout.name!r}; export --format hf maps the layout 'llama'")
+    missing = [k for k in CONFIG_KEYS if k not in layout.config]
+    if missing:
+        raise LayoutError(f"{where}: the llama layout's config lacks {', '.join(missing)}")
+    return dict(layout.config)
 
 
 def config_json(model: Mapping[str, Any], dtype: str) -> dict[str, Any]:

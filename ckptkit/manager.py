@@ -87,7 +87,7 @@ class CheckpointManager:
             background saves, so every rank must construct the manager.
         name_format: checkpoint names, formatted with ``step``.
         sync: save in the caller's thread (for comparison); handles are done at return.
-        save_options: passed to every ``ckptkit.save`` (max_file_bytes, io_threads).
+        save_options: passed to every ``ckptkit.save`` (max_file_bytes, io_threads, layout).
 
     Use as a context manager, or call `close`, so the last save is committed.
     """

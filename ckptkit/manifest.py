@@ -17,7 +17,7 @@ from .errors import ManifestError
 
 FORMAT = "ckptkit"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1
+SCHEMA_MINOR = 2
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 MANIFEST_NAME = "manifest.json"
 
@@ -212,6 +212,9 @@ class Manifest(Model):
     objects: dict[str, JsonValue] = Field(default_factory=dict)
     info: CheckpointInfo = Field(default_factory=CheckpointInfo)
     tokenizer: TokenizerInfo | None = None
+    # Since 1.2: the model's layout (a ``ckptkit-layout`` document, see ``ckptkit.layouts``),
+    # from which reshard places the tensors on any topology. Omitted when unknown.
+    layout: dict[str, JsonValue] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 def manifest_to_json(manifest: Manifest) -> bytes:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .boxes import Box, in_bounds, tiling_problems
 from .errors import LayoutError
-from .layouts import Layout, holders
+from .layouts import Holders, Layout, holders, placed_tensors, topology_problems
 from .manifest import Manifest, Topology
 from .planner import ShardLookup, TargetPlan, plan_load
 from .save_plan import FilePlan, ItemDesc, SavePlan, plan_files
@@ -40,6 +40,7 @@ class ReshardPlan:
     save: SavePlan
     jobs: tuple[FileJob, ...]
     kept: tuple[str, ...]  # tensors the layout does not place: copied with their saved boxes
+    layout: Layout | None = None  # recorded in the target's manifest
 
     @property
     def nbytes(self) -> int:
@@ -47,8 +48,10 @@ class ReshardPlan:
 
 
 def describe(topology: Topology) -> str:
+    """A topology in words, as messages show it."""
     t = topology
-    return f"tp={t.tp} pp={t.pp} dp={t.dp} zero={t.zero_stage}"
+    extra = "".join(f" {axis}={n}" for axis, n in (("cp", t.cp), ("ep", t.ep)) if n != 1)
+    return f"tp={t.tp} pp={t.pp} dp={t.dp}{extra} zero={t.zero_stage}"
 
 
 def plan_reshard(
@@ -66,32 +69,42 @@ def plan_reshard(
             of a tensor group the layout places, or the layout does not match the saved
             shapes; every problem is listed.
     """
-    problems = layout.problems(topology)
+    problems = topology_problems(layout, topology)
     if problems:
         raise LayoutError(f"cannot reshard to {describe(topology)}: " + "; ".join(problems))
+    placed, problems = placed_tensors(layout, {fqn: t.shape for fqn, t in manifest.tensors.items()})
+    if problems:
+        raise LayoutError(f"the layout does not match the saved tensors: {len(problems)} problem(s): " + "; ".join(problems))
     with collector_paused():
-        return _plan(manifest, layout, topology, files_per_rank, max_file_bytes)
+        by_tensor = {fqn: boxes for fqn, boxes in holders(layout, topology).items() if fqn in placed}
+        return plan_placement(manifest, by_tensor, topology, files_per_rank=files_per_rank,
+                              max_file_bytes=max_file_bytes, layout=layout)
 
 
-def _plan(
-    manifest: Manifest, layout: Layout, topology: Topology, files_per_rank: int, max_file_bytes: int | None
+def plan_placement(
+    manifest: Manifest,
+    placement: Holders,
+    topology: Topology,
+    *,
+    files_per_rank: int = 1,
+    max_file_bytes: int | None = None,
+    layout: Layout | None = None,
 ) -> ReshardPlan:
-    placed: set[str] = set()
-    for group, names in layout.tensor_groups().items():
-        missing = [n for n in names if n not in manifest.tensors]
-        if len(missing) == len(names):
-            continue  # e.g. a checkpoint without optimizer state
-        if missing:
-            shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-            raise LayoutError(f"the checkpoint holds only part of {group!r}: missing {shown}")
-        placed.update(names)
+    """Plan the target files when the tensors of `placement` get its boxes (each held by the
+    ranks given); every other tensor keeps its saved boxes.
+
+    Raises:
+        LayoutError: a placed tensor is not in the checkpoint, or its boxes do not tile it
+            (every problem is listed).
+    """
     world = topology.world_size
-    by_tensor = {fqn: boxes for fqn, boxes in holders(layout, topology).items() if fqn in placed}
+    problems = [f"{fqn}: not in the checkpoint" for fqn in sorted(placement) if fqn not in manifest.tensors]
+    by_tensor = {fqn: boxes for fqn, boxes in placement.items() if fqn in manifest.tensors}
+    placed = set(by_tensor)
     kept = tuple(sorted(set(manifest.tensors) - placed))
     for fqn in kept:
         entry = manifest.tensors[fqn]
         by_tensor[fqn] = {shard.box: [i % world] for i, shard in enumerate(iter_shards(entry))}
-    problems = []
     meta = {}
     for fqn in sorted(set(by_tensor) | placed):
         entry = manifest.tensors[fqn]
@@ -99,12 +112,12 @@ def _plan(
         problems += [f"{fqn}: {p}" for p in _tiling_problems(entry.shape, list(by_tensor.get(fqn, {})))]
     if problems:
         raise LayoutError(
-            f"the model config in info.model does not match the saved tensors: {len(problems)} problem(s): "
+            f"the layout does not match the saved tensors: {len(problems)} problem(s): "
             + "; ".join(problems[:20])
         )
     save = plan_files(by_tensor, meta, world, max_file_bytes=max_file_bytes, files_per_rank=files_per_rank)
     jobs = [FileJob(rank, f) for rank, files in enumerate(save.files) for f in files]
-    return ReshardPlan(topology, save, tuple(jobs), kept)
+    return ReshardPlan(topology, save, tuple(jobs), kept, layout)
 
 
 def plan_reads(manifest: Manifest, job: FileJob, lookup: ShardLookup | None = None) -> tuple[TargetPlan, ...]:

@@ -113,7 +113,8 @@ def reshard(
         check_source: check every source file's checksum while copying; the destination is
             committed only if they all match.
         update_latest: move the latest pointer of `dst`'s root to it.
-        layout: where the target's ranks hold which boxes (default: from the source's ``info.model``).
+        layout: where the target's ranks hold which boxes (default: the layout the source records, or
+            the built-in layout of the family its ``info.model`` names); the target records it.
         storage, dst_storage: read `src` / write `dst` through these backends (names under their roots).
 
     Raises:
@@ -123,11 +124,33 @@ def reshard(
         StorageError: a read or write failed; nothing was committed.
     """
     started = time.perf_counter()
-    coll = default_collective(process_group)
     src_loc, manifest = open_checkpoint(src, storage)
-    layout = layout or layout_for(manifest, where=str(src_loc))
+    layout = layout if layout is not None else layout_for(manifest, where=str(src_loc))
+    topology = topology.model_copy(update={"rank_order": "-".join(layout.mesh)})
     per_rank = files_per_rank or max(2, -(-threads // topology.world_size))
     plan = plan_reshard(manifest, layout, topology, files_per_rank=per_rank, max_file_bytes=max_file_bytes)
+    return write_reshard(src_loc, manifest, plan, dst, threads=threads, check_source=check_source,
+                         update_latest=update_latest, process_group=process_group, dst_storage=dst_storage, started=started)
+
+
+def write_reshard(
+    src_loc: Location,
+    manifest: Manifest,
+    plan: ReshardPlan,
+    dst: str | os.PathLike[str],
+    *,
+    threads: int = THREADS,
+    check_source: bool = True,
+    update_latest: bool = True,
+    process_group: Any = None,
+    dst_storage: Storage | None = None,
+    started: float | None = None,
+) -> ReshardReport:
+    """Write and commit the target a finished `plan` describes, from the source checkpoint
+    (`src_loc`, `manifest`), at `dst`; the I/O half of `reshard` (same arguments, same errors)."""
+    started = time.perf_counter() if started is None else started
+    coll = default_collective(process_group)
+    topology = plan.topology
     dst_loc = locate(dst, dst_storage)
     refuse_nesting(src_loc, dst_loc)
     uid = unwrap(coll.broadcast(guard(lambda: _claim(dst_loc)) if coll.rank == 0 else None))
@@ -359,6 +382,7 @@ def _commit(
         tensors=tensor_entries(plan.save, index, lambda fqn: manifest.tensors[fqn].kind),
         objects=manifest.objects,
         info=manifest.info,
+        layout=manifest.layout if plan.layout is None else plan.layout.to_json(),
         tokenizer=None if manifest.tokenizer is None else manifest.tokenizer.model_copy(
             update={"files": tuple(stage.path(f) for f in manifest.tokenizer.files)}),
     )

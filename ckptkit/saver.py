@@ -20,6 +20,7 @@ from .catalog import Location, Staging, commit, discard, locate, refuse_existing
 from .checksum import Hasher
 from .collective import Collective, default_collective, guard, unwrap
 from .errors import CkptkitError, LayoutError, StorageError
+from .layouts import Layout, placed_tensors, topology_problems
 from .manifest import (
     KINDS,
     CheckpointInfo,
@@ -60,6 +61,7 @@ def save(
     io_threads: int = 2,
     update_latest: bool = True,
     storage: Storage | None = None,
+    layout: Layout | None = None,
 ) -> Manifest:
     """Write `state` as the committed checkpoint directory `path`.
 
@@ -85,13 +87,17 @@ def save(
             many files of about equal size once it holds 64 MiB per file.
         update_latest: move the root's ``latest`` pointer to this checkpoint.
         storage: write through this backend; `path` is then the checkpoint's name under its root.
+        layout: the model's layout (``ckptkit.layouts``), recorded in the manifest so that the
+            checkpoint can be resharded offline to any topology the layout allows; checked
+            against the saved tensors and the topology first.
 
     Returns:
         The manifest that was committed.
 
     Raises:
         LayoutError: boxes overlap or leave gaps, shapes or dtypes disagree across ranks,
-            or a value is neither a tensor nor JSON.
+            a value is neither a tensor nor JSON, or the layout does not fit the tensors or
+            the topology.
         CheckpointExistsError: something already exists at `path`.
         StorageError: a write failed; nothing was committed.
     """
@@ -104,7 +110,7 @@ def save(
     topo: Topology | None = None
     shares = None
     if gathered is not None:
-        planned = guard(lambda: _plan(gathered, loc, (max_file_bytes, io_threads), topology, coll))
+        planned = guard(lambda: _plan(gathered, loc, (max_file_bytes, io_threads), topology, layout, coll))
         if planned[0] == "ok":
             plan, uid, topo = planned[1]
             shares = [(files, uid) for files in plan.files]
@@ -118,7 +124,7 @@ def save(
     if results is not None:
         assert plan is not None and topo is not None  # rank 0 planned
         outcome = guard(
-            lambda: _commit(results, plan, loc, stage, step, topo, info, tokenizer, objects, kinds, update_latest)
+            lambda: _commit(results, plan, loc, stage, step, topo, info, tokenizer, objects, kinds, update_latest, layout)
         )
         if outcome[0] != "ok":
             discard(loc.storage, stage)
@@ -153,7 +159,8 @@ def _digest(objects: dict[str, Any]) -> str:
 
 
 def _plan(
-    gathered: list[Any], loc: Location, split: tuple[int | None, int], topology: Topology | None, coll: Collective
+    gathered: list[Any], loc: Location, split: tuple[int | None, int], topology: Topology | None, layout: Layout | None,
+    coll: Collective,
 ) -> tuple[SavePlan, str, Topology]:
     errors = [f"rank {r}: {err}" for r, (_, _, err) in enumerate(gathered) if err]
     if errors:
@@ -169,7 +176,18 @@ def _plan(
             f"does not match {coll.world_size} saving rank(s)"
         )
     plan = plan_save([descs for descs, _, _ in gathered], max_file_bytes=split[0], files_per_rank=split[1])
+    if layout is not None:
+        _check_layout(layout, topo, {fqn: shape for fqn, (_, shape) in plan.tensors.items()})
     return plan, uuid.uuid4().hex[:12], topo
+
+
+def _check_layout(layout: Layout, topology: Topology, shapes: dict[str, tuple[int, ...]]) -> None:
+    placed, problems = placed_tensors(layout, shapes)
+    if not placed:
+        problems.append(f"it places none of the saved tensors (its groups: {', '.join(layout.tensor_groups())})")
+    problems += topology_problems(layout, topology)
+    if problems:
+        raise LayoutError(f"the layout {layout.name!r} does not fit this save: " + "; ".join(problems[:20]))
 
 
 def _write_files(
@@ -213,6 +231,7 @@ def _commit(
     objects: dict[str, Any],
     kinds: Mapping[str, str] | None,
     update_latest: bool,
+    layout: Layout | None,
 ) -> Manifest:
     errors = [f"rank {r}: {res[1]}" for r, res in enumerate(results) if res[0] != "ok"]
     if errors:
@@ -236,6 +255,7 @@ def _commit(
         objects=objects,
         info=info or CheckpointInfo(),
         tokenizer=tok_info,
+        layout=None if layout is None else layout.to_json(),
     )
     commit(loc, stage, manifest_to_json(manifest), update_latest=update_latest)
     return manifest

@@ -1,4 +1,4 @@
-"""Generate the published JSON Schemas (manifest and CLI reports) from the pydantic models.
+"""Generate the published JSON Schemas (manifest, layout and CLI reports) from the pydantic models.
 
 Run ``python -m ckptkit.schemas [DIR]`` to rewrite them (default: ./schemas); a test
 regenerates them and fails on any difference. Never edit the files by hand.
@@ -13,6 +13,7 @@ from typing import Any
 
 from .exporter import ExportReport
 from .inspector import InspectReport
+from .layouts import layout_json_schema
 from .manifest import SCHEMA_MAJOR, manifest_json_schema
 from .reports import ListingReport
 from .resharder import ReshardReport
@@ -21,7 +22,7 @@ from .verifier import VerifyReport
 
 def all_schemas() -> dict[str, dict[str, Any]]:
     """Return relative file path -> JSON Schema for every published document."""
-    out = {f"manifest/v{SCHEMA_MAJOR}.schema.json": manifest_json_schema()}
+    out = {f"manifest/v{SCHEMA_MAJOR}.schema.json": manifest_json_schema(), "layout/v1.schema.json": layout_json_schema()}
     for name, model in (("verify", VerifyReport), ("inspect", InspectReport), ("ls", ListingReport), ("reshard", ReshardReport),
                         ("export", ExportReport)):
         schema = model.model_json_schema()

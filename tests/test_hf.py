@@ -8,11 +8,10 @@ from ckptkit import hf
 from ckptkit.errors import LayoutError
 from ckptkit.exporter import parse_size
 from ckptkit.trainer.config import model_config
-from ckptkit.trainer.layout import logical_param_names
 
 
 def test_every_logical_parameter_has_a_distinct_llama_name() -> None:
-    names = logical_param_names(model_config("tiny", vocab_size=98))
+    names = list(model_config("tiny", vocab_size=98).layout().tensors())
     mapped = {n: hf.hf_name(n) for n in names}
     assert mapped["embed.weight"] == "model.embed_tokens.weight" and mapped["lm_head.weight"] == "lm_head.weight"
     assert mapped["layers.3.attn.k.weight"] == "model.layers.3.self_attn.k_proj.weight"

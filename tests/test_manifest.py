@@ -86,7 +86,7 @@ def test_manifest_schema_validates_a_real_manifest() -> None:
     jsonschema.validate(json.loads(manifest_to_json(_manifest())), schema)
 
 
-def test_verify_and_inspect_run_without_torch(tmp_path: Path) -> None:
+def test_verify_inspect_and_layouts_run_without_torch(tmp_path: Path) -> None:
     import torch
 
     import ckptkit
@@ -100,7 +100,7 @@ def test_verify_and_inspect_run_without_torch(tmp_path: Path) -> None:
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import ckptkit, ckptkit.manifest, ckptkit.boxes, ckptkit.planner, ckptkit.shards\n"
-        "import ckptkit.verifier, ckptkit.inspector, ckptkit.consistency, ckptkit.catalog, ckptkit.cli\n"
+        "import ckptkit.verifier, ckptkit.inspector, ckptkit.consistency, ckptkit.catalog, ckptkit.cli, ckptkit.layouts\n"
         "from ckptkit.cli import cli\n"
         "assert ckptkit.verify(sys.argv[1]).ok\n"
         "assert ckptkit.inspect(sys.argv[1]).tensors == 1\n"

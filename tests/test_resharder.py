@@ -1,9 +1,8 @@
-"""Offline reshard over random layouts: the plan covers every target byte once, the copy is exact."""
+"""Offline reshard over random placements: the plan covers every target byte once, the copy is exact."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from unittest import mock
 
 import numpy as np
@@ -17,8 +16,10 @@ from ckptkit import ShardedTensor, resharder
 from ckptkit.boxes import Box, flat_range_to_boxes
 from ckptkit.catalog import list_root
 from ckptkit.errors import CheckpointExistsError, LayoutError, StorageError
+from ckptkit.layouts import Layout, Param, StateGroup, TensorPart, TPCut, Unit
 from ckptkit.manifest import Topology
-from ckptkit.reshard_plan import plan_reads, plan_reshard
+from ckptkit.payload import open_checkpoint
+from ckptkit.reshard_plan import plan_placement, plan_reads
 from ckptkit.shards import iter_shards
 from ckptkit.storage import MemoryStorage
 
@@ -27,20 +28,15 @@ from .fakes import FaultyStorage
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64]
 
 
-@dataclass(frozen=True)
-class BoxLayout:
-    """A layout given as data: rank r holds ``ranks[r][fqn]``."""
-
-    ranks: tuple[dict[str, list[Box]], ...]
-
-    def problems(self, topology: Topology) -> list[str]:
-        return [] if topology.world_size == len(self.ranks) else [f"this layout has {len(self.ranks)} ranks"]
-
-    def tensor_groups(self) -> dict[str, list[str]]:
-        return {"all": sorted({fqn for r in self.ranks for fqn in r})}
-
-    def rank_boxes(self, topology: Topology, rank: int) -> dict[str, list[Box]]:
-        return self.ranks[rank]
+def _placement(ranks: tuple[dict[str, list[Box]], ...]) -> dict[str, dict[Box, list[int]]]:
+    """Rank r holds ``ranks[r][fqn]``: every distinct non-empty box with its holders."""
+    out: dict[str, dict[Box, list[int]]] = {}
+    for rank, boxes in enumerate(ranks):
+        for fqn, bs in boxes.items():
+            for box in bs:
+                if box.volume:
+                    out.setdefault(fqn, {}).setdefault(box, []).append(rank)
+    return out
 
 
 def _cuts(draw: st.DrawFn, size: int) -> list[int]:
@@ -66,7 +62,7 @@ def _partition(draw: st.DrawFn, shape: tuple[int, ...], world: int) -> list[list
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[list[tuple[str, Box]]], BoxLayout, int, int]:
+def cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[list[tuple[str, Box]]], tuple[dict[str, list[Box]], ...], int, int]:
     tensors = {}
     for i in range(draw(st.integers(1, 3))):
         shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
@@ -80,7 +76,7 @@ def cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[list[tuple[str
     target = tuple({fqn: part[r] for fqn, part in dst_parts.items()} for r in range(dst_world))
     piece = draw(st.sampled_from([8, 24, 64, resharder.PIECE]))
     small_run = draw(st.sampled_from([1, 16, resharder.SMALL_RUN]))
-    return tensors, source, BoxLayout(target), piece, small_run
+    return tensors, source, target, piece, small_run
 
 
 def _save_source(store: MemoryStorage, tensors: dict[str, torch.Tensor], source: list[list[tuple[str, Box]]]) -> None:
@@ -101,12 +97,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=80, deadline=None)
 @given(cases())
 def test_reshard_covers_every_target_byte_once_and_copies_exactly(case: tuple) -> None:
-    tensors, source, layout, piece, small_run = case
+    tensors, source, ranks, piece, small_run = case
     store = MemoryStorage()
     _save_source(store, tensors, source)
-    topology = Topology(world_size=len(layout.ranks), dp=len(layout.ranks))
-    manifest = ckptkit.read_manifest("src", storage=store)
-    plan = plan_reshard(manifest, layout, topology)
+    topology = Topology(world_size=len(ranks), dp=len(ranks))
+    src_loc, manifest = open_checkpoint("src", store)
+    plan = plan_placement(manifest, _placement(ranks), topology)
     for fqn, t in tensors.items():
         items = [(item, reads) for job in plan.jobs
                  for (item, _), reads in zip(job.plan.items, plan_reads(manifest, job)) if item.fqn == fqn]
@@ -117,7 +113,7 @@ def test_reshard_covers_every_target_byte_once_and_copies_exactly(case: tuple) -
                 covered[read.overlap.shifted(item.box.offsets).slices()] += 1
             assert (covered == 1).all()  # every byte of the item read exactly once
     with mock.patch.object(resharder, "PIECE", piece), mock.patch.object(resharder, "SMALL_RUN", small_run):
-        report = resharder.reshard("src", "dst", topology, layout=layout, storage=store, dst_storage=store)
+        report = resharder.write_reshard(src_loc, manifest, plan, "dst", dst_storage=store)
     assert ckptkit.verify("dst", storage=store).ok
     out = ckptkit.load("dst", storage=store)
     for fqn, t in tensors.items():
@@ -125,14 +121,16 @@ def test_reshard_covers_every_target_byte_once_and_copies_exactly(case: tuple) -
         assert got.dtype == t.dtype and torch.equal(_bits(got), _bits(t))
     written = ckptkit.read_manifest("dst", storage=store)
     for fqn in tensors:
-        want = {b for r in layout.ranks for b in r[fqn] if b.volume}
+        want = {b for r in ranks for b in r[fqn] if b.volume}
         assert {s.box for s in iter_shards(written.tensors[fqn])} == want
     assert written.topology == topology and report.bytes_written == sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _layout_one_rank(store: MemoryStorage) -> BoxLayout:
-    m = ckptkit.read_manifest("src", storage=store)
-    return BoxLayout(({fqn: [Box((0,) * len(e.shape), e.shape)] for fqn, e in m.tensors.items()},))
+def _layout_one_rank(store: MemoryStorage) -> Layout:
+    """The layout of the small source's model: one [6, 4] weight, TP-cut on dim 0."""
+    param = Param(name="w", parts=(TensorPart(tensor="w", shape=(6, 4)),), tp=TPCut(dim=0))
+    return Layout(name="toy", units=(Unit(name="w", place="first", params=(param,)),),
+                  states=(StateGroup(prefix="model", role="param"),))
 
 
 def _small_source() -> MemoryStorage:
@@ -187,14 +185,14 @@ def test_an_existing_destination_is_refused_before_writing(tmp_path) -> None:  #
 def test_a_layout_that_cannot_hold_the_topology_fails_before_writing() -> None:
     src = _small_source()
     dst = MemoryStorage()
-    with pytest.raises(LayoutError, match="cannot reshard to tp=1 pp=1 dp=2 zero=0: this layout has 1 ranks"):
-        resharder.reshard("src", "dst", Topology(world_size=2, dp=2), layout=_layout_one_rank(src), storage=src, dst_storage=dst)
+    with pytest.raises(LayoutError, match=r"cannot reshard to tp=4 pp=1 dp=1 zero=0: tp 4 does not cut 1 tensor\(s\) evenly: w \(6 along dim 0\)"):
+        resharder.reshard("src", "dst", Topology(world_size=4, tp=4), layout=_layout_one_rank(src), storage=src, dst_storage=dst)
     assert dst.list("") == []
 
 
 def test_a_checkpoint_without_model_info_names_what_is_missing() -> None:
     src = _small_source()
-    with pytest.raises(LayoutError, match=r"names no model \(info.model\).*knows the families llama"):
+    with pytest.raises(LayoutError, match=r"records no layout and names no model \(info.model\).*--layout FILE"):
         resharder.reshard("src", "dst", Topology(world_size=1), storage=src, dst_storage=MemoryStorage())
 
 
@@ -230,7 +228,8 @@ def test_shard_lookup_finds_exactly_the_shards_a_scan_finds(shape: list[int], ra
 def test_a_destination_inside_the_source_is_refused_and_the_source_stays_sound(tmp_path) -> None:  # type: ignore[no-untyped-def]
     w = torch.arange(6, dtype=torch.float32)
     ckptkit.save({"model": {"w": w}}, str(tmp_path / "src"), step=1)
-    layout = BoxLayout(({"model/w": [Box((0,), (6,))]},))
+    layout = Layout(name="toy", units=(Unit(name="w", place="first", params=(Param(name="w", parts=(TensorPart(tensor="w", shape=(6,)),)),)),),
+                    states=(StateGroup(prefix="model", role="param"),))
     with pytest.raises(CheckpointExistsError, match="may not be, contain or lie inside the source"):
         ckptkit.reshard(str(tmp_path / "src"), str(tmp_path / "src" / "inner"), Topology(world_size=1), layout=layout)
     assert ckptkit.verify(str(tmp_path / "src")).ok and not (tmp_path / "src" / "inner").exists()

@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 from ..sharded import ShardedTensor
-from .layout import part_ranges
+from ..layouts import part_ranges
 from .zero import Unit
 
 

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import LayoutError
+from ..layouts import Layout, reference_llama, topology_problems
+from ..manifest import Topology
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,10 @@ class ModelConfig:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def layout(self) -> Layout:
+        """The model's layout: the library's built-in reference Llama layout for this config."""
+        return reference_llama(self.to_json())
 
 
 # Named sizes: tiny for tests (0.16M parameters), small (6M), base (0.49B) for benchmarks.
@@ -88,29 +94,14 @@ def model_config(name: str, *, vocab_size: int, tie_embeddings: bool = False) ->
     return ModelConfig(vocab_size=vocab_size, tie_embeddings=tie_embeddings, **MODELS[name])
 
 
-def model_topology_problems(model: ModelConfig, tp: int, pp: int, dp: int, zero: int) -> list[str]:
-    """Return every reason `model` cannot be laid out over (tp, pp, dp, zero); empty when it can."""
-    problems = []
-    if min(tp, pp, dp) < 1:
-        problems.append("tp, pp and dp must be at least 1")
-    if zero not in (0, 1, 2, 3):
-        problems.append(f"zero stage {zero} is not one of 0, 1, 2, 3")
-    if tp >= 1 and model.num_heads % tp:
-        problems.append(f"{model.num_heads} attention heads are not divisible by tp {tp}")
-    if tp >= 1 and model.num_kv_heads % tp:
-        problems.append(f"{model.num_kv_heads} key/value heads are not divisible by tp {tp}")
-    if tp >= 1 and model.intermediate_size % tp:
-        problems.append(f"intermediate size {model.intermediate_size} is not divisible by tp {tp}")
-    if pp >= 1 and model.num_layers % pp:
-        problems.append(f"{model.num_layers} layers are not divisible by pp {pp}")
-    if model.tie_embeddings and pp > 1:
-        problems.append("tied embeddings need pp 1 (the embedding and the head would sit on different stages)")
-    return problems
-
-
 def check_topology(cfg: TrainConfig, model: ModelConfig, *, max_world: int | None = None) -> None:
     """Raise LayoutError with every reason the topology cannot run this model; nothing when it can."""
-    problems = model_topology_problems(model, cfg.tp, cfg.pp, cfg.dp, cfg.zero)
+    problems = [] if cfg.zero in (0, 1, 2, 3) else [f"zero stage {cfg.zero} is not one of 0, 1, 2, 3"]
+    if min(cfg.tp, cfg.pp, cfg.dp) < 1:
+        problems.append("tp, pp and dp must be at least 1")
+    else:
+        topology = Topology(world_size=cfg.world_size, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero_stage=min(max(cfg.zero, 0), 3))
+        problems += topology_problems(model.layout(), topology)
     if cfg.dp >= 1 and cfg.micro_batches >= 1 and cfg.global_batch % (cfg.dp * cfg.micro_batches):
         problems.append(
             f"global batch {cfg.global_batch} is not divisible by dp {cfg.dp} x micro-batches {cfg.micro_batches}"

@@ -12,7 +12,7 @@ from torch import nn
 from .config import ModelConfig, TrainConfig
 from .mesh import Groups, Mesh
 from .model import Stage
-from .layout import Part
+from ..layouts import Part
 from .tp import TPContext, parallel_cross_entropy
 from .zero import AdamW, DPContext, Unit
 

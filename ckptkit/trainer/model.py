@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layout import norm_parts
+from ..layouts import norm_parts
 from .tp import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallel, init_global
 
 STD = 0.02

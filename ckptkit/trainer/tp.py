@@ -1,6 +1,6 @@
 """Tensor-parallel building blocks: communication functions, parallel linears and embedding, parallel cross entropy.
 
-Every parameter records its logical parts (``layout.Part``): which rows of the local tensor hold which
+Every parameter records its logical parts (``ckptkit.layouts.Part``): which rows of the local tensor hold which
 box of which logical (unfused, unpadded) global tensor. Checkpoints are written from the parts,
 so a TP change is a box intersection and export is a rename.
 """
@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import column_parts, row_parts, vocab_parts, vocab_rows
+from ..layouts import column_parts, row_parts, vocab_parts, vocab_rows
 
 
 @dataclass(frozen=True)

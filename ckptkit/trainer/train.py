@@ -37,7 +37,6 @@ from .checkpointing import derived_seed, restore_rng, rng_state, rng_targets, se
 from .config import ModelConfig, TrainConfig, check_topology, model_config
 from .data import Dataset, Sampler, Tokenizer, load_dataset
 from .engine import Engine
-from .layout import logical_param_names
 from .mesh import Mesh, build_groups
 
 
@@ -120,7 +119,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.log_jsonl)), exist_ok=True)
         log = open(cfg.log_jsonl, "a", encoding="utf-8")
     saves: list[SaveHandle] = []
-    with tempfile.TemporaryDirectory() as tok_dir, CheckpointManager(cfg.out, sync=cfg.sync_save) as manager:
+    with tempfile.TemporaryDirectory() as tok_dir, CheckpointManager(cfg.out, sync=cfg.sync_save, layout=model.layout()) as manager:
         tokenizer.save(tok_dir)
         for step in range(start + 1, cfg.steps + 1):
             ids = sampler.next_ids(cfg.global_batch)
@@ -174,7 +173,7 @@ def _micro_batches(cfg: TrainConfig, mesh: Mesh, dataset: Dataset, ids: list[int
 
 
 def _info(cfg: TrainConfig, engine: Engine, sampler: Sampler, dataset: Dataset, dataset_id: str) -> CheckpointInfo:
-    names = tuple(sorted(logical_param_names(engine.model_cfg)))
+    names = tuple(sorted(engine.model_cfg.layout().tensors()))
     return CheckpointInfo(
         optimizer=OptimizerInfo(
             type="adamw",

@@ -26,7 +26,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from .layout import ParamSpec, Part, partition, unit_offsets
+from ..layouts import ParamSpec, Part, partition, unit_offsets
 
 
 @dataclass(frozen=True)

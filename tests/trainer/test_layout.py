@@ -1,4 +1,4 @@
-"""The pure layout computes exactly the boxes the running trainer saves, for any topology."""
+"""The library's reference Llama layout gives exactly the boxes the running trainer saves, for any topology."""
 
 from __future__ import annotations
 
@@ -8,10 +8,15 @@ from ckptkit.boxes import tiling_problems
 from ckptkit.trainer.checkpointing import tensor_state
 from ckptkit.trainer.config import model_config
 from ckptkit.trainer.engine import module_params
-from ckptkit.trainer.layout import rank_boxes, stage_units, topology_holders
+from ckptkit.layouts import holders, rank_boxes, stage_units
+from ckptkit.manifest import Topology
 from ckptkit.trainer.model import Stage
 from ckptkit.trainer.tp import TPContext
 from ckptkit.trainer.zero import DPContext, Unit
+
+def _topology(tp: int, pp: int, dp: int, zero: int) -> Topology:
+    return Topology(world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp, zero_stage=zero)
+
 
 TOPOLOGIES = [(1, 1, 1, 0), (2, 2, 2, 1), (4, 1, 2, 2), (1, 2, 4, 3), (2, 1, 3, 0)]
 
@@ -32,18 +37,18 @@ def test_layout_matches_the_running_trainer(topology: tuple[int, int, int, int])
     cfg = model_config("tiny", vocab_size=98)
     tp, pp, dp, zero = topology
     for rank in range(tp * pp * dp):
-        assert rank_boxes(cfg, tp, pp, dp, zero, rank) == _running_boxes(cfg, tp, pp, dp, zero, rank), rank
+        assert rank_boxes(cfg.layout(), _topology(tp, pp, dp, zero), rank) == _running_boxes(cfg, tp, pp, dp, zero, rank), rank
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES, ids=lambda t: "tp{}-pp{}-dp{}-z{}".format(*t))
 def test_the_ranks_of_a_topology_tile_every_tensor(topology: tuple[int, int, int, int]) -> None:
     cfg = model_config("tiny", vocab_size=98)
     tp, pp, dp, zero = topology
-    shapes = {p.name: p.global_shape for r in range(tp) for u in stage_units(cfg, tp, r, 1, 0) for s in u for p in s.parts}
+    shapes = {p.name: p.global_shape for r in range(tp) for u in stage_units(cfg.layout(), tp, r, 1, 0) for s in u for p in s.parts}
     for key in ("model", "optimizer/exp_avg"):
         distinct: dict[str, set] = {}
         for rank in range(tp * pp * dp):
-            for name, boxes in rank_boxes(cfg, tp, pp, dp, zero, rank)[key].items():
+            for name, boxes in rank_boxes(cfg.layout(), _topology(tp, pp, dp, zero), rank)[key].items():
                 distinct.setdefault(name, set()).update(boxes)
         assert set(distinct) == set(shapes)
         for name, boxes in distinct.items():
@@ -56,10 +61,10 @@ def test_topology_holders_are_the_boxes_of_every_rank_with_their_holders(topolog
     tp, pp, dp, zero = topology
     want: dict[str, dict] = {}
     for rank in range(tp * pp * dp):
-        for key, by_name in rank_boxes(cfg, tp, pp, dp, zero, rank).items():
+        for key, by_name in rank_boxes(cfg.layout(), _topology(tp, pp, dp, zero), rank).items():
             for name, boxes in by_name.items():
                 for box in boxes:
                     want.setdefault(f"{key}/{name}", {}).setdefault(box, set()).add(rank)
-    got = topology_holders(cfg, tp, pp, dp, zero)
+    got = holders(cfg.layout(), _topology(tp, pp, dp, zero))
     assert {f: {b: sorted(r) for b, r in bs.items()} for f, bs in got.items()} == {
         f: {b: sorted(r) for b, r in bs.items()} for f, bs in want.items()}

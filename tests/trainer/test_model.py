@@ -13,7 +13,6 @@ from ckptkit.trainer.config import model_config
 from ckptkit.trainer.data import Sampler, Tokenizer, generate_corpus
 from ckptkit.trainer.model import Stage
 from ckptkit.trainer.tp import TPContext, parallel_cross_entropy
-from ckptkit.trainer.layout import logical_param_names
 from ckptkit.trainer.train import config_from, launch, prepare
 
 
@@ -36,7 +35,7 @@ def test_stage_parameters_cover_every_logical_name_once() -> None:
         stage = Stage(cfg, TPContext(1, 0), pp_rank=pp_rank, pp=2, seed=1)
         for module in {id(m): m for m in stage.units()}.values():
             names += [part.name for _, _, parts in module_params(module) for part in parts]
-    assert sorted(names) == sorted(logical_param_names(cfg))
+    assert sorted(names) == sorted(cfg.layout().tensors())
 
 
 def test_tokenizer_round_trips_text_and_saves_its_vocabulary(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from ckptkit.manifest import Topology
 from ckptkit.resharder import reshard
 from ckptkit.shards import iter_shards
 from ckptkit.trainer.config import MODELS, ModelConfig
-from ckptkit.trainer.layout import rank_boxes
+from ckptkit.layouts import rank_boxes
 
 from .runs import train
 
@@ -69,7 +69,7 @@ def test_reshard_is_exact_and_a_round_trip_gives_back_the_same_files(
     cfg = ModelConfig(**manifest.info.model.config)  # type: ignore[union-attr]
     want: dict[str, set] = {}
     for rank in range(manifest.topology.world_size):
-        for key, by_name in rank_boxes(cfg, *combo[:3], combo[3], rank).items():
+        for key, by_name in rank_boxes(cfg.layout(), topo(combo), rank).items():
             for name, boxes in by_name.items():
                 want.setdefault(f"{key}/{name}", set()).update(b for b in boxes if b.volume)
     for fqn, boxes in want.items():

@@ -1,0 +1,62 @@
+"""Model layouts as data: which boxes of which logical tensors every rank of a topology holds.
+
+A layout (``Layout``, a JSON document with a published schema) describes a model once: its
+logical tensors, how TP cuts and fuses them, which pipeline stage holds which layer, how
+ZeRO / FSDP flattens them, and the mesh's rank order. A checkpoint records the layout it was
+saved with; ``reshard`` plans any target topology from it. Pure: no torch, no I/O but
+`load_layout`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import LayoutError
+from ..manifest import Manifest
+from .builtin import FAMILIES, builtin, gpt2, hf_llama, reference_llama
+from .model import Constraint, Layout, Param, StateGroup, TensorPart, TPCut, Unit, Zero, layout_json_schema, layout_problems, parse_layout
+from .parts import ParamSpec, Part, column_parts, norm_parts, part_ranges, partition, row_parts, unit_offsets, vocab_parts, vocab_rows
+from .placement import Holders, holders, placed_tensors, rank_boxes, stage_units, topology_problems
+
+__all__ = [
+    "FAMILIES", "Constraint", "Holders", "Layout", "Param", "ParamSpec", "Part", "StateGroup", "TPCut", "TensorPart",
+    "Unit", "Zero", "builtin", "column_parts", "gpt2", "hf_llama", "holders", "layout_for",
+    "layout_json_schema", "layout_problems", "load_layout", "norm_parts", "parse_layout", "part_ranges", "partition", "placed_tensors",
+    "rank_boxes", "reference_llama", "row_parts", "stage_units", "topology_problems", "unit_offsets", "vocab_parts",
+    "vocab_rows",
+]
+
+
+def load_layout(path: str | os.PathLike[str]) -> Layout:
+    """Read and check a layout file.
+
+    Raises:
+        LayoutError: the file cannot be read, or the layout has mistakes (all listed).
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 26)
+    except OSError as exc:
+        raise LayoutError(f"{path}: cannot read the layout file ({exc.strerror or exc})") from None
+    return parse_layout(data, source=os.fspath(path))
+
+
+def layout_for(manifest: Manifest, *, where: str = "checkpoint") -> Layout:
+    """Return the layout of the model a checkpoint holds: the one its manifest records, else
+    the built-in layout of the family its ``info.model`` names (checkpoints of schema 1.1 and
+    before).
+
+    Raises:
+        LayoutError: the checkpoint records no layout and names no known family, or its
+            layout has mistakes.
+    """
+    if manifest.layout is not None:
+        return parse_layout(dict(manifest.layout), source=f"{where}: the manifest's layout")
+    model = manifest.info.model
+    if model is None:
+        raise LayoutError(
+            f"{where}: the checkpoint records no layout and names no model (info.model), so its tensors cannot be "
+            f"placed on a new topology; give one with --layout FILE (built in: {', '.join(sorted(FAMILIES))})"
+        )
+    return builtin(model.family, dict(model.config))
+

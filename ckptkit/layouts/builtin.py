@@ -1,0 +1,150 @@
+"""Built-in layouts: the reference trainer's Llama, and the Hugging Face Llama (Qwen2) and GPT-2
+families, each made from a model config (pure).
+
+``builtin(family, config)`` returns one; ``FAMILIES`` lists them. A checkpoint written before
+layouts were recorded names its model in ``info.model`` (family and config): its layout is
+the built-in one of that family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import LayoutError
+from .model import Constraint, Layout, Param, TensorPart, TPCut, Unit
+
+L = "{layer}"
+
+
+def _param(name: str, parts: list[tuple[str, tuple[int, ...]]], dim: int | None = None, **cut: int) -> Param:
+    """A parameter fusing whole tensors along `dim` (None: replicated over TP)."""
+    tp = None if dim is None else TPCut(dim=dim, **cut)
+    return Param(name=name, parts=tuple(TensorPart(tensor=t, shape=s) for t, s in parts), tp=tp)
+
+
+def _fused(name: str, tensor: str, shape: tuple[int, ...], dim: int, sizes: list[int]) -> Param:
+    """A parameter that is one tensor fused of partitions of `sizes` along `dim` (GPT-2's c_attn)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    parts = tuple(TensorPart(tensor=tensor, shape=shape, start=a, length=n) for a, n in zip(starts, sizes))
+    return Param(name=name, parts=parts, tp=TPCut(dim=dim))
+
+
+def _need(config: Mapping[str, Any], keys: tuple[str, ...], family: str) -> dict[str, Any]:
+    missing = [k for k in keys if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)]
+    if missing:
+        raise LayoutError(f"the {family} layout needs integer config values {', '.join(missing)}")
+    return dict(config)
+
+
+def reference_llama(config: Mapping[str, Any]) -> Layout:
+    """The reference trainer's Llama: ``model/<name>`` and both Adam moments; q, k, v fused per
+    TP rank and gate, up likewise (each split evenly), vocabularies padded to a multiple of tp."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+    c = _need(config, keys, "llama")
+    v, h, f, heads, kv = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_heads"], c["num_kv_heads"]
+    hd = h // heads
+    p = f"layers.{L}."
+    layer = Unit(name=f"layers.{L}", place="layers", params=(
+        _param("attn_norm.weight", [(p + "attn_norm.weight", (h,))]),
+        _param("attn.qkv.weight", [(p + "attn.q.weight", (heads * hd, h)), (p + "attn.k.weight", (kv * hd, h)),
+                                   (p + "attn.v.weight", (kv * hd, h))], 0),
+        _param("attn.o.weight", [(p + "attn.o.weight", (h, heads * hd))], 1),
+        _param("mlp_norm.weight", [(p + "mlp_norm.weight", (h,))]),
+        _param("mlp.gate_up.weight", [(p + "mlp.gate.weight", (f, h)), (p + "mlp.up.weight", (f, h))], 0),
+        _param("mlp.down.weight", [(p + "mlp.down.weight", (h, f))], 1),
+    ))
+    units = [Unit(name="embed", place="first", params=(_param("weight", [("embed.weight", (v, h))], 0, pad_multiple=1),)),
+             layer, Unit(name="norm", place="last", params=(_param("weight", [("norm.weight", (h,))]),))]
+    constraints = [Constraint(axis="tp", divides=heads, what="attention heads"),
+                   Constraint(axis="tp", divides=kv, what="key/value heads")]
+    if c.get("tie_embeddings"):
+        constraints.append(Constraint(axis="pp", at_most=1, what="tied embeddings need the embedding and the head on one stage"))
+    else:
+        units.append(Unit(name="lm_head", place="last", params=(_param("weight", [("lm_head.weight", (v, h))], 0, pad_multiple=1),)))
+    return Layout(name="llama", config=c, num_layers=c["num_layers"], units=tuple(units), constraints=tuple(constraints))
+
+
+def hf_llama(config: Mapping[str, Any]) -> Layout:
+    """A Hugging Face ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``: ``attention_bias`` true gives
+    q, k, v biases), tensors under their Hugging Face names, Megatron-style TP cuts."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    c = _need(config, keys, "hf-llama")
+    v, h, f, heads = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    hd = c.get("head_dim") or h // heads
+    bias = bool(c.get("attention_bias", False))
+    p = f"model.layers.{L}."
+    params = [_param("input_layernorm.weight", [(p + "input_layernorm.weight", (h,))])]
+    for name, rows in (("q_proj", heads * hd), ("k_proj", kv * hd), ("v_proj", kv * hd)):
+        params.append(_param(f"self_attn.{name}.weight", [(p + f"self_attn.{name}.weight", (rows, h))], 0))
+        if bias:
+            params.append(_param(f"self_attn.{name}.bias", [(p + f"self_attn.{name}.bias", (rows,))], 0))
+    params += [
+        _param("self_attn.o_proj.weight", [(p + "self_attn.o_proj.weight", (h, heads * hd))], 1),
+        _param("post_attention_layernorm.weight", [(p + "post_attention_layernorm.weight", (h,))]),
+        _param("mlp.gate_proj.weight", [(p + "mlp.gate_proj.weight", (f, h))], 0),
+        _param("mlp.up_proj.weight", [(p + "mlp.up_proj.weight", (f, h))], 0),
+        _param("mlp.down_proj.weight", [(p + "mlp.down_proj.weight", (h, f))], 1),
+    ]
+    units = [Unit(name="embed_tokens", place="first", params=(_param("weight", [("model.embed_tokens.weight", (v, h))], 0, pad_multiple=1),)),
+             Unit(name=f"model.layers.{L}", place="layers", params=tuple(params)),
+             Unit(name="norm", place="last", params=(_param("weight", [("model.norm.weight", (h,))]),))]
+    constraints = [Constraint(axis="tp", divides=heads, what="attention heads"),
+                   Constraint(axis="tp", divides=kv, what="key/value heads")]
+    if c.get("tie_word_embeddings"):
+        constraints.append(Constraint(axis="pp", at_most=1, what="tied embeddings need the embedding and the head on one stage"))
+    else:
+        units.append(Unit(name="lm_head", place="last", params=(_param("weight", [("lm_head.weight", (v, h))], 0, pad_multiple=1),)))
+    return Layout(name="hf-llama", config=c, num_layers=c["num_hidden_layers"], units=tuple(units), constraints=tuple(constraints))
+
+
+def gpt2(config: Mapping[str, Any]) -> Layout:
+    """A Hugging Face ``GPT2LMHeadModel``: Conv1D weights stored [in, out], so column-parallel
+    weights are cut on dim 1 and row-parallel ones on dim 0; ``c_attn`` fuses q, k, v along
+    dim 1 (each partition cut over TP); ``lm_head`` is tied to ``wte`` (pp 1)."""
+    c = _need(config, ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"), "gpt2")
+    v, h, heads, n_pos = c["vocab_size"], c["n_embd"], c["n_head"], c["n_positions"]
+    f = c.get("n_inner") or 4 * h
+    p = f"transformer.h.{L}."
+
+    def norm(name: str) -> list[Param]:
+        return [_param(f"{name}.weight", [(p + f"{name}.weight", (h,))]), _param(f"{name}.bias", [(p + f"{name}.bias", (h,))])]
+
+    layer = Unit(name=f"transformer.h.{L}", place="layers", params=(
+        *norm("ln_1"),
+        _fused("attn.c_attn.weight", p + "attn.c_attn.weight", (h, 3 * h), 1, [h, h, h]),
+        _fused("attn.c_attn.bias", p + "attn.c_attn.bias", (3 * h,), 0, [h, h, h]),
+        _param("attn.c_proj.weight", [(p + "attn.c_proj.weight", (h, h))], 0),
+        _param("attn.c_proj.bias", [(p + "attn.c_proj.bias", (h,))]),
+        *norm("ln_2"),
+        _param("mlp.c_fc.weight", [(p + "mlp.c_fc.weight", (h, f))], 1),
+        _param("mlp.c_fc.bias", [(p + "mlp.c_fc.bias", (f,))], 0),
+        _param("mlp.c_proj.weight", [(p + "mlp.c_proj.weight", (f, h))], 0),
+        _param("mlp.c_proj.bias", [(p + "mlp.c_proj.bias", (h,))]),
+    ))
+    first = Unit(name="embeddings", place="first", params=(
+        _param("wte.weight", [("transformer.wte.weight", (v, h))], 0, pad_multiple=1),
+        _param("wpe.weight", [("transformer.wpe.weight", (n_pos, h))]),
+    ))
+    last = Unit(name="ln_f", place="last", params=(_param("weight", [("transformer.ln_f.weight", (h,))]),
+                                                   _param("bias", [("transformer.ln_f.bias", (h,))])))
+    constraints = (Constraint(axis="tp", divides=heads, what="attention heads"),
+                   Constraint(axis="pp", at_most=1, what="the tied lm_head needs the embedding and the head on one stage"))
+    return Layout(name="gpt2", config=c, num_layers=c["n_layer"], units=(first, layer, last), constraints=constraints)
+
+
+FAMILIES: dict[str, Callable[[Mapping[str, Any]], Layout]] = {"llama": reference_llama, "hf-llama": hf_llama, "gpt2": gpt2}
+
+
+def builtin(family: str, config: Mapping[str, Any]) -> Layout:
+    """Return the built-in layout of `family` for a model `config`.
+
+    Raises:
+        LayoutError: an unknown family, or a config that lacks what the layout needs.
+    """
+    make = FAMILIES.get(family)
+    if make is None:
+        raise LayoutError(f"no built-in layout for model family {family!r}; built in: {', '.join(sorted(FAMILIES))}")
+    return make(config)
+

@@ -1,0 +1,61 @@
+"""Layout documents: every mistake is found and listed; sound documents round-trip through JSON."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from ckptkit.errors import LayoutError
+from ckptkit.layouts import gpt2, layout_json_schema, layout_problems, parse_layout, reference_llama
+
+LLAMA = dict(vocab_size=98, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=4)
+
+
+def test_a_layout_round_trips_through_json_and_matches_the_published_schema() -> None:
+    for layout in (reference_llama(LLAMA), gpt2(dict(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=8))):
+        doc = layout.to_json()
+        jsonschema.validate(doc, layout_json_schema())
+        assert parse_layout(json.dumps(doc)) == layout and layout_problems(doc) == []
+
+
+def _mistaken() -> dict:
+    doc = reference_llama(LLAMA).to_json()
+    layer = doc["units"][1]
+    layer["params"][1]["tp"]["dim"] = 2  # attn.qkv.weight: dim out of range
+    layer["params"][4]["parts"][0]["length"] = 100  # mlp.gate: its partitions no longer add up to 128 rows
+    return doc
+
+
+def test_every_mistake_is_listed_once() -> None:
+    problems = layout_problems(_mistaken())
+    assert problems == [
+        "unit 'layers.{layer}' param 'attn.qkv.weight': dim 2 is out of range for 'layers.{layer}.attn.q.weight' of shape [64, 64]",
+        "unit 'layers.{layer}' param 'attn.qkv.weight': dim 2 is out of range for 'layers.{layer}.attn.k.weight' of shape [32, 64]",
+        "unit 'layers.{layer}' param 'attn.qkv.weight': dim 2 is out of range for 'layers.{layer}.attn.v.weight' of shape [32, 64]",
+        "tensor 'layers.{layer}.mlp.gate.weight': its partitions along dim 0 add up to 100, not its size 128",
+    ]
+    with pytest.raises(LayoutError, match=r"(?s)my.json: 4 problem\(s\) in the layout:\n  unit .*\n  tensor 'layers"):
+        parse_layout(_mistaken(), source="my.json")
+
+
+@pytest.mark.parametrize("edit,problem", [
+    (lambda d: d.update(format="other"), "format is 'other', expected 'ckptkit-layout'"),
+    (lambda d: d.update(schema_version="2.0"), "schema version 2.0 is not read by this ckptkit (it reads 1.x)"),
+    (lambda d: d.update(mesh=["tp", "dp", "dp", "pp"]), "mesh ['tp', 'dp', 'dp', 'pp'] must order each of tp, cp, dp, pp once"),
+    (lambda d: d["units"][0].update(place="layers"), "unit 'embed': a per-layer unit's name must contain {layer}"),
+    (lambda d: d["units"][1]["params"][1]["parts"][1].update(shape=[32, 60]),
+     "unit 'layers.{layer}' param 'attn.qkv.weight': fused parts differ outside dim 0: [[60], [64]]"),
+    (lambda d: d["units"][1]["params"].append(d["units"][1]["params"][0]),
+     "unit 'layers.{layer}' param 'attn_norm.weight': listed twice"),
+    (lambda d: d.update(zero={"flatten": "rows"}), "zero.flatten: Input should be 'unit', 'stage' or 'param'"),
+])
+def test_each_kind_of_mistake_is_named(edit, problem: str) -> None:  # type: ignore[no-untyped-def]
+    doc = reference_llama(LLAMA).to_json()
+    edit(doc)
+    assert problem in layout_problems(doc)
+
+
+def test_not_json_is_one_problem() -> None:
+    assert layout_problems(b"{oops")[0].startswith("not valid JSON")

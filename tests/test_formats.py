@@ -1,0 +1,70 @@
+"""Checkpoints written before the manifest recorded layouts (schema 1.1) still load, verify, reshard and export."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptkit
+from ckptkit.layouts import reference_llama
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+LLAMA_V1_1 = FIXTURES / "llama-v1.1"
+NAME = "step_00000005"
+
+
+@pytest.fixture(scope="module")
+def fixtures() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES / "make_fixtures.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}/"))
+        elif isinstance(value, torch.Tensor):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def test_the_1_1_llama_fixture_is_a_1_1_manifest_without_a_layout() -> None:
+    manifest = ckptkit.read_manifest(str(LLAMA_V1_1))
+    assert manifest.schema_version == "1.1" and manifest.layout is None
+    assert ckptkit.verify(str(LLAMA_V1_1)).ok
+
+
+def test_the_1_1_llama_fixture_loads_its_exact_values(fixtures: ModuleType) -> None:
+    loaded = _flat(ckptkit.load(str(LLAMA_V1_1)))
+    want = fixtures.llama_v1_1_tensors()
+    assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], v) for k, v in want.items())
+
+
+def test_the_1_1_llama_fixture_reshards_with_the_built_in_layout_and_back(tmp_path: Path) -> None:
+    there = tmp_path / "tp2" / NAME
+    report = ckptkit.reshard(str(LLAMA_V1_1), str(there), ckptkit.Topology(world_size=4, tp=2, dp=2, zero_stage=1))
+    assert report.tensors == 63 and ckptkit.diff(str(LLAMA_V1_1), str(there)).equal
+    manifest = ckptkit.read_manifest(str(there))
+    assert manifest.layout == reference_llama(manifest.info.model.config).to_json()  # type: ignore[union-attr]
+    back = tmp_path / "tp1" / NAME
+    ckptkit.reshard(str(there), str(back), ckptkit.Topology(world_size=1))
+    original = (LLAMA_V1_1 / NAME / "rank00000.safetensors").read_bytes()
+    assert (back / "rank00000.safetensors").read_bytes() == original
+
+
+def test_the_1_1_llama_fixture_exports_to_hugging_face(fixtures: ModuleType, tmp_path: Path) -> None:
+    report = ckptkit.export(str(LLAMA_V1_1), str(tmp_path / "hf"), dtype="fp32")
+    assert len(report.tensors) == 21
+    weights = load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors")
+    want = fixtures.llama_v1_1_tensors()
+    assert torch.equal(weights["model.layers.1.self_attn.k_proj.weight"], want["model/layers.1.attn.k.weight"])
+    assert torch.equal(weights["lm_head.weight"], want["model/lm_head.weight"])
