@@ -34,10 +34,11 @@ from .provenance import code_version
 from .sharded import ShardedTensor
 
 if TYPE_CHECKING:
-    from .loader import load
+    from .loader import Checkpoint, load, open
     from .saver import save
 
 __all__ = [
+    "Checkpoint",
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointInfo",
@@ -53,6 +54,7 @@ __all__ = [
     "ModelInfo",
     "OptimizerInfo",
     "ParamGroup",
+    "SaveHandle",
     "ShardedTensor",
     "StorageError",
     "Topology",
@@ -63,6 +65,7 @@ __all__ = [
     "inspect",
     "list_checkpoints",
     "load",
+    "open",
     "read_manifest",
     "reshard",
     "save",
@@ -71,7 +74,8 @@ __all__ = [
 
 
 # Calls that need torch, imported on first use: name -> module.
-_LAZY = {"save": "saver", "load": "loader", "diff": "differ", "export": "exporter", "CheckpointManager": "manager"}
+_LAZY = {"save": "saver", "load": "loader", "open": "loader", "Checkpoint": "loader", "diff": "differ", "export": "exporter",
+         "CheckpointManager": "manager", "SaveHandle": "manager"}
 
 
 def __getattr__(name: str) -> Any:

@@ -39,6 +39,10 @@ def manifest_findings(manifest: Manifest) -> list[Finding]:
         if entry.path in seen:
             findings.append(Finding("path", entry.path, "listed twice in files"))
         seen.add(entry.path)
+        blocks = entry.blocks
+        if blocks is not None and len(blocks.raw()) != 8 * -(-entry.size // blocks.size):
+            findings.append(Finding("schema", entry.path, f"block checksums do not describe {-(-entry.size // blocks.size)} "
+                                                          f"blocks of {blocks.size} bytes (base64 of 8 bytes each)"))
     for fqn, tensor in manifest.tensors.items():
         findings += _tensor_findings(fqn, tensor, len(manifest.files))
     return findings

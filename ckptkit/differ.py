@@ -1,15 +1,17 @@
-"""Compare two checkpoints as logical tensors, whatever topologies wrote them (one tensor at a time)."""
+"""Compare two checkpoints as logical tensors, whatever topologies wrote them (one tensor at a time, no torch)."""
 
 from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
-import torch
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from .loader import read_tensor
-from .payload import Headers, open_checkpoint
+from .dtypes import itemsize
+from .io.read import Reader
+from .payload import open_checkpoint
 
 
 class TensorDiff(BaseModel):
@@ -62,16 +64,15 @@ def diff(
     names_b = {n for n, t in man_b.tensors.items() if t.kind in kinds}
     diffs = [TensorDiff(name=n, problem="only in A") for n in sorted(names_a - names_b)]
     diffs += [TensorDiff(name=n, problem="only in B") for n in sorted(names_b - names_a)]
-    headers_a: Headers = {}
-    headers_b: Headers = {}
+    reader_a, reader_b = Reader(loc_a, man_a), Reader(loc_b, man_b)
     for name in sorted(names_a & names_b):
         ta, tb = man_a.tensors[name], man_b.tensors[name]
         if (ta.shape, ta.dtype) != (tb.shape, tb.dtype):
             diffs.append(TensorDiff(name=name, problem=f"A is {ta.dtype}{list(ta.shape)}, B is {tb.dtype}{list(tb.shape)}"))
             continue
-        x = read_tensor(loc_a, man_a, name, headers_a)
-        y = read_tensor(loc_b, man_b, name, headers_b)
-        found = compare(name, x, y, atol, rtol)
+        x = reader_a.read_whole(name)
+        y = reader_b.read_whole(name)
+        found = compare(name, x, y, ta.dtype, atol, rtol)
         if found is not None:
             diffs.append(found)
     diffs.sort(key=lambda d: (d.max_abs is not None, -(d.max_abs or 0.0), d.name))  # missing first, then largest
@@ -82,27 +83,45 @@ def diff(
     )
 
 
-def compare(name: str, x: torch.Tensor, y: torch.Tensor, atol: float, rtol: float) -> TensorDiff | None:
-    """Return how `x` and `y` differ, or None when they are equal (bitwise when atol = rtol = 0)."""
-    if x.numel() == 0:
+def compare(name: str, x: np.ndarray[Any, Any], y: np.ndarray[Any, Any], dtype: str, atol: float, rtol: float) -> TensorDiff | None:
+    """Return how the tensors whose bytes are `x` and `y` (of `dtype`) differ, or None when they
+    are equal (bitwise when atol = rtol = 0)."""
+    size = itemsize(dtype)
+    numel = x.size // size
+    if numel == 0:
         return None
-    xd, yd = x.double().reshape(-1), y.double().reshape(-1)
-    delta = (xd - yd).abs()
-    if atol == 0.0 and rtol == 0.0:
-        bad = (_bytes(x) != _bytes(y)).any(dim=1)
-    else:
-        both_nan = xd.isnan() & yd.isnan()
-        bad = ((delta > atol + rtol * yd.abs()) & ~both_nan) | (xd.isnan() ^ yd.isnan())
+    xb, yb = x.reshape(numel, size), y.reshape(numel, size)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if atol == 0.0 and rtol == 0.0:
+            bad = (xb != yb).any(axis=1)
+            if not bad.any():
+                return None
+            xd, yd = _float64(xb[bad], dtype), _float64(yb[bad], dtype)  # only the differing elements
+            delta = np.abs(xd - yd)
+        else:
+            xd, yd = _float64(xb, dtype), _float64(yb, dtype)
+            delta = np.abs(xd - yd)
+            x_nan, y_nan = np.isnan(xd), np.isnan(yd)
+            bad = ((delta > atol + rtol * np.abs(yd)) & ~(x_nan & y_nan)) | (x_nan ^ y_nan)
+            if not bad.any():
+                return None
+            xd, yd, delta = xd[bad], yd[bad], delta[bad]
     mismatched = int(bad.sum())
-    if not mismatched:
-        return None
-    worst = delta[bad].nan_to_num(nan=math.inf)  # a NaN against a number counts as infinitely far
-    rel = worst / yd[bad].abs().clamp_min(1e-30)
+    worst = np.nan_to_num(delta, nan=math.inf)  # a NaN against a number counts as infinitely far
+    rel = worst / np.maximum(np.abs(yd), 1e-30)
     return TensorDiff(
-        name=name, problem="values differ", mismatched=mismatched, numel=x.numel(),
+        name=name, problem="values differ", mismatched=mismatched, numel=numel,
         max_abs=float(worst.max()), max_rel=float(rel.max()),
     )
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8).reshape(t.numel(), -1)
+def _float64(data: np.ndarray[Any, Any], dtype: str) -> np.ndarray[Any, Any]:
+    """The values of tensor bytes (rows of `itemsize` bytes) as float64."""
+    if dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        import ml_dtypes
+
+        kind: Any = getattr(ml_dtypes, dtype)
+    else:
+        kind = np.dtype(dtype)
+    out: np.ndarray[Any, Any] = np.ascontiguousarray(data).view(kind).reshape(-1).astype(np.float64)
+    return out

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .arrays import output_dtype
-from .checksum import Hasher
+from .io.checksum import Hasher
 from .errors import CkptkitError, LayoutError, StorageError
 from .export_types import (
     ExportedFile,

@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from .arrays import convert, read_whole
+from .arrays import convert
 from .catalog import Location
-from .checksum import checksum_of
+from .io.checksum import checksum_of
 from .dtypes import itemsize
 from .manifest import Manifest, Topology
-from .payload import Headers
+from .io.read import Reader
 from .storage import Storage
 
 REPORT_NAME = "export_report.json"
@@ -28,13 +28,17 @@ AHEAD_BYTES = 128 << 20
 
 @dataclass
 class Source:
-    """The checkpoint being exported: its location, checked manifest, a cache of its headers and
-    the threads that read it. Use as a context manager (the threads stop at exit)."""
+    """The checkpoint being exported: its location, checked manifest, the reader that checks
+    every byte it returns, and the threads that read it. Use as a context manager (the threads
+    stop at exit)."""
 
     loc: Location
     manifest: Manifest
-    headers: Headers = field(default_factory=dict)
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(READ_THREADS))
+    reader: Reader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reader = Reader(self.loc, self.manifest)
 
     def __enter__(self) -> Source:
         return self
@@ -44,7 +48,7 @@ class Source:
 
     def read(self, fqn: str, dtype: str | None = None) -> np.ndarray[Any, Any]:
         """Return tensor `fqn` whole as flat bytes (C order), converted to `dtype` if given."""
-        data = read_whole(self.loc, self.manifest, fqn, self.headers, self.pool)
+        data = self.reader.read_whole(fqn, pool=self.pool)
         saved = self.manifest.tensors[fqn].dtype
         return convert(data, saved, dtype or saved)
 

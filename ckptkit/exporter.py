@@ -22,7 +22,8 @@ from typing import Any
 from . import hf
 from .arrays import CONVERSIONS
 from .catalog import discard, locate, refuse_nesting, temp_name
-from .checksum import Hasher, checksum_of
+from .io.checksum import checksum_of
+from .io.write import write_safetensors
 from .dtypes import itemsize
 from .errors import CheckpointExistsError, LayoutError, StorageError
 from .export_types import (
@@ -38,7 +39,6 @@ from .export_types import (
 )
 from .layouts import layout_for
 from .payload import open_checkpoint, read_checked
-from .safetensors_format import build_header
 from .storage import Storage
 from .zarr_form import CHUNK_BYTES
 
@@ -205,22 +205,18 @@ def _write_shard(
 ) -> ExportedFile:
     """Write one safetensors shard from the next tensors of `stream` (those of `shard`, in order)."""
     manifest = source.manifest
-    header, _ = build_header([(name, out_dtype, manifest.tensors[source_of[name]].shape) for name in shard.names], {"format": "pt"})
-    hasher = Hasher()
 
-    def chunks() -> Iterator[memoryview]:
-        hasher.update(header)
-        yield memoryview(header)
+    def bodies() -> Iterator[memoryview]:
         for name in shard.names:
             fqn, data = next(stream)
             assert fqn == source_of[name]
             view = memoryview(data)
-            hasher.update(view)
             report.append(exported(source, name, fqn, view, out_dtype, shard.file))
             yield view
 
-    size = dst.write(f"{tmp}/{shard.file}", chunks())
-    return ExportedFile(path=shard.file, size=size, checksum=hasher.digest())
+    tensors = [(name, out_dtype, manifest.tensors[source_of[name]].shape) for name in shard.names]
+    written = write_safetensors(dst, f"{tmp}/{shard.file}", shard.file, tensors, bodies(), metadata={"format": "pt"})
+    return ExportedFile(path=shard.file, size=written.size, checksum=written.checksum)
 
 
 def _tokenizer_files(

@@ -9,23 +9,59 @@ from typing import Any
 
 import torch
 
-from .boxes import Runs, byte_runs
 from .catalog import Location
-from .dtypes import itemsize
-from .errors import IntegrityError, LayoutError
+from .errors import LayoutError
+from .io.read import Reader
 from .manifest import Manifest
-from .planner import LoadPlan, plan_load
-from .checksum import hasher_for
-from .payload import Headers, header_entry, open_checkpoint, read_header
+from .planner import plan_load
+from .payload import open_checkpoint
 from .sharded import ShardedTensor
 from .storage import Storage
-from .torch_io import byte_view, is_leaf, leaf_shards, torch_dtype
+from .torch_io import byte_array, is_leaf, leaf_shards, torch_dtype
 from .tree import flatten, unflatten
 
-# Reads run on this many threads; a long contiguous read is cut into pieces of PIECE bytes so that
-# page faults in fresh tensors, waits on the disk and checksumming overlap.
+# Reads run on this many threads (the engine cuts long reads into pieces), so that page faults
+# in fresh tensors, waits on the disk and checksumming overlap.
 READ_THREADS = 4
-PIECE = 16 << 20
+
+class Checkpoint:
+    """A committed checkpoint opened once: its checked manifest, and loads that share the checked
+    payload headers (what a trainer resuming reads: the manifest's metadata, then its tensors)."""
+
+    def __init__(self, location: Location, manifest: Manifest) -> None:
+        self.location = location
+        self.manifest = manifest
+        self._reader = Reader(location, manifest)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.location)!r}, step={self.manifest.step})"
+
+    def load(self, target: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Load the checkpoint, whole or into `target`; see :func:`ckptkit.load`."""
+        manifest = self.manifest
+        if target is None:
+            tensors = {
+                fqn: torch.empty(entry.shape, dtype=torch_dtype(entry.dtype)) for fqn, entry in manifest.tensors.items()
+            }
+            pieces = {fqn: [ShardedTensor(t, t.shape, (0,) * t.dim())] for fqn, t in tensors.items()}
+            leaves: dict[str, Any] = dict(tensors)
+        else:
+            leaves, _ = flatten(target, is_leaf)
+            pieces = {fqn: leaf_shards(leaf) for fqn, leaf in leaves.items()}
+        fill(self._reader, pieces)
+        return unflatten({**manifest.objects, **leaves})
+
+
+def open(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Checkpoint:  # noqa: A001
+    """Open the committed checkpoint at `path` (or the one a root's ``latest`` names): read and
+    check its manifest once; load from it with ``.load(target)``.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at `path`.
+        ManifestError: the manifest is malformed or of a newer schema.
+    """
+    return Checkpoint(*open_checkpoint(path, storage))
+
 
 def load(
     path: str | os.PathLike[str], target: Mapping[str, Any] | None = None, *, storage: Storage | None = None
@@ -39,9 +75,9 @@ def load(
     Returns the target's structure with its tensors, plus every non-tensor value saved.
     With `storage`, `path` is the checkpoint's name under that backend's root (or ``latest``).
 
-    Every payload file whose tensor bytes are all read (as in a whole load) is also checked
-    against its checksum, from the bytes read anyway; partial reads skip that check (run
-    ``ckptkit verify`` to check everything).
+    Every byte returned is checked against the payload's block checksums (reading whole the
+    blocks at the ends of each range); a checkpoint written before block checksums (schema 1.1
+    and older) is checked file by file where a load reads all of a file's tensor bytes.
 
     Raises:
         CheckpointNotFoundError: nothing committed at `path`.
@@ -49,39 +85,32 @@ def load(
         IntegrityError: payload files disagree with the manifest.
         LayoutError: a target tensor is missing from the checkpoint or has another shape or dtype.
     """
-    loc, manifest = open_checkpoint(path, storage)
-    if target is None:
-        tensors = {
-            fqn: torch.empty(entry.shape, dtype=torch_dtype(entry.dtype)) for fqn, entry in manifest.tensors.items()
-        }
-        pieces = {fqn: [ShardedTensor(t, t.shape, (0,) * t.dim())] for fqn, t in tensors.items()}
-        leaves: dict[str, Any] = dict(tensors)
-    else:
-        leaves, _ = flatten(target, is_leaf)
-        pieces = {fqn: leaf_shards(leaf) for fqn, leaf in leaves.items()}
-    fill(loc, manifest, pieces)
-    return unflatten({**manifest.objects, **leaves})
+    return open(path, storage=storage).load(target)
 
 
-def fill(
-    loc: Location, manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]], headers: Headers | None = None
-) -> None:
-    """Fill every ShardedTensor of `pieces` (by fqn) in place with its box of the checkpoint.
+def fill(reader: Reader, pieces: Mapping[str, list[ShardedTensor]]) -> None:
+    """Fill every ShardedTensor of `pieces` (by fqn) in place with its box of the checkpoint
+    `reader` reads (reuse one reader across calls: it keeps the checked headers).
 
-    `headers` caches the checked payload headers (by file index) across calls.
+    Raises:
+        LayoutError: a target tensor is missing from the checkpoint or has another shape or dtype.
+        IntegrityError: a payload file or a byte read does not match the manifest.
     """
-    _check_targets(manifest, pieces)
-    requests = [(fqn, p.box) for fqn, ps in pieces.items() for p in ps]
-    plan = plan_load(manifest, requests)
-    _execute(loc, manifest, plan, [p.local for ps in pieces.values() for p in ps], {} if headers is None else headers)
-
-
-def read_tensor(loc: Location, manifest: Manifest, fqn: str, headers: Headers | None = None) -> torch.Tensor:
-    """Return the whole tensor `fqn` of the checkpoint, read from whatever shards hold it."""
-    entry = manifest.tensors[fqn]
-    out = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
-    fill(loc, manifest, {fqn: [ShardedTensor(out, tuple(out.shape), (0,) * out.dim())]}, headers)
-    return out
+    _check_targets(reader.manifest, pieces)
+    flat = [p for ps in pieces.values() for p in ps]
+    plan = plan_load(reader.manifest, [(fqn, p.box) for fqn, ps in pieces.items() for p in ps])
+    dests = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for p in flat:
+        out = p.local
+        if not out.is_contiguous():  # read into a contiguous buffer of exactly the box, then copy
+            out = torch.empty(tuple(out.shape), dtype=out.dtype)
+            copies.append((out, p.local))
+        dests.append(byte_array(out))
+    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+        reader.fill(plan.targets, dests, pool=pool)
+    for buf, dest in copies:
+        dest.copy_(buf)
 
 
 def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]) -> None:
@@ -98,118 +127,3 @@ def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]
                 problems.append(f"{fqn}: target dtype {p.local.dtype}, checkpoint {entry.dtype}")
     if problems:
         raise LayoutError(f"cannot load into target: {len(problems)} problem(s): " + "; ".join(problems[:20]))
-
-
-def _execute(loc: Location, manifest: Manifest, plan: LoadPlan, outputs: list[torch.Tensor], headers: Headers) -> None:
-    """Run the plan's reads on a few threads, in file and offset order; check the checksum of every
-    file read whole, from the bytes read (hashing overlaps the reads still in flight)."""
-    for i in plan.files():
-        if i not in headers:
-            headers[i] = read_header(loc, manifest, i)
-    jobs = []
-    for target, out in zip(plan.targets, outputs):
-        dtype = manifest.tensors[target.fqn].dtype
-        for read in target.reads:
-            entry = header_entry(loc, manifest, headers[read.file][0], read, dtype)
-            runs = byte_runs(read.src_box, read.overlap, itemsize(dtype))
-            jobs.append((read.file, entry.begin + runs.start, entry.begin, runs, read, target.box, out))
-    jobs.sort(key=lambda j: (j[0], j[1]))
-    checks = _whole_file_checks(manifest, headers, jobs)
-    tasks: list[tuple[int, str, list[tuple[int, memoryview]]]] = []
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for file, _, begin, runs, read, box, out in jobs:
-        dest = out[read.overlap.shifted(box.offsets).slices()] if out.dim() else out
-        # Runs concatenated in order are the overlap in row-major order: read them straight into a
-        # contiguous destination, else into one buffer of exactly the needed bytes. Never read more.
-        buf = dest if dest.is_contiguous() else torch.empty(read.overlap.lengths, dtype=out.dtype)
-        if buf is not dest:
-            copies.append((buf, dest))
-        key = loc.key(manifest.files[file].path)
-        for pieces in _pieces(begin, runs, byte_view(buf)):
-            tasks.append((file, key, pieces))
-    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
-        done = pool.map(lambda t: _read_pieces(loc.storage, t[1], t[2]), tasks)
-        for (file, _, pieces), _ in zip(tasks, done):
-            check = checks.get(file)
-            if check is not None:
-                for offset, view in pieces:
-                    check.feed(offset, view)
-    for buf, dest in copies:
-        dest.copy_(buf)
-    for file, check in checks.items():
-        check.finish(f"{loc}/{manifest.files[file].path}")
-
-
-def _pieces(begin: int, runs: Runs, view: memoryview) -> list[list[tuple[int, memoryview]]]:
-    """Cut one read into tasks of (file offset, destination bytes): a long single run into pieces
-    that threads read in parallel, many short runs into one task."""
-    if runs.n_runs == 1:
-        start = begin + runs.start
-        return [[(start + o, view[o : o + PIECE])] for o in range(0, max(len(view), 1), PIECE)]
-    pieces = []
-    pos = 0
-    for offset in runs.offsets():
-        pieces.append((begin + offset, view[pos : pos + runs.run_length]))
-        pos += runs.run_length
-    return [pieces]
-
-
-def _read_pieces(storage: Storage, key: str, pieces: list[tuple[int, memoryview]]) -> None:
-    for offset, view in pieces:
-        storage.readinto(key, offset, view)
-
-
-class _FileCheck:
-    """Hash a payload file from the pieces a load reads anyway, when they cover it whole.
-
-    Pieces may arrive out of order; those ahead of the hashed prefix wait (as views, no copy).
-    """
-
-    def __init__(self, checksum: str, size: int, prefix: bytes) -> None:
-        self.expected = checksum
-        self.size = size
-        self.hasher = hasher_for(checksum)
-        self.hasher.update(prefix)
-        self.pos = len(prefix)
-        self.pending: dict[int, memoryview] = {}
-
-    def feed(self, offset: int, view: memoryview) -> None:
-        if offset != self.pos:
-            self.pending[offset] = view
-            return
-        self.hasher.update(view)
-        self.pos += len(view)
-        while self.pos in self.pending:
-            nxt = self.pending.pop(self.pos)
-            self.hasher.update(nxt)
-            self.pos += len(nxt)
-
-    def finish(self, where: str) -> None:
-        digest = self.hasher.digest()
-        if self.pos != self.size or digest != self.expected:
-            raise IntegrityError(
-                f"{where}: checksum mismatch: content hashes to {digest}, manifest says {self.expected}"
-            )
-
-
-def _whole_file_checks(
-    manifest: Manifest, headers: Headers, jobs: list[Any]
-) -> dict[int, _FileCheck]:
-    """Return a checksum check for every file whose tensor bytes the jobs read exactly once, all of them."""
-    spans: dict[int, list[tuple[int, int]]] = {}
-    for file, _, begin, runs, *_ in jobs:
-        spans.setdefault(file, []).extend((begin + o, begin + o + runs.run_length) for o in runs.offsets())
-    checks = {}
-    for file, intervals in spans.items():
-        header, prefix = headers[file]
-        intervals.sort()
-        position = header.data_start
-        for lo, hi in intervals:
-            if lo != position:
-                break
-            position = hi
-        else:
-            if position == manifest.files[file].size:
-                entry = manifest.files[file]
-                checks[file] = _FileCheck(entry.checksum, entry.size, prefix)
-    return checks

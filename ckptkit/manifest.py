@@ -8,6 +8,8 @@ in it knows about TP, PP or ZeRO: a layout is only a way to cut global tensors i
 
 from __future__ import annotations
 
+import base64
+import functools
 import json
 from typing import Annotated, Any, Literal, Union
 
@@ -56,6 +58,32 @@ class Topology(Model):
     rank_order: str = "tp-cp-dp-pp"
 
 
+class BlockChecksums(Model):
+    """Since 1.2: the checksum of each `size`-byte block of a file (the last block may be
+    shorter), so that a read of part of the file checks exactly the blocks it touches.
+    ``digests`` is the base64 of the blocks' 8-byte xxh3-64 digests (big-endian), in order."""
+
+    algorithm: Literal["xxh3-64"] = "xxh3-64"
+    size: int = Field(ge=1)
+    digests: str
+
+    def digest(self, index: int) -> bytes:
+        """The digest of block `index`."""
+        return self.raw()[8 * index : 8 * index + 8]
+
+    def raw(self) -> bytes:
+        """Every digest, concatenated."""
+        return _decoded(self.digests)
+
+
+@functools.lru_cache(maxsize=1024)
+def _decoded(digests: str) -> bytes:
+    try:
+        return base64.b64decode(digests, validate=True)
+    except ValueError:
+        return b""  # a malformed value: consistency checks report it, and no block then matches
+
+
 class FileEntry(Model):
     """One payload file of the checkpoint, relative to the checkpoint directory.
 
@@ -71,6 +99,7 @@ class FileEntry(Model):
     checksum: str
     role: Literal["tensors", "tokenizer", "asset", "format"] = "tensors"
     encoding: Literal["safetensors", "raw"] = Field(default="safetensors", exclude_if=lambda v: v == "safetensors")
+    blocks: BlockChecksums | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class BoxShard(Model):

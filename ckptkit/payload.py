@@ -12,7 +12,7 @@ from .catalog import Location, read_manifest, resolve
 from .consistency import manifest_findings
 from .errors import IntegrityError, ManifestError
 from .storage import Storage
-from .checksum import hasher_for
+from .io.checksum import hasher_for
 from .dtypes import itemsize
 from .manifest import FileEntry, Manifest
 from .planner import Read

@@ -24,34 +24,30 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 from pydantic import BaseModel, ConfigDict
 
 from . import __version__
-from .boxes import Box, byte_runs, flat_range_to_boxes
+from .boxes import Box, flat_range_to_boxes
 from .catalog import Location, Staging, commit, discard, locate, refuse_existing, refuse_nesting, staging
-from .checksum import Hasher, hasher_for
+from .io.checksum import hasher_for
+from .io.read import PIECE, SMALL_RUN, Reader, byte_shape
+from .io.write import Written, write_safetensors
 from .collective import default_collective, guard, unwrap
 from .dtypes import itemsize
 from .errors import IntegrityError
 from .layouts import Layout, layout_for
 from .manifest import FileEntry, Manifest, Producer, Topology, manifest_to_json
-from .payload import header_entry, open_checkpoint, read_checked, read_header
+from .payload import open_checkpoint, read_checked
 from .planner import Read, ShardLookup, TargetPlan
 from .reshard_plan import FileJob, ReshardPlan, collector_paused, plan_reads, plan_reshard
-from .safetensors_format import build_header
 from .save_plan import ItemDesc, tensor_entries
 from .storage import Storage
 from .verifier import checksum_findings
 
-# A target file is filled and written PIECE bytes at a time; each writer thread holds one
-# piece buffer and one scratch buffer of this size, whatever the size of the tensors.
-PIECE = 16 << 20
-# Source runs shorter than this are read as their whole span and gathered in memory: one
-# large read beats many small ones, and the bytes in between are read soon by another piece.
-SMALL_RUN = 64 << 10
+# A target file is filled and written PIECE bytes at a time (each writer thread holds one piece
+# buffer, and the engine's scratch, whatever the size of the tensors); source runs shorter than
+# SMALL_RUN are read as their whole span and gathered (see ckptkit.io.read).
 THREADS = 4
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class ReshardReport(BaseModel):
@@ -74,9 +70,7 @@ class ReshardReport(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class _Written:
-    path: str
-    size: int
-    checksum: str
+    file: Written
     bytes_read: int
 
 
@@ -194,40 +188,27 @@ def _claim(loc: Location) -> str:
     return uuid.uuid4().hex[:12]
 
 
-class _Source:
-    """The source checkpoint's payloads as the copy needs them: keys and where each shard begins."""
-
-    def __init__(self, loc: Location, manifest: Manifest, files: list[int], threads: int) -> None:
-        self.loc = loc
-        self.manifest = manifest
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            headers = dict(zip(files, pool.map(lambda i: read_header(loc, manifest, i)[0], files)))
-        self.headers = headers
-        self.keys = {i: loc.key(manifest.files[i].path) for i in files}
-
-    def begin(self, read: Read, dtype: str) -> int:
-        return header_entry(self.loc, self.manifest, self.headers[read.file], read, dtype).begin
-
-    def readinto(self, read: Read, offset: int, view: memoryview) -> None:
-        self.loc.storage.readinto(self.keys[read.file], offset, view)
-
-
 def _write_jobs(
     src_loc: Location, manifest: Manifest, dst: Storage, stage: Staging, jobs: list[FileJob], threads: int, checked: list[int]
 ) -> list[_Written]:
     lookup = ShardLookup(manifest)
     with collector_paused():
         reads = {job.plan.path: plan_reads(manifest, job, lookup) for job in jobs}
+    reader = Reader(src_loc, manifest, piece=PIECE, small_run=SMALL_RUN)
     files = sorted({r.file for targets in reads.values() for target in targets for r in target.reads})
-    source = _Source(src_loc, manifest, files, threads)
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for _ in pool.map(reader.header_of, files):
+            pass
     local = threading.local()
     order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first: the threads finish together
 
     def write(job: FileJob) -> _Written:
-        return _write_job(source, dst, stage.key(job.plan.path), job, reads[job.plan.path], local)
+        return _write_job(reader, dst, stage.key(job.plan.path), job, reads[job.plan.path], local)
 
+    # Files with block checksums are checked by every read; older ones are hashed whole alongside.
+    whole = [i for i in checked if manifest.files[i].blocks is None]
     with ThreadPoolExecutor(max_workers=1) as checker, ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        findings = checker.submit(_check_sources, src_loc, manifest, checked)
+        findings = checker.submit(_check_sources, src_loc, manifest, whole)
         written = list(pool.map(write, order))
         problems = findings.result()
     if problems:
@@ -236,7 +217,7 @@ def _write_jobs(
 
 
 def _check_sources(loc: Location, manifest: Manifest, files: list[int]) -> list[str]:
-    """Check the checksums of source payload files; return the problems.
+    """Check the whole-file checksums of source payload files; return the problems.
 
     Local files are hashed through a read-only memory map: the pages the copy threads read
     are hashed in place from the page cache, without a second copy into this process.
@@ -266,98 +247,43 @@ def _check_sources(loc: Location, manifest: Manifest, files: list[int]) -> list[
     return problems
 
 
-def _buffers(local: threading.local) -> tuple[np.ndarray, np.ndarray]:
-    """This thread's piece and scratch buffers, allocated once (fresh ones would fault every page again)."""
-    if not hasattr(local, "piece"):
-        local.piece = np.empty(PIECE, dtype=np.uint8)
-        local.scratch = np.empty(PIECE, dtype=np.uint8)
-    return local.piece, local.scratch
-
-
 def _write_job(
-    source: _Source, dst: Storage, key: str, job: FileJob, reads: tuple[TargetPlan, ...], local: threading.local
+    reader: Reader, dst: Storage, key: str, job: FileJob, reads: tuple[TargetPlan, ...], local: threading.local
 ) -> _Written:
-    prefix, _ = build_header(
-        [(k, item.dtype, item.box.lengths) for item, k in job.plan.items], {"format": "pt", "producer": "ckptkit"}
-    )
-    hasher = Hasher()
     counted = [0]
+    if not hasattr(local, "piece"):  # one piece buffer per thread, allocated once
+        local.piece = np.empty(PIECE, dtype=np.uint8)
 
-    def chunks() -> Iterator[memoryview]:
-        head = memoryview(prefix)
-        hasher.update(head)
-        yield head
-        piece, scratch = _buffers(local)
+    def bodies() -> Iterator[memoryview]:
         for (item, _), target in zip(job.plan.items, reads):
-            for view, n_read in _pieces(source, item, target, piece, scratch):
+            for view, n_read in _pieces(reader, item, target, local.piece):
                 counted[0] += n_read
-                hasher.update(view)
                 yield view
 
-    size = dst.write(key, chunks())
-    return _Written(job.plan.path, size, hasher.digest(), counted[0])
+    tensors = [(k, item.dtype, item.box.lengths) for item, k in job.plan.items]
+    return _Written(write_safetensors(dst, key, job.plan.path, tensors, bodies()), counted[0])
 
 
-def _pieces(
-    source: _Source, item: ItemDesc, target: TargetPlan, piece: np.ndarray, scratch: np.ndarray
-) -> Iterator[tuple[memoryview, int]]:
+def _pieces(reader: Reader, item: ItemDesc, target: TargetPlan, piece: np.ndarray) -> Iterator[tuple[memoryview, int]]:
     """Yield the item's bytes in row-major order, at most PIECE bytes at a time, with the bytes read for each."""
     size = itemsize(item.dtype)
     lengths = item.box.lengths
     total = item.box.volume
     row = math.prod(lengths[1:]) if lengths else 1
     step = max(1, PIECE // (row * size)) * row if row * size <= PIECE else PIECE // size
-    begins = [source.begin(r, item.dtype) for r in target.reads]
     for start in range(0, total, step):
         stop = min(start + step, total)
         view = piece[: (stop - start) * size]
-        pos = n_read = 0
+        plans, dests = [], []
+        pos = 0
         for sub in flat_range_to_boxes(lengths, start, stop):
             part = Box(tuple(o + a for o, a in zip(sub.offsets, item.box.offsets)), sub.lengths)
             n = part.volume * size
-            region = view[pos : pos + n].view(_UINT[size]).reshape(part.lengths)
-            for read, begin in zip(target.reads, begins):
-                overlap = read.overlap.intersect(part) if part.ndim else read.overlap
-                if overlap is not None:
-                    dest = region[overlap.shifted(part.offsets).slices()] if part.ndim else region
-                    n_read += _copy(source, read, begin, overlap, dest, size, scratch)
+            found = [(r, r.overlap.intersect(part) if part.ndim else r.overlap) for r in target.reads]
+            plans.append(TargetPlan(item.fqn, part, tuple(Read(r.file, r.key, r.src_box, o) for r, o in found if o is not None)))
+            dests.append(view[pos : pos + n].reshape(byte_shape(part.lengths, size)))
             pos += n
-        yield view.data, n_read
-
-
-def _copy(source: _Source, read: Read, begin: int, overlap: Box, dest: np.ndarray, size: int, scratch: np.ndarray) -> int:
-    """Copy `overlap` of the source shard `read` into `dest` (its place in a piece); return bytes read."""
-    runs = byte_runs(read.src_box, overlap, size)
-    if runs.n_runs == 1 or runs.run_length >= SMALL_RUN:
-        contiguous = dest.flags.c_contiguous
-        out = dest.reshape(-1).view(np.uint8) if contiguous else scratch[: runs.nbytes]
-        view = out.data
-        pos = 0
-        for offset in runs.offsets():
-            source.readinto(read, begin + offset, view[pos : pos + runs.run_length])
-            pos += runs.run_length
-        if not contiguous:
-            dest[...] = out.view(_UINT[size]).reshape(overlap.lengths)
-        return runs.nbytes
-    span = runs.end - runs.start
-    if span > len(scratch):  # split the overlap until its span fits the scratch buffer
-        dim = next(d for d, n in enumerate(overlap.lengths) if n > 1)
-        half = overlap.lengths[dim] // 2
-        total = 0
-        for lo, n in ((0, half), (half, overlap.lengths[dim] - half)):
-            part = Box(
-                tuple(o + lo if d == dim else o for d, o in enumerate(overlap.offsets)),
-                tuple(n if d == dim else m for d, m in enumerate(overlap.lengths)),
-            )
-            index = tuple(slice(lo, lo + n) if d == dim else slice(None) for d in range(len(overlap.lengths)))
-            total += _copy(source, read, begin, part, dest[index], size, scratch)
-        return total
-    source.readinto(read, begin + runs.start, scratch[:span].data)
-    strides = [size] * len(read.src_box.lengths)
-    for d in range(len(strides) - 2, -1, -1):
-        strides[d] = strides[d + 1] * read.src_box.lengths[d + 1]
-    dest[...] = as_strided(scratch[:span].view(_UINT[size]), shape=overlap.lengths, strides=tuple(strides))
-    return span
+        yield view.data, reader.fill(plans, dests)
 
 
 def _commit(
@@ -367,9 +293,8 @@ def _commit(
     if failed:
         said = [message if len(results) == 1 else f"rank {r}: {message}" for r, (_, message) in failed]
         unwrap(("error", (failed[0][1][0], "nothing committed: " + "; ".join(said))))
-    written = {w.path: w for res in results for w in res[1]}
-    files = [FileEntry(path=stage.path(f.path), size=written[f.path].size, checksum=written[f.path].checksum)
-             for f in plan.save.all_files()]
+    written = {w.file.path: w for res in results for w in res[1]}
+    files = [written[f.path].file.entry(stage.path(f.path)) for f in plan.save.all_files()]
     index = {f.path: i for i, f in enumerate(plan.save.all_files())}
     files += [_copy_asset(src_loc, loc.storage, stage, entry) for entry in manifest.files if entry.role in ("tokenizer", "asset")]
     target = Manifest(

@@ -9,7 +9,6 @@ import platform
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from . import __version__
 from .boxes import Box
 from .catalog import Location, Staging, commit, discard, locate, refuse_existing, staging
-from .checksum import Hasher
+from .io.checksum import Hasher
 from .collective import Collective, default_collective, guard, unwrap
 from .errors import CkptkitError, LayoutError, StorageError
 from .layouts import Layout, placed_tensors, topology_problems
@@ -31,20 +30,13 @@ from .manifest import (
     Topology,
     manifest_to_json,
 )
-from .safetensors_format import build_header
+from .io.write import Written, write_safetensors
 from .save_plan import FilePlan, ItemDesc, SavePlan, plan_save, tensor_entries
 from .storage import Storage
 from .torch_io import byte_view, dtype_name, host_contiguous, is_leaf, leaf_shards
 from .tree import flatten, json_problems
 
 DEFAULT_KINDS = {"model": "param", "optimizer": "optimizer", "optim": "optimizer", "rng": "rng", "buffers": "buffer"}
-
-
-@dataclass(frozen=True, slots=True)
-class _Written:
-    path: str
-    size: int
-    checksum: str
 
 
 def save(
@@ -192,31 +184,16 @@ def _check_layout(layout: Layout, topology: Topology, shapes: dict[str, tuple[in
 
 def _write_files(
     storage: Storage, stage: Staging, files: tuple[FilePlan, ...], local: dict[tuple[str, Box], torch.Tensor], threads: int
-) -> list[_Written]:
+) -> list[Written]:
     if threads <= 1 or len(files) <= 1:
         return [_write_file(storage, stage.key(f.path), f, local) for f in files]
     with ThreadPoolExecutor(max_workers=threads) as pool:
         return list(pool.map(lambda f: _write_file(storage, stage.key(f.path), f, local), files))
 
 
-def _write_file(storage: Storage, key: str, plan: FilePlan, local: dict[tuple[str, Box], torch.Tensor]) -> _Written:
-    prefix, _ = build_header(
-        [(k, item.dtype, item.box.lengths) for item, k in plan.items], {"format": "pt", "producer": "ckptkit"}
-    )
-    hasher = Hasher()
-
-    def chunks() -> Iterator[memoryview]:
-        first = memoryview(prefix)
-        hasher.update(first)
-        yield first
-        for item, _ in plan.items:
-            tensor = host_contiguous(local[(item.fqn, item.box)])
-            view = byte_view(tensor)
-            hasher.update(view)
-            yield view
-
-    size = storage.write(key, chunks())
-    return _Written(plan.path, size, hasher.digest())
+def _write_file(storage: Storage, key: str, plan: FilePlan, local: dict[tuple[str, Box], torch.Tensor]) -> Written:
+    bodies = (byte_view(host_contiguous(local[(item.fqn, item.box)])) for item, _ in plan.items)
+    return write_safetensors(storage, key, plan.path, [(k, item.dtype, item.box.lengths) for item, k in plan.items], bodies)
 
 
 def _commit(
@@ -237,7 +214,7 @@ def _commit(
     if errors:
         raise StorageError("payload writes failed, nothing committed: " + "; ".join(errors))
     written = {w.path: w for _, ws in results for w in ws}
-    files = [FileEntry(path=stage.path(f.path), size=written[f.path].size, checksum=written[f.path].checksum) for f in plan.all_files()]
+    files = [written[f.path].entry(stage.path(f.path)) for f in plan.all_files()]
     index = {f.path: i for i, f in enumerate(plan.all_files())}
     tok_info = None
     if tokenizer is not None:

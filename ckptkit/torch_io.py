@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import LayoutError
@@ -50,6 +51,16 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
         return memoryview(b"")
     array: Any = flat.view(torch.uint8).numpy()
     return memoryview(array).cast("B")
+
+
+def byte_array(tensor: torch.Tensor) -> Any:
+    """Return the bytes of a contiguous CPU tensor as a writable uint8 numpy array of its byte
+    shape (its shape, the last dim times the item size; 0-d: one row), without copying."""
+    size = tensor.element_size()
+    shape = (*tensor.shape[:-1], tensor.shape[-1] * size) if tensor.dim() else (size,)
+    if tensor.numel() == 0:
+        return np.empty(shape, np.uint8)
+    return tensor.reshape(-1).view(torch.uint8).numpy().reshape(shape)
 
 
 def host_contiguous(tensor: torch.Tensor) -> torch.Tensor:

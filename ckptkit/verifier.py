@@ -18,11 +18,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from .catalog import Location, resolve
-from .checksum import hasher_for
+from .io.checksum import BlockHasher, Hasher, hasher_for
 from .consistency import Finding, manifest_findings
 from .dtypes import itemsize
 from .errors import CkptkitError, IntegrityError, ManifestError, StorageError
-from .manifest import MANIFEST_NAME, Manifest, parse_manifest
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from .safetensors_format import header_length, parse_header
 from .shards import iter_shards
 from .storage import Storage
@@ -184,12 +184,17 @@ def checksum_findings(
     loc: Location, manifest: Manifest, files: list[int], workers: int, progress: Callable[[int], None] | None
 ) -> tuple[list[Finding], int]:
     """Check the checksums of payload files `files` (indices): hash every file in order while
-    `workers` threads read the next chunks ahead (bounded window); return findings and bytes hashed."""
+    `workers` threads read the next chunks ahead (bounded window); return findings and bytes hashed.
+
+    A file with block checksums (schema 1.2) is checked block by block (what readers check);
+    an older one against its whole-file checksum.
+    """
     findings: list[Finding] = []
-    hashers = {}
+    hashers: dict[int, Hasher | BlockHasher] = {}
     for i in files:
+        blocks = manifest.files[i].blocks
         try:
-            hashers[i] = hasher_for(manifest.files[i].checksum)
+            hashers[i] = BlockHasher(blocks.size) if blocks is not None else hasher_for(manifest.files[i].checksum)
         except CkptkitError as exc:
             findings.append(Finding("checksum", manifest.files[i].path, str(exc)))
     chunks = [(i, o, min(CHUNK, manifest.files[i].size - o)) for i in hashers for o in range(0, manifest.files[i].size, CHUNK)]
@@ -222,11 +227,25 @@ def checksum_findings(
         entry = manifest.files[index]
         if index in failed:
             findings.append(Finding("checksum", entry.path, f"cannot read: {failed[index]}"))
+        elif isinstance(hasher, BlockHasher):
+            findings += _block_findings(entry, hasher.finish())
         elif hasher.digest() != entry.checksum:
             findings.append(
                 Finding("checksum", entry.path, f"content hashes to {hasher.digest()}, manifest says {entry.checksum}")
             )
     return findings, hashed
+
+
+def _block_findings(entry: FileEntry, digests: bytes) -> list[Finding]:
+    assert entry.blocks is not None
+    expected = entry.blocks.raw()
+    bad = [i for i in range(0, max(len(digests), len(expected)), 8) if digests[i : i + 8] != expected[i : i + 8]]
+    if not bad:
+        return []
+    size = entry.blocks.size
+    first = bad[0] // 8
+    return [Finding("checksum", entry.path, f"{len(bad)} block(s) of {size} bytes do not match their checksums, "
+                                            f"the first at bytes {first * size} to {min((first + 1) * size, entry.size)}")]
 
 
 def _read_ahead(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:

@@ -27,7 +27,8 @@ import numpy as np
 
 from . import __version__
 from .boxes import Box
-from .checksum import Hasher, checksum_of
+from .io.checksum import checksum_of
+from .io.write import hash_padded
 from .dtypes import itemsize
 from .errors import LayoutError, StorageError
 from .export_types import (
@@ -196,10 +197,8 @@ def write_array(storage: Storage, root: str, plan: ArrayPlan, data: np.ndarray[A
         raise StorageError(f"{path}: tensorstore could not write the array: {str(exc).splitlines()[0][:300]}") from exc
     files = []
     for chunk, view, pad in chunk_views(plan, data.data):
-        hasher = Hasher()
-        hasher.update(view)
-        _hash_zeros(hasher, pad)
-        files.append(FileEntry(path=chunk.path, size=chunk.size, checksum=hasher.digest(), encoding="raw"))
+        checksum, blocks = hash_padded(view, pad)
+        files.append(FileEntry(path=chunk.path, size=chunk.size, checksum=checksum, encoding="raw", blocks=blocks))
     meta = storage.read(f"{root}/{plan.fqn}/zarr.json")
     files.append(FileEntry(path=f"{plan.fqn}/zarr.json", size=len(meta), checksum=checksum_of(meta), role="format"))
     return files
@@ -250,13 +249,6 @@ def write_groups(storage: Storage, root: str, plans: list[ArrayPlan], attributes
         storage.write(f"{root}/{rel}", [data])
         files.append(FileEntry(path=rel, size=len(data), checksum=checksum_of(data), role="format"))
     return files
-
-
-def _hash_zeros(hasher: Hasher, n: int) -> None:
-    zeros = bytes(min(n, 1 << 20))
-    while n > 0:
-        hasher.update(memoryview(zeros)[: min(n, len(zeros))])
-        n -= len(zeros)
 
 
 def zarr_writer(source: Source, chunk_bytes: int = CHUNK_BYTES) -> Writer:

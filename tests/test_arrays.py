@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-from ckptkit.arrays import byte_shape, convert, read_whole
+from ckptkit.arrays import convert
 from ckptkit.catalog import resolve
+from ckptkit.io.read import Reader, byte_shape
 from ckptkit.errors import LayoutError
 from ckptkit.sharded import ShardedTensor
 
@@ -58,10 +59,10 @@ def test_read_whole_assembles_row_and_column_shards(tmp_path: Path) -> None:
     ckptkit.save(state, tmp_path / "c", step=1)
     loc = resolve(tmp_path / "c")
     manifest = ckptkit.read_manifest(str(tmp_path / "c"))
-    headers: dict = {}
+    reader = Reader(loc, manifest)
     with ThreadPoolExecutor(2) as pool:
         for name, want in (("w", w), ("r", rows), ("s", state["s"]), ("e", state["e"])):
-            got = read_whole(loc, manifest, name, headers, pool)
+            got = reader.read_whole(name, pool=pool)
             assert got.shape == byte_shape(tuple(want.shape), want.element_size())
             assert got.tobytes() == _bits(want), name
-    assert len(headers) == len(manifest.files)  # each header read once, then cached
+    assert len(reader.headers) == len(manifest.files)  # each header read once, then cached

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import ckptkit
 from ckptkit import ShardedTensor
 from .sharded_state import global_state, param_shapes, rank_state
-from ckptkit.launch import run_ranks
+from ckptkit.trainer.launch import run_ranks
 from ckptkit.manifest import Topology
 
 pytestmark = pytest.mark.multiprocess

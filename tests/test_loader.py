@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptkit
+from ckptkit.io import checksum
 from ckptkit import ShardedTensor
-from ckptkit.errors import CheckpointNotFoundError, LayoutError
+from ckptkit.errors import IntegrityError, CheckpointNotFoundError, LayoutError
 from ckptkit.storage import MemoryStorage
 
 from .fakes import CountingStorage
@@ -55,16 +56,33 @@ def test_any_saved_partition_loads_into_any_target_partition(case: tuple) -> Non
     assert torch.equal(flat, g.reshape(-1)[a:b])
 
 
-def test_load_reads_only_the_bytes_its_boxes_need() -> None:
-    g = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+def test_load_reads_only_the_blocks_its_boxes_touch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum, "MIN_BLOCK", 512)  # small blocks, so that this small file has many
+    g = torch.arange(256 * 32, dtype=torch.float32).reshape(256, 32)  # rows of 128 bytes
     store = CountingStorage()
-    ckptkit.save({"model": {"w": _grid_pieces(g, [[0, 32, 64], [0, 32]])}}, "ck", step=1, storage=store)
+    ckptkit.save({"model": {"w": g}}, "ck", step=1, storage=store)
+    assert ckptkit.read_manifest("ck", storage=store).files[0].blocks.size == 512  # type: ignore[union-attr]
     header = 8 + int.from_bytes(store.read("ck/rank00000.safetensors", 0, 8), "little")
     store.bytes_read.clear()
-    target = ShardedTensor(torch.zeros(40, 8), (64, 32), (12, 20))  # a column strip across both files
+    target = ShardedTensor(torch.zeros(40, 32), (256, 32), (100, 0))  # rows 100 to 139: 5,120 bytes
     ckptkit.load("ck", {"model": {"w": target}}, storage=store)
-    assert torch.equal(target.local, g[12:52, 20:28])
-    assert store.bytes_read["ck/rank00000.safetensors"] == header + 40 * 8 * 4
+    assert torch.equal(target.local, g[100:140])
+    header_blocks = -(-header // 512) * 512  # the blocks holding the header are checked too
+    assert store.bytes_read["ck/rank00000.safetensors"] <= header + header_blocks + 40 * 128 + 2 * 512
+
+
+def test_a_flipped_byte_in_a_box_read_in_part_is_caught(tmp_path: Path) -> None:
+    g = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)  # 256 KiB: one block
+    ckptkit.save({"model": {"w": g}}, tmp_path / "ck", step=1)
+    payload = tmp_path / "ck" / "rank00000.safetensors"
+    data = bytearray(payload.read_bytes())
+    data[-5] ^= 0x10  # in the last row
+    payload.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=r"rank00000.safetensors: block 0 .* does not match its checksum"):
+        ckptkit.load(tmp_path / "ck", {"model": {"w": ShardedTensor(torch.zeros(8, 1024), (64, 1024), (56, 0))}})
+    first_rows = ShardedTensor(torch.zeros(8, 1024), (64, 1024), (0, 0))
+    with pytest.raises(IntegrityError, match="does not match its checksum"):  # the flip shares the rows' block
+        ckptkit.load(tmp_path / "ck", {"model": {"w": first_rows}})
 
 
 def test_plain_tensor_target_is_filled_in_place(tmp_path: Path) -> None:

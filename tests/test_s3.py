@@ -49,7 +49,11 @@ def test_save_load_verify_inspect_ls_on_s3(s3_bucket: str, run_ckptkit, tmp_path
     assert not ckptkit.verify(root).ok
 
 
-def test_load_time_resharding_reads_only_the_needed_ranges(s3_bucket: str) -> None:
+def test_load_time_resharding_reads_only_the_needed_ranges(s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptkit.io import checksum
+
+    block = 256
+    monkeypatch.setattr(checksum, "MIN_BLOCK", block)  # blocks smaller than the box, to see which are read
     root = f"s3://{s3_bucket}/reshard"
     full = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
     ckptkit.save({"model": {"w": [ShardedTensor(full[i * 16 : (i + 1) * 16].clone(), (64, 32), (i * 16, 0)) for i in range(4)]}},
@@ -68,8 +72,15 @@ def test_load_time_resharding_reads_only_the_needed_ranges(s3_bucket: str) -> No
     payload = [r for r in read if r[0].endswith(".safetensors")]
     assert len({key for key, _, _ in payload}) == 1  # one payload object touched
     header_len = int.from_bytes(counting.read(payload[0][0], 0, 8), "little")
-    # Its header (length, then JSON), then exactly the box's bytes: 8 rows of 32 floats.
-    assert [(o, n) for _, o, n in payload] == [(0, 8), (8, header_len), (8 + header_len + 4 * 32 * 4, 8 * 32 * 4)]
+    # Its header (length, then JSON) and the blocks holding it (checked), then the blocks holding the
+    # box's bytes (8 rows of 32 floats): the two at its ends read whole and checked, those between in one read.
+    prefix = 8 + header_len
+    start, end = prefix + 4 * 32 * 4, prefix + 12 * 32 * 4
+    assert start % block and end % block and prefix <= start // block * block  # both ends inside blocks
+    inner = (-(-start // block) * block, end // block * block)
+    assert [(o, n) for _, o, n in payload] == [
+        (0, 8), (8, header_len), (0, -(-prefix // block) * block),
+        (start // block * block, block), (inner[0], inner[1] - inner[0]), (end // block * block, block)]
 
 
 @pytest.mark.parametrize("round_", range(5))

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..sharded import ShardedTensor
+from .. import ShardedTensor
 from ..layouts import part_ranges
 from .zero import Unit
 

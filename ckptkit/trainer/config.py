@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..errors import LayoutError
+from .. import LayoutError, Topology
 from ..layouts import Layout, reference_llama, topology_problems
-from ..manifest import Topology
 
 
 @dataclass(frozen=True)

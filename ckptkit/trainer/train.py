@@ -16,23 +16,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..catalog import list_root, resolve
-from ..errors import CheckpointNotFoundError, LayoutError
-from ..loader import fill
-from ..payload import open_checkpoint
-from ..torch_io import is_leaf, leaf_shards
-from ..tree import flatten
-from ..manifest import (
+import ckptkit
+from .. import (
     CheckpointInfo,
+    CheckpointManager,
+    CheckpointNotFoundError,
     DataProgress,
     DataVersion,
+    LayoutError,
     ModelInfo,
     OptimizerInfo,
     ParamGroup,
+    SaveHandle,
     Topology,
+    code_version,
 )
-from ..provenance import code_version
-from ..manager import CheckpointManager, SaveHandle
 from .checkpointing import derived_seed, restore_rng, rng_state, rng_targets, seed_rngs, tensor_state
 from .config import ModelConfig, TrainConfig, check_topology, model_config
 from .data import Dataset, Sampler, Tokenizer, load_dataset
@@ -60,12 +58,12 @@ def resume_path(cfg: TrainConfig) -> str | None:
         return None
     if cfg.resume == "latest":
         try:
-            if not list_root(cfg.out).latest:
+            if not ckptkit.list_checkpoints(cfg.out).latest:
                 return None
         except CheckpointNotFoundError:  # no root yet (a local directory or an object store prefix)
             return None
-        return str(resolve(cfg.out))
-    return str(resolve(cfg.resume))
+        return str(ckptkit.open(cfg.out).location)
+    return str(ckptkit.open(cfg.resume).location)
 
 
 def launch(cfg: TrainConfig) -> None:
@@ -85,7 +83,7 @@ def launch(cfg: TrainConfig) -> None:
         finally:
             dist.destroy_process_group()
         return
-    from ..launch import run_ranks
+    from .launch import run_ranks
 
     if cfg.world_size == 1:
         _single(cfg)
@@ -94,7 +92,7 @@ def launch(cfg: TrainConfig) -> None:
 
 
 def _single(cfg: TrainConfig) -> None:
-    from ..launch import free_port
+    from .launch import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
@@ -209,7 +207,8 @@ def _resume(cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world
     path = resume_path(cfg)
     if path is None:
         return 0
-    loc, manifest = open_checkpoint(path)  # one manifest read for the metadata and the tensors
+    checkpoint = ckptkit.open(path)  # one manifest read for the metadata and the tensors
+    manifest = checkpoint.manifest
     target = tensor_state(list(engine.units.values()))
     # The RNG rows belong to the ranks that saved them, which a reshard does not change.
     saved = (manifest.info.rng or {}).get("topology")
@@ -224,8 +223,7 @@ def _resume(cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world
             for fqn, t in manifest.tensors.items()
             if t.kind == "rng" and fqn.startswith("rng/")
         }
-    leaves, _ = flatten(target, is_leaf)
-    fill(loc, manifest, {fqn: leaf_shards(leaf) for fqn, leaf in leaves.items()})
+    checkpoint.load(target)
     if same_topology:
         restore_rng(target["rng"])
     else:

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptkit
-from ckptkit.checksum import checksum_of
+from ckptkit.io.checksum import checksum_of
 from ckptkit.errors import CheckpointExistsError, LayoutError
 from ckptkit.exporter import REPORT_NAME, export
 from ckptkit.manifest import Topology

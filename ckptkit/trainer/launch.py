@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CkptkitError
+from .. import CkptkitError
 
 
 def free_port() -> int:

@@ -1,0 +1,81 @@
+"""The one writer: stream a payload file to storage while hashing it (whole-file checksum and
+block checksums), and the manifest entry of what was written."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from ..manifest import BlockChecksums, FileEntry
+from ..safetensors_format import build_header
+from ..storage import Storage
+from .checksum import BlockHasher, FileHasher, block_size_for
+
+HEADER_METADATA = {"format": "pt", "producer": "ckptkit"}
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """A file as written: its path (as planned), size, whole-file checksum and block checksums."""
+
+    path: str
+    size: int
+    checksum: str
+    blocks: BlockChecksums
+
+    def entry(self, path: str | None = None, role: str = "tensors") -> FileEntry:
+        """The manifest entry of the file, under `path` (default: as planned)."""
+        return FileEntry(path=self.path if path is None else path, size=self.size, checksum=self.checksum,
+                         role=role, blocks=self.blocks)  # type: ignore[arg-type]
+
+
+def blocks_of(hasher: BlockHasher) -> BlockChecksums:
+    return BlockChecksums(size=hasher.block, digests=base64.b64encode(hasher.finish()).decode("ascii"))
+
+
+def write_stream(storage: Storage, key: str, path: str, chunks: Iterable[memoryview], size: int) -> Written:
+    """Write `chunks` (exactly `size` bytes in all) as the file `key`, hashing them on the way.
+
+    Raises:
+        StorageError: the write failed (nothing is left under `key`).
+    """
+    hasher = FileHasher(size)
+
+    def hashed() -> Iterator[memoryview]:
+        for chunk in chunks:
+            hasher.update(chunk)
+            yield chunk
+
+    written = storage.write(key, hashed())
+    return Written(path, written, hasher.whole.digest(), blocks_of(hasher.blocks))
+
+
+def write_safetensors(
+    storage: Storage, key: str, path: str, tensors: Sequence[tuple[str, str, tuple[int, ...]]], bodies: Iterable[memoryview],
+    *, metadata: dict[str, str] | None = None,
+) -> Written:
+    """Write a safetensors file of `tensors` ((key, dtype, shape), in file order) whose bytes come,
+    in the same order, from `bodies`; hash it on the way."""
+    prefix, entries = build_header(list(tensors), HEADER_METADATA if metadata is None else metadata)
+    size = max((e.end for e in entries.values()), default=len(prefix))
+
+    def chunks() -> Iterator[memoryview]:
+        yield memoryview(prefix)
+        yield from bodies
+
+    return write_stream(storage, key, path, chunks(), size)
+
+
+def hash_padded(data: memoryview, pad: int) -> tuple[str, BlockChecksums]:
+    """The checksums of a file holding `data` followed by `pad` zero bytes (a zarr chunk)."""
+    hasher = FileHasher(len(data) + pad)
+    hasher.update(data)
+    zeros = bytes(min(pad, 1 << 20))
+    while pad > 0:
+        hasher.update(memoryview(zeros)[: min(pad, len(zeros))])
+        pad -= len(zeros)
+    return hasher.whole.digest(), blocks_of(hasher.blocks)
+
+
+__all__ = ["Written", "block_size_for", "hash_padded", "write_safetensors", "write_stream"]
