@@ -6,6 +6,7 @@ The pure parts (manifest, boxes, planner, verify, inspect) import without torch;
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -33,31 +34,49 @@ from .manifest import (
 from .provenance import code_version
 from .sharded import ShardedTensor
 
+from .storage import Storage, open_storage
+
 if TYPE_CHECKING:
+    from .differ import DiffReport, diff
+    from .exporter import ExportReport, export
+    from .inspector import InspectReport, inspect
+    from .layouts import Layout
     from .loader import Checkpoint, load, open
+    from .manager import CheckpointManager, SaveHandle
+    from .reports import ListingReport
+    from .resharder import ReshardReport, reshard
     from .saver import save
+    from .verifier import VerifyReport, verify
 
 __all__ = [
     "Checkpoint",
     "CheckpointExistsError",
-    "CheckpointManager",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CkptkitError",
     "CodeVersion",
     "DataProgress",
     "DataVersion",
+    "DiffReport",
+    "ExportReport",
+    "InspectReport",
     "IntegrityError",
+    "Layout",
     "LayoutError",
+    "ListingReport",
     "Manifest",
     "ManifestError",
     "ModelInfo",
     "OptimizerInfo",
     "ParamGroup",
+    "ReshardReport",
     "SaveHandle",
     "ShardedTensor",
+    "Storage",
     "StorageError",
     "Topology",
+    "VerifyReport",
     "__version__",
     "code_version",
     "diff",
@@ -66,16 +85,21 @@ __all__ = [
     "list_checkpoints",
     "load",
     "open",
+    "open_storage",
     "read_manifest",
     "reshard",
     "save",
     "verify",
 ]
 
-
-# Calls that need torch, imported on first use: name -> module.
-_LAZY = {"save": "saver", "load": "loader", "open": "loader", "Checkpoint": "loader", "diff": "differ", "export": "exporter",
-         "CheckpointManager": "manager", "SaveHandle": "manager"}
+# Imported on first use (torch, threads or the report machinery): name -> module. The calls
+# that need no torch (verify, inspect, reshard, list_checkpoints) stay importable without it.
+_LAZY = {
+    "save": "saver", "load": "loader", "open": "loader", "Checkpoint": "loader", "diff": "differ", "DiffReport": "differ",
+    "export": "exporter", "ExportReport": "exporter", "CheckpointManager": "manager", "SaveHandle": "manager",
+    "verify": "verifier", "VerifyReport": "verifier", "inspect": "inspector", "InspectReport": "inspector",
+    "reshard": "resharder", "ReshardReport": "resharder", "ListingReport": "reports", "Layout": "layouts",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -86,40 +110,30 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ckptkit' has no attribute {name!r}")
 
 
-def read_manifest(path: str, *, storage: Any = None) -> Manifest:
-    """Return the validated manifest of the committed checkpoint at `path` (or a root's latest)."""
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def read_manifest(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Manifest:
+    """Return the validated manifest of the committed checkpoint at `path` (or a root's latest).
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at `path`.
+        ManifestError: the manifest is malformed or of a newer schema.
+    """
     from .catalog import read_manifest as _read, resolve
 
     return _read(resolve(path, storage))
 
 
-def verify(path: str, **options: Any) -> Any:
-    """Check a checkpoint against its manifest; return a ``VerifyReport`` listing every finding.
+def list_checkpoints(root: str | os.PathLike[str]) -> ListingReport:
+    """Return the committed checkpoints under a root by step, its ``latest`` pointer, and the
+    leftovers of interrupted saves.
 
-    Options are those of :func:`ckptkit.verifier.verify` (quick, workers, progress, storage).
+    Raises:
+        CheckpointNotFoundError: the root does not exist.
     """
-    from .verifier import verify as _verify
-
-    return _verify(path, **options)
-
-
-def reshard(src: str, dst: str, topology: Topology, **options: Any) -> Any:
-    """Write the checkpoint at `src` as the one `topology`'s ranks would have saved, at `dst`;
-    return a ``ReshardReport``. Options are those of :func:`ckptkit.resharder.reshard`."""
-    from .resharder import reshard as _reshard
-
-    return _reshard(src, dst, topology, **options)
-
-
-def inspect(path: str) -> Any:
-    """Return a summary (``InspectReport``) of the committed checkpoint at `path`."""
-    from .inspector import inspect as _inspect
-
-    return _inspect(path)
-
-
-def list_checkpoints(root: str) -> Any:
-    """Return the committed checkpoints and leftovers under a root (a ``Listing``)."""
     from .catalog import list_root
+    from .reports import listing_report
 
-    return list_root(root)
+    return listing_report(list_root(root))

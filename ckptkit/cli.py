@@ -8,16 +8,33 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 import click
 
-from .errors import CheckpointNotFoundError, CkptkitError
+import ckptkit
+
+from . import CheckpointNotFoundError, CkptkitError, LayoutError
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
+
+
+def parse_size(text: str) -> int:
+    """Parse a size such as ``5GB``, ``500MB``, ``2GiB`` or a plain number of bytes.
+
+    Raises:
+        LayoutError: the text is not a positive size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+    if not match or match.group(2) not in units or float(match.group(1)) <= 0:
+        raise LayoutError(f"{text!r} is not a size (examples: 5GB, 500MB, 2GiB, 1000000)")
+    return int(float(match.group(1)) * units[match.group(2)])
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -49,10 +66,7 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def ls_cmd(root: str, as_json: bool) -> None:
     """List the committed checkpoints under ROOT and name the leftovers."""
-    from .catalog import list_root
-    from .reports import listing_report
-
-    report = listing_report(list_root(root))
+    report = ckptkit.list_checkpoints(root)
     if as_json:
         _emit_json(report)
         return
@@ -70,13 +84,11 @@ def ls_cmd(root: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def inspect_cmd(path: str, as_json: bool) -> None:
     """Show what the checkpoint at PATH holds: step, topology, tensors, bytes, assets, versions."""
-    from .inspector import inspect, render
-
-    report = inspect(path)
+    report = ckptkit.inspect(path)
     if as_json:
         _emit_json(report)
     else:
-        click.echo(render(report))
+        click.echo(report.render())
 
 
 @cli.command("verify")
@@ -102,19 +114,15 @@ def verify_cmd(path: str, quick: bool, as_json: bool, workers: int) -> None:
     sys.exit(0 if report.ok else 1)
 
 
-def _with_progress(path: str, quick: bool, workers: int, *, show: bool) -> Any:
-    from .verifier import verify
-
+def _with_progress(path: str, quick: bool, workers: int, *, show: bool) -> ckptkit.VerifyReport:
     if not show or quick:
-        return verify(path, quick=quick, workers=workers)
-    from .catalog import read_manifest, resolve
-
+        return ckptkit.verify(path, quick=quick, workers=workers)
     try:
-        total = sum(f.size for f in read_manifest(resolve(path)).files)
+        total = sum(f.size for f in ckptkit.read_manifest(path).files)
     except CkptkitError:
-        return verify(path, quick=quick, workers=workers)
+        return ckptkit.verify(path, quick=quick, workers=workers)
     with click.progressbar(length=total, label="hashing", file=sys.stderr) as bar:
-        return verify(path, quick=quick, workers=workers, progress=bar.update)
+        return ckptkit.verify(path, quick=quick, workers=workers, progress=bar.update)
 
 
 @cli.command("diff")
@@ -131,10 +139,8 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, include_rng: bool, limit:
     Bitwise by default; --atol/--rtol allow |a - b| <= atol + rtol * |b|. Exit 0 when equal,
     1 when different, 2 on bad usage or when A or B holds no committed checkpoint.
     """
-    from .differ import diff
-
     kinds = ("param", "optimizer", "buffer", "other") + (("rng",) if include_rng else ())
-    report = _needs_checkpoint(lambda: diff(a, b, atol=atol, rtol=rtol, kinds=kinds))
+    report = _needs_checkpoint(lambda: ckptkit.diff(a, b, atol=atol, rtol=rtol, kinds=kinds))
     if as_json:
         _emit_json(report)
     else:
@@ -176,19 +182,16 @@ def reshard_cmd(
     holds no committed checkpoint.
     """
     from .layouts import load_layout
-    from .manifest import Topology
-    from .reshard_plan import describe
-    from .resharder import reshard
 
     if zero not in (0, 1, 2, 3):
         _fail(f"zero stage {zero} is not one of 0, 1, 2, 3", 2)
     layout = load_layout(layout_file) if layout_file is not None else None
-    target = Topology(world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp, zero_stage=zero)
+    target = ckptkit.Topology(world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp, zero_stage=zero)
     dist = _init_torchrun()
     rank = dist.get_rank() if dist is not None else 0
     try:
         report = _needs_checkpoint(
-            lambda: reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest,
+            lambda: ckptkit.reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest,
                             layout=layout)
         )
     finally:
@@ -201,8 +204,8 @@ def reshard_cmd(
         return
     mb = report.bytes_written / 1e6
     click.echo(
-        f"{report.destination}: committed step {report.step} for {describe(report.topology)} "
-        f"(from {describe(report.source_topology)}): {report.tensors} tensors, {report.files} files, "
+        f"{report.destination}: committed step {report.step} for {report.topology.describe()} "
+        f"(from {report.source_topology.describe()}): {report.tensors} tensors, {report.files} files, "
         f"{mb:.1f} MB in {report.seconds:.2f} s ({mb / max(report.seconds, 1e-9):.0f} MB/s)"
     )
     if report.kept:
@@ -224,10 +227,9 @@ def layout_show_cmd(path: str) -> None:
     the checkpoint has no layout, 2 when PATH holds no committed checkpoint.
     """
     from .layouts import layout_for
-    from .payload import open_checkpoint
 
-    loc, manifest = _needs_checkpoint(lambda: open_checkpoint(path))
-    click.echo(json.dumps(layout_for(manifest, where=str(loc)).to_json(), indent=2))
+    checkpoint = _needs_checkpoint(lambda: ckptkit.open(path))
+    click.echo(json.dumps(layout_for(checkpoint.manifest, where=str(checkpoint.location)).to_json(), indent=2))
 
 
 @layout_group.command("check")
@@ -244,7 +246,6 @@ def layout_check_cmd(file: str, tp: int | None, pp: int | None, dp: int | None, 
     cannot be read.
     """
     from .layouts import layout_problems, parse_layout, topology_problems
-    from .manifest import Topology
 
     try:
         with open(file, "rb") as f:
@@ -254,7 +255,7 @@ def layout_check_cmd(file: str, tp: int | None, pp: int | None, dp: int | None, 
     problems = layout_problems(data)
     if not problems and any(n is not None for n in (tp, pp, dp, cp, zero)):
         t, p, d, c = tp or 1, pp or 1, dp or 1, cp or 1
-        topology = Topology(world_size=t * p * d * c, tp=t, pp=p, dp=d, cp=c, zero_stage=zero or 0)
+        topology = ckptkit.Topology(world_size=t * p * d * c, tp=t, pp=p, dp=d, cp=c, zero_stage=zero or 0)
         problems = topology_problems(parse_layout(data, source=file), topology)
     for problem in problems:
         click.echo(f"ckptkit: error: {file}: {problem}", err=True)
@@ -291,8 +292,6 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     Exit 0 when DST is complete, 1 on a ckptkit error (unmapped or missing tensors, DST exists;
     DST does not appear), 2 on bad usage or when SRC holds no committed checkpoint.
     """
-    from .exporter import export, parse_size
-
     try:
         size = parse_size(max_shard_size)
     except CkptkitError as exc:
@@ -301,7 +300,7 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
         _fail("--dtype: the zarr form keeps every tensor in its saved dtype", 2)
     if fmt == "hf" and include_optimizer:
         _fail("--include-optimizer: the hf format holds model weights only (use --format dcp or zarr)", 2)
-    report = _needs_checkpoint(lambda: export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size,
+    report = _needs_checkpoint(lambda: ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size,
                                               include_optimizer=include_optimizer))
     if as_json:
         _emit_json(report)
@@ -348,7 +347,7 @@ def train_cmd(**options: Any) -> None:
 @click.argument("out_dir", default="demo-out", required=False)
 def demo_cmd(out_dir: str) -> None:
     """Save a small sharded checkpoint from 4 ranks into OUT_DIR, then list, inspect, verify and load it."""
-    from .demo import run
+    from .trainer.demo import run
 
     ok = run(out_dir, click.echo)
     sys.exit(0 if ok else 1)

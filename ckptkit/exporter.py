@@ -42,23 +42,9 @@ from .payload import open_checkpoint, read_checked
 from .storage import Storage
 from .zarr_form import CHUNK_BYTES
 
-__all__ = ["REPORT_NAME", "ExportReport", "export", "parse_size"]
+__all__ = ["REPORT_NAME", "ExportReport", "export"]
 
 DEFAULT_MAX_SHARD = 5 * 10**9
-
-
-def parse_size(text: str) -> int:
-    """Parse a size such as ``5GB``, ``500MB``, ``2GiB`` or a plain number of bytes.
-
-    Raises:
-        LayoutError: the text is not a positive size.
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-    if not match or match.group(2) not in units or float(match.group(1)) <= 0:
-        raise LayoutError(f"{text!r} is not a size (examples: 5GB, 500MB, 2GiB, 1000000)")
-    return int(float(match.group(1)) * units[match.group(2)])
 
 
 FORMATS = ("hf", "dcp", "zarr")

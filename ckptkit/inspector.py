@@ -38,6 +38,42 @@ class InspectReport(BaseModel):
     tokenizer: list[str]
     info: CheckpointInfo
 
+    def render(self) -> str:
+        """Return the report as a few readable lines."""
+        report = self
+        t = report.topology
+        lines = [
+            f"checkpoint  {report.path}",
+            f"step        {report.step}   (id {report.checkpoint_id[:12]}, {report.created_at}, schema {report.schema_version})",
+            f"topology    world {t.world_size} = tp {t.tp} x pp {t.pp} x dp {t.dp} x cp {t.cp}, ep {t.ep}, zero {t.zero_stage}",
+            f"tensors     {report.tensors} ({report.shards} shards in {report.files} files, "
+            f"{human_bytes(report.payload_bytes)} on disk)",
+        ]
+        for kind, nbytes in report.bytes_by_kind.items():
+            lines.append(f"  {kind:<10}{report.tensors_by_kind[kind]:>7} tensors  {human_bytes(nbytes):>11}")
+        lines.append("dtypes      " + ", ".join(f"{d} {human_bytes(n)}" for d, n in report.bytes_by_dtype.items()))
+        if report.largest_tensor:
+            lines.append(f"largest     {report.largest_tensor}")
+        info = report.info
+        if info.model:
+            lines.append(f"model       {info.model.family}")
+        if info.optimizer:
+            lines.append(f"optimizer   {info.optimizer.type} ({len(info.optimizer.param_groups)} param groups)")
+        if info.data_progress:
+            d = info.data_progress
+            lines.append(f"data        epoch {d.epoch}, {d.consumed_samples} samples, {d.consumed_tokens} tokens consumed")
+        lines.append("tokenizer   " + (", ".join(report.tokenizer) if report.tokenizer else "none"))
+        code = info.code
+        versions = f"ckptkit {report.producer.ckptkit}, torch {report.producer.torch}"
+        if code and code.git_commit:
+            versions += f", code {code.git_commit[:12]}{' (dirty)' if code.dirty else ''}"
+        if info.data and (info.data.dataset_id or info.data.fingerprint):
+            versions += f", data {info.data.dataset_id or ''} {(info.data.fingerprint or '')[:16]}".rstrip()
+        lines.append(f"versions    {versions}")
+        if report.objects:
+            lines.append("objects     " + ", ".join(report.objects[:12]) + (" ..." if len(report.objects) > 12 else ""))
+        return "\n".join(lines)
+
 
 def inspect(path: str | os.PathLike[str]) -> InspectReport:
     """Return the summary of the committed checkpoint at `path` (or a root's latest).
@@ -92,39 +128,3 @@ def human_bytes(n: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{n} B"
-
-
-def render(report: InspectReport) -> str:
-    """Return the report as a few readable lines."""
-    t = report.topology
-    lines = [
-        f"checkpoint  {report.path}",
-        f"step        {report.step}   (id {report.checkpoint_id[:12]}, {report.created_at}, schema {report.schema_version})",
-        f"topology    world {t.world_size} = tp {t.tp} x pp {t.pp} x dp {t.dp} x cp {t.cp}, ep {t.ep}, zero {t.zero_stage}",
-        f"tensors     {report.tensors} ({report.shards} shards in {report.files} files, "
-        f"{human_bytes(report.payload_bytes)} on disk)",
-    ]
-    for kind, nbytes in report.bytes_by_kind.items():
-        lines.append(f"  {kind:<10}{report.tensors_by_kind[kind]:>7} tensors  {human_bytes(nbytes):>11}")
-    lines.append("dtypes      " + ", ".join(f"{d} {human_bytes(n)}" for d, n in report.bytes_by_dtype.items()))
-    if report.largest_tensor:
-        lines.append(f"largest     {report.largest_tensor}")
-    info = report.info
-    if info.model:
-        lines.append(f"model       {info.model.family}")
-    if info.optimizer:
-        lines.append(f"optimizer   {info.optimizer.type} ({len(info.optimizer.param_groups)} param groups)")
-    if info.data_progress:
-        d = info.data_progress
-        lines.append(f"data        epoch {d.epoch}, {d.consumed_samples} samples, {d.consumed_tokens} tokens consumed")
-    lines.append("tokenizer   " + (", ".join(report.tokenizer) if report.tokenizer else "none"))
-    code = info.code
-    versions = f"ckptkit {report.producer.ckptkit}, torch {report.producer.torch}"
-    if code and code.git_commit:
-        versions += f", code {code.git_commit[:12]}{' (dirty)' if code.dirty else ''}"
-    if info.data and (info.data.dataset_id or info.data.fingerprint):
-        versions += f", data {info.data.dataset_id or ''} {(info.data.fingerprint or '')[:16]}".rstrip()
-    lines.append(f"versions    {versions}")
-    if report.objects:
-        lines.append("objects     " + ", ".join(report.objects[:12]) + (" ..." if len(report.objects) > 12 else ""))
-    return "\n".join(lines)

@@ -57,6 +57,11 @@ class Topology(Model):
     zero_stage: int = Field(default=0, ge=0, le=3)
     rank_order: str = "tp-cp-dp-pp"
 
+    def describe(self) -> str:
+        """The topology in words, as messages show it (``tp=2 pp=1 dp=4 zero=1``)."""
+        extra = "".join(f" {axis}={n}" for axis, n in (("cp", self.cp), ("ep", self.ep)) if n != 1)
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra} zero={self.zero_stage}"
+
 
 class BlockChecksums(Model):
     """Since 1.2: the checksum of each `size`-byte block of a file (the last block may be

@@ -47,13 +47,6 @@ class ReshardPlan:
         return sum(j.nbytes for j in self.jobs)
 
 
-def describe(topology: Topology) -> str:
-    """A topology in words, as messages show it."""
-    t = topology
-    extra = "".join(f" {axis}={n}" for axis, n in (("cp", t.cp), ("ep", t.ep)) if n != 1)
-    return f"tp={t.tp} pp={t.pp} dp={t.dp}{extra} zero={t.zero_stage}"
-
-
 def plan_reshard(
     manifest: Manifest,
     layout: Layout,
@@ -71,7 +64,7 @@ def plan_reshard(
     """
     problems = topology_problems(layout, topology)
     if problems:
-        raise LayoutError(f"cannot reshard to {describe(topology)}: " + "; ".join(problems))
+        raise LayoutError(f"cannot reshard to {topology.describe()}: " + "; ".join(problems))
     placed, problems = placed_tensors(layout, {fqn: t.shape for fqn, t in manifest.tensors.items()})
     if problems:
         raise LayoutError(f"the layout does not match the saved tensors: {len(problems)} problem(s): " + "; ".join(problems))

@@ -20,7 +20,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -66,12 +65,6 @@ class ReshardReport(BaseModel):
     bytes_read: int
     source_checked: bool
     seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Written:
-    file: Written
-    bytes_read: int
 
 
 def reshard(
@@ -190,7 +183,8 @@ def _claim(loc: Location) -> str:
 
 def _write_jobs(
     src_loc: Location, manifest: Manifest, dst: Storage, stage: Staging, jobs: list[FileJob], threads: int, checked: list[int]
-) -> list[_Written]:
+) -> tuple[list[Written], int]:
+    """Write this process's target files; return them and the bytes read from the source."""
     lookup = ShardLookup(manifest)
     with collector_paused():
         reads = {job.plan.path: plan_reads(manifest, job, lookup) for job in jobs}
@@ -202,7 +196,7 @@ def _write_jobs(
     local = threading.local()
     order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first: the threads finish together
 
-    def write(job: FileJob) -> _Written:
+    def write(job: FileJob) -> Written:
         return _write_job(reader, dst, stage.key(job.plan.path), job, reads[job.plan.path], local)
 
     # Files with block checksums are checked by every read; older ones are hashed whole alongside.
@@ -213,7 +207,7 @@ def _write_jobs(
         problems = findings.result()
     if problems:
         raise IntegrityError("the source does not match its manifest: " + "; ".join(problems[:10]))
-    return written
+    return written, reader.bytes_read
 
 
 def _check_sources(loc: Location, manifest: Manifest, files: list[int]) -> list[str]:
@@ -249,23 +243,20 @@ def _check_sources(loc: Location, manifest: Manifest, files: list[int]) -> list[
 
 def _write_job(
     reader: Reader, dst: Storage, key: str, job: FileJob, reads: tuple[TargetPlan, ...], local: threading.local
-) -> _Written:
-    counted = [0]
+) -> Written:
     if not hasattr(local, "piece"):  # one piece buffer per thread, allocated once
         local.piece = np.empty(PIECE, dtype=np.uint8)
 
     def bodies() -> Iterator[memoryview]:
         for (item, _), target in zip(job.plan.items, reads):
-            for view, n_read in _pieces(reader, item, target, local.piece):
-                counted[0] += n_read
-                yield view
+            yield from _pieces(reader, item, target, local.piece)
 
     tensors = [(k, item.dtype, item.box.lengths) for item, k in job.plan.items]
-    return _Written(write_safetensors(dst, key, job.plan.path, tensors, bodies()), counted[0])
+    return write_safetensors(dst, key, job.plan.path, tensors, bodies())
 
 
-def _pieces(reader: Reader, item: ItemDesc, target: TargetPlan, piece: np.ndarray) -> Iterator[tuple[memoryview, int]]:
-    """Yield the item's bytes in row-major order, at most PIECE bytes at a time, with the bytes read for each."""
+def _pieces(reader: Reader, item: ItemDesc, target: TargetPlan, piece: np.ndarray) -> Iterator[memoryview]:
+    """Yield the item's bytes in row-major order, at most PIECE bytes at a time."""
     size = itemsize(item.dtype)
     lengths = item.box.lengths
     total = item.box.volume
@@ -283,7 +274,8 @@ def _pieces(reader: Reader, item: ItemDesc, target: TargetPlan, piece: np.ndarra
             plans.append(TargetPlan(item.fqn, part, tuple(Read(r.file, r.key, r.src_box, o) for r, o in found if o is not None)))
             dests.append(view[pos : pos + n].reshape(byte_shape(part.lengths, size)))
             pos += n
-        yield view.data, reader.fill(plans, dests)
+        reader.fill(plans, dests)
+        yield view.data
 
 
 def _commit(
@@ -293,8 +285,8 @@ def _commit(
     if failed:
         said = [message if len(results) == 1 else f"rank {r}: {message}" for r, (_, message) in failed]
         unwrap(("error", (failed[0][1][0], "nothing committed: " + "; ".join(said))))
-    written = {w.file.path: w for res in results for w in res[1]}
-    files = [written[f.path].file.entry(stage.path(f.path)) for f in plan.save.all_files()]
+    written = {w.path: w for res in results for w in res[1][0]}
+    files = [written[f.path].entry(stage.path(f.path)) for f in plan.save.all_files()]
     index = {f.path: i for i, f in enumerate(plan.save.all_files())}
     files += [_copy_asset(src_loc, loc.storage, stage, entry) for entry in manifest.files if entry.role in ("tokenizer", "asset")]
     target = Manifest(
@@ -312,7 +304,7 @@ def _commit(
             update={"files": tuple(stage.path(f) for f in manifest.tokenizer.files)}),
     )
     commit(loc, stage, manifest_to_json(target), update_latest=update_latest)
-    return sum(w.bytes_read for w in written.values())
+    return sum(res[1][1] for res in results)
 
 
 def _copy_asset(src_loc: Location, dst: Storage, stage: Staging, entry: FileEntry) -> FileEntry:

@@ -8,7 +8,7 @@ import os
 import platform
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch

@@ -6,7 +6,7 @@ import pytest
 
 from ckptkit import hf
 from ckptkit.errors import LayoutError
-from ckptkit.exporter import parse_size
+from ckptkit.cli import parse_size
 from ckptkit.trainer.config import model_config
 
 

@@ -8,13 +8,9 @@ from collections.abc import Callable
 
 import torch
 
-from .catalog import list_root
-from .differ import diff
-from .inspector import inspect, render
-from .loader import load
-from .sharded import ShardedTensor
-from .trainer.train import config_from, launch, prepare
-from .verifier import verify
+from .. import ShardedTensor, diff, inspect, list_checkpoints, load, verify
+
+from .train import config_from, launch, prepare
 
 STEPS = 20
 SAVE_EVERY = 10
@@ -23,20 +19,20 @@ SAVE_EVERY = 10
 def run(out_dir: str, echo: Callable[[str], None]) -> bool:
     """Run the demo into `out_dir` (continuing a previous demo there); return True when every check passed."""
     run_dir = os.path.join(out_dir, "run")
-    start = max((e.step or 0 for e in list_root(run_dir).checkpoints), default=0) if os.path.isdir(run_dir) else 0
+    start = max((e.step or 0 for e in list_checkpoints(run_dir).checkpoints), default=0) if os.path.isdir(run_dir) else 0
     cfg = config_from(tp=2, pp=2, dp=2, zero=1, steps=start + STEPS, save_every=SAVE_EVERY, out=run_dir,
                       resume="latest" if start else None, log_jsonl=os.path.join(out_dir, "train.jsonl"), echo=True)
     echo(f"$ ckptkit train --tp 2 --pp 2 --dp 2 --zero 1 --steps {cfg.steps} --save-every {SAVE_EVERY} "
          f"--out {run_dir}{' --resume latest' if start else ''}")
     prepare(cfg)
     launch(cfg)
-    listing = list_root(run_dir)
+    listing = list_checkpoints(run_dir)
     echo(f"\n$ ckptkit ls {run_dir}")
     for e in listing.checkpoints:
         echo(f"  {e.name}  step {e.step}{'  <- latest' if e.name == listing.latest else ''}")
     latest = os.path.join(run_dir, listing.latest)
     previous = os.path.join(run_dir, listing.checkpoints[-2].name) if len(listing.checkpoints) > 1 else latest
-    echo(f"\n$ ckptkit inspect {latest}\n" + render(inspect(latest)))
+    echo(f"\n$ ckptkit inspect {latest}\n" + inspect(latest).render())
     report = verify(latest)
     echo(f"\n$ ckptkit verify {latest}\n  {'sound' if report.ok else 'PROBLEMS'}: {report.files_checked} files, "
          f"{report.bytes_hashed} bytes hashed, {len(report.findings)} findings")
