@@ -56,7 +56,7 @@ def run(request: dict[str, Any], specs: list[Any]) -> dict[str, Any]:
                 buffers[k].copy_(v)
             blocking.append(time.perf_counter() - start)
     elif tool == "ckptkit":
-        from ckptkit.manager import CheckpointManager
+        from ckptkit.writer.manager import CheckpointManager
 
         idle = _loop_rate(lambda: False, LOOP_S)
         rss = []

@@ -88,7 +88,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from ckptkit.hf import hf_name
+    from ckptkit.exports.hf import hf_name
 
     cold = go_cold({"directory": dcp_src})
 
@@ -112,7 +112,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ckptkit(src: str, out: str) -> dict[str, Any]:
-    seconds, report, peak = timed_command(["export", src, out, "--format", "hf", "--dtype", "bf16"], "ckptkit.exporter")
+    seconds, report, peak = timed_command(["export", src, out, "--format", "hf", "--dtype", "bf16"], "ckptkit.exports.run")
     written = sum(f["size"] for f in report["files"])
     shutil.rmtree(out, ignore_errors=True)
     return {"seconds": seconds, "in_process_s": report["seconds"], "bytes_written": written, "rss_peak_abs": peak}

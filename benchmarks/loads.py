@@ -20,12 +20,12 @@ if TYPE_CHECKING:
 State = dict[str, "torch.Tensor"]
 PAGE = 4096
 REQUIRES = {
-    "ckptkit": ("torch", "ckptkit.loader"),
+    "ckptkit": ("torch", "ckptkit.ops.load"),
     "torch.load": ("torch",),
     "safetensors": ("torch", "safetensors.torch"),
     "safetensors-pread": ("torch", "safetensors.torch"),
     "dcp": ("torch", "torch.distributed.checkpoint"),
-    "ckptkit verify": ("ckptkit.verifier",),
+    "ckptkit verify": ("ckptkit.ops.verify",),
 }
 
 
@@ -42,7 +42,7 @@ def touch_pages(state: State) -> int:
 
 
 def load_ckptkit(directory: str, specs: list[TensorSpec]) -> State:
-    from ckptkit.loader import load
+    from ckptkit.ops.load import load
 
     return load(os.path.join(directory, "step_1"))
 
@@ -94,7 +94,7 @@ SOURCES = {
 
 def verify_ckptkit(directory: str, workers: int) -> None:
     """Run ckptkit's full verify (every checksum); raise if it finds anything."""
-    from ckptkit.verifier import verify
+    from ckptkit.ops.verify import verify
 
     report = verify(os.path.join(directory, "step_1"), quick=False, workers=workers)
     if not report.ok:

@@ -30,9 +30,9 @@ PRELOAD = (
     "torch",
     "torch.distributed.checkpoint",
     "safetensors.torch",
-    "ckptkit.saver",
-    "ckptkit.loader",
-    "ckptkit.verifier",
+    "ckptkit.ops.save",
+    "ckptkit.ops.load",
+    "ckptkit.ops.verify",
     "benchmarks.worker",
 )
 

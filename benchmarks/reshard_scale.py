@@ -7,7 +7,7 @@ from typing import Any
 
 from ckptkit.layouts import holders
 from ckptkit.manifest import FileEntry, Manifest, Producer, Topology
-from ckptkit.save_plan import ItemDesc, plan_files, tensor_entries
+from ckptkit.plan.save import ItemDesc, plan_files, tensor_entries
 from ckptkit.boxes import Box
 
 

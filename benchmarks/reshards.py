@@ -71,7 +71,7 @@ def prepare(work: str, size_mib: int) -> dict[str, Any]:
 
     import ckptkit
     from ckptkit.manifest import CheckpointInfo, ModelInfo
-    from ckptkit.resharder import reshard
+    from ckptkit.ops.reshard import reshard
     from ckptkit.layouts import stage_units
 
     p = paths(work)
@@ -149,7 +149,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 def _ckptkit(src: str, out: str) -> dict[str, Any]:
     tp, pp, dp, zero = TARGET
     seconds, report, peak = timed_command(
-        ["reshard", src, out, "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--zero", str(zero)], "ckptkit.resharder")
+        ["reshard", src, out, "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--zero", str(zero)], "ckptkit.ops.reshard")
     return {"seconds": seconds, "in_process_s": report["seconds"], "bytes_read": report["bytes_read"],
             "bytes_written": report["bytes_written"], "rss_peak_abs": peak}
 
@@ -187,8 +187,8 @@ def write_meta(work: str, meta: dict[str, Any]) -> None:
 def plan_at_scale() -> dict[str, Any]:
     """Time planning PLAN_SOURCE -> PLAN_TARGET for a 72-layer 8B-class model (about 2,000 tensors)."""
     from ckptkit.layouts import reference_llama
-    from ckptkit.planner import ShardLookup
-    from ckptkit.reshard_plan import collector_paused, plan_reads, plan_reshard
+    from ckptkit.plan.load import ShardLookup
+    from ckptkit.plan.reshard import collector_paused, plan_reads, plan_reshard
     from ckptkit.trainer.config import ModelConfig
 
     from .reshard_scale import source_manifest
@@ -204,7 +204,7 @@ def plan_at_scale() -> dict[str, Any]:
     plan_s = time.perf_counter() - start
     start = time.perf_counter()
     lookup = ShardLookup(manifest)
-    with collector_paused():  # as ckptkit.resharder plans the reads of its files
+    with collector_paused():  # as ckptkit.ops.reshard plans the reads of its files
         reads = sum(len(t.reads) for job in plan.jobs for t in plan_reads(manifest, job, lookup))
     reads_s = time.perf_counter() - start
     return {"seconds": plan_s + reads_s, "plan_s": plan_s, "reads_s": reads_s, "inputs_s": inputs_s,

@@ -92,7 +92,7 @@ def resharding_reads(env: dict[str, str]) -> dict[str, Any]:
     import torch
 
     import ckptkit
-    from ckptkit.sharded import ShardedTensor
+    from ckptkit.state.sharded import ShardedTensor
     from ckptkit.storage.s3 import S3Storage
 
     root = f"s3://{BUCKET}/reshard-{uuid.uuid4().hex[:8]}"

@@ -16,7 +16,7 @@ import torch
 State = dict[str, torch.Tensor]
 DCP_PREFIX = "dcp-t"
 REQUIRES = {
-    "ckptkit": ("ckptkit.saver",),
+    "ckptkit": ("ckptkit.ops.save",),
     "torch.save": (),
     "safetensors": ("safetensors.torch",),
     "dcp": ("torch.distributed.checkpoint",),
@@ -32,7 +32,7 @@ def fsync_file(path: str) -> None:
 
 
 def save_ckptkit(state: State, directory: str) -> None:
-    from ckptkit.saver import save
+    from ckptkit.ops.save import save
 
     save(state, os.path.join(directory, "step_1"), step=1)
 

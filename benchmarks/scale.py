@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 
 from ckptkit.boxes import Box, chunk_cuts, flat_range_to_boxes
-from ckptkit.consistency import manifest_findings
+from ckptkit.manifest.consistency import manifest_findings
 from ckptkit.manifest import FileEntry, Manifest, Producer, TensorEntry, Topology, manifest_to_json, parse_manifest
-from ckptkit.shards import Shard, compact_shards
+from ckptkit.manifest.shards import Shard, compact_shards
 
 # Shapes of an 8B-class transformer layer: q/o, k/v, gate/up, down, norm.
 SHAPES: tuple[tuple[int, ...], ...] = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (4096,))

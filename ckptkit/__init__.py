@@ -31,22 +31,22 @@ from .manifest import (
     ParamGroup,
     Topology,
 )
-from .provenance import code_version
-from .sharded import ShardedTensor
+from .ops.provenance import code_version
+from .state.sharded import ShardedTensor
 
 from .storage import Storage, open_storage
 
 if TYPE_CHECKING:
-    from .differ import DiffReport, diff
-    from .exporter import ExportReport, export
-    from .inspector import InspectReport, inspect
+    from .ops.diff import DiffReport, diff
+    from .exports.run import ExportReport, export
+    from .ops.inspect import InspectReport, inspect
     from .layouts import Layout
-    from .loader import Checkpoint, load, open
-    from .manager import CheckpointManager, SaveHandle
-    from .reports import ListingReport
-    from .resharder import ReshardReport, reshard
-    from .saver import save
-    from .verifier import VerifyReport, verify
+    from .ops.load import Checkpoint, load, open
+    from .writer.manager import CheckpointManager, SaveHandle
+    from .ops.listing import ListingReport
+    from .ops.reshard import ReshardReport, reshard
+    from .ops.save import save
+    from .ops.verify import VerifyReport, verify
 
 __all__ = [
     "Checkpoint",
@@ -95,10 +95,11 @@ __all__ = [
 # Imported on first use (torch, threads or the report machinery): name -> module. The calls
 # that need no torch (verify, inspect, reshard, list_checkpoints) stay importable without it.
 _LAZY = {
-    "save": "saver", "load": "loader", "open": "loader", "Checkpoint": "loader", "diff": "differ", "DiffReport": "differ",
-    "export": "exporter", "ExportReport": "exporter", "CheckpointManager": "manager", "SaveHandle": "manager",
-    "verify": "verifier", "VerifyReport": "verifier", "inspect": "inspector", "InspectReport": "inspector",
-    "reshard": "resharder", "ReshardReport": "resharder", "ListingReport": "reports", "Layout": "layouts",
+    "save": "ops.save", "load": "ops.load", "open": "ops.load", "Checkpoint": "ops.load", "diff": "ops.diff",
+    "DiffReport": "ops.diff", "export": "exports.run", "ExportReport": "exports.run", "CheckpointManager": "writer.manager",
+    "SaveHandle": "writer.manager", "verify": "ops.verify", "VerifyReport": "ops.verify", "inspect": "ops.inspect",
+    "InspectReport": "ops.inspect", "reshard": "ops.reshard", "ReshardReport": "ops.reshard", "ListingReport": "ops.listing",
+    "Layout": "layouts",
 }
 
 
@@ -121,7 +122,7 @@ def read_manifest(path: str | os.PathLike[str], *, storage: Storage | None = Non
         CheckpointNotFoundError: nothing committed at `path`.
         ManifestError: the manifest is malformed or of a newer schema.
     """
-    from .catalog import read_manifest as _read, resolve
+    from .io.catalog import read_manifest as _read, resolve
 
     return _read(resolve(path, storage))
 
@@ -133,7 +134,7 @@ def list_checkpoints(root: str | os.PathLike[str]) -> ListingReport:
     Raises:
         CheckpointNotFoundError: the root does not exist.
     """
-    from .catalog import list_root
-    from .reports import listing_report
+    from .io.catalog import list_root
+    from .ops.listing import listing_report
 
     return listing_report(list_root(root))

@@ -11,13 +11,13 @@ import os
 import sys
 from typing import Any
 
-from .exporter import ExportReport
-from .inspector import InspectReport
+from .exports.run import ExportReport
+from .ops.inspect import InspectReport
 from .layouts import layout_json_schema
 from .manifest import SCHEMA_MAJOR, manifest_json_schema
-from .reports import ListingReport
-from .resharder import ReshardReport
-from .verifier import VerifyReport
+from .ops.listing import ListingReport
+from .ops.reshard import ReshardReport
+from .ops.verify import VerifyReport
 
 
 def all_schemas() -> dict[str, dict[str, Any]]:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from ckptkit.manifest import CheckpointInfo, DataProgress, ModelInfo, OptimizerInfo, ParamGroup, Topology
-from ckptkit.provenance import code_version
-from ckptkit.sharded import ShardedTensor
+from ckptkit.ops.provenance import code_version
+from ckptkit.state.sharded import ShardedTensor
 
 CONFIG = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 TP, DP = 2, 2
@@ -103,7 +103,7 @@ def _zero_range(n: int, dp_rank: int, dp: int) -> tuple[int, int]:
 
 def save_rank(rank: int, world_size: int, path: str, step: int, tokenizer: str) -> None:
     """Body of one demo rank: build its state and save collectively."""
-    from ckptkit.saver import save
+    from ckptkit.ops.save import save
 
     params = sorted(f"model/{n}" for n in param_shapes())
     info = CheckpointInfo(

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-from ckptkit.arrays import convert
-from ckptkit.catalog import resolve
+from ckptkit.exports.convert import convert
+from ckptkit.io.catalog import resolve
 from ckptkit.io.read import Reader, byte_shape
 from ckptkit.errors import LayoutError
-from ckptkit.sharded import ShardedTensor
+from ckptkit.state.sharded import ShardedTensor
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 3.4028235e38, -3.4028235e38, 1e-45, -1e-45,
            1.1754942e-38, 65504.0, 65520.0, 1e-8, 6.1e-5, 1.00390625, 1.01171875, 1.0 + 2**-8, 1.0 + 3 * 2**-9]

@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner, Result
 
 from ckptkit.cli import cli
-from ckptkit.inspector import InspectReport
-from ckptkit.reports import ListingReport
-from ckptkit.verifier import VerifyReport
+from ckptkit.ops.inspect import InspectReport
+from ckptkit.ops.listing import ListingReport
+from ckptkit.ops.verify import VerifyReport
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN_V1 = REPO / "fixtures" / "v1"

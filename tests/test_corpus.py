@@ -25,7 +25,7 @@ from ckptkit import (
     StorageError,
 )
 from ckptkit.cli import cli
-from ckptkit.verifier import verify
+from ckptkit.ops.verify import verify
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GOLDEN_V1 = FIXTURES / "v1"
@@ -176,7 +176,7 @@ def test_golden_v1_records_every_info_section_and_the_tokenizer(make_fixtures: A
 
 def test_golden_v1_payloads_hold_manifest_boxes_for_the_reference_safetensors_reader(make_fixtures: Any) -> None:
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from ckptkit.shards import iter_shards
+    from ckptkit.manifest.shards import iter_shards
 
     manifest = ckptkit.read_manifest(str(GOLDEN_V1))
     payloads = [

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 import ckptkit
 from ckptkit import ShardedTensor
 from ckptkit.cli import cli
-from ckptkit.differ import diff
+from ckptkit.ops.diff import diff
 
 
 def _save(path: Path, w: torch.Tensor, *, split: int = 1, extra: dict | None = None) -> None:

@@ -109,7 +109,7 @@ def test_ranks_that_disagree_all_get_the_same_error(tmp_path: Path) -> None:
 def _async_rank(rank: int, world: int, root: str, out: str) -> None:
     """Four ranks save every step asynchronously while all-reducing on the default group; rank 2's
     storage fails during the third save."""
-    from ckptkit.manager import CheckpointManager
+    from ckptkit.writer.manager import CheckpointManager
 
     from .test_manager import FailingStorage
 

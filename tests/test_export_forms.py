@@ -12,11 +12,11 @@ import torch
 
 import ckptkit
 from ckptkit.errors import CheckpointExistsError, LayoutError, StorageError
-from ckptkit.exporter import REPORT_NAME, export
+from ckptkit.exports.run import REPORT_NAME, export
 from ckptkit.manifest import BoxShard, BoxShards, TensorEntry
-from ckptkit.sharded import ShardedTensor
+from ckptkit.state.sharded import ShardedTensor
 from ckptkit.storage import MemoryStorage
-from ckptkit.zarr_form import plan_arrays, zarr_metadata
+from ckptkit.exports.zarr_form import plan_arrays, zarr_metadata
 
 zarr = pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")

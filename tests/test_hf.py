@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptkit import hf
+from ckptkit.exports import hf
 from ckptkit.errors import LayoutError
 from ckptkit.cli import parse_size
 from ckptkit.trainer.config import model_config

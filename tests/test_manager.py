@@ -19,8 +19,8 @@ import torch
 
 import ckptkit
 from ckptkit import CkptkitError, ShardedTensor, StorageError
-from ckptkit.manager import CheckpointManager
-from ckptkit.retention import Policy, plan_deletions
+from ckptkit.writer.manager import CheckpointManager
+from ckptkit.writer.retention import Policy, plan_deletions
 from ckptkit.storage import LocalStorage
 from ckptkit.storage.base import Buffer
 

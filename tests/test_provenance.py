@@ -3,7 +3,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from ckptkit.provenance import code_version
+from ckptkit.ops.provenance import code_version
 
 
 def _git(repo: Path, *args: str) -> str:

@@ -12,15 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-from ckptkit import ShardedTensor, resharder
+from ckptkit import ShardedTensor
+from ckptkit.ops import reshard as resharder
 from ckptkit.boxes import Box, flat_range_to_boxes
-from ckptkit.catalog import list_root
+from ckptkit.io.catalog import list_root
 from ckptkit.errors import CheckpointExistsError, LayoutError, StorageError
 from ckptkit.layouts import Layout, Param, StateGroup, TensorPart, TPCut, Unit
 from ckptkit.manifest import Topology
-from ckptkit.payload import open_checkpoint
-from ckptkit.reshard_plan import plan_placement, plan_reads
-from ckptkit.shards import iter_shards
+from ckptkit.io.payload import open_checkpoint
+from ckptkit.plan.reshard import plan_placement, plan_reads
+from ckptkit.manifest.shards import iter_shards
 from ckptkit.storage import MemoryStorage
 
 from .fakes import FaultyStorage
@@ -200,8 +201,8 @@ def test_a_checkpoint_without_model_info_names_what_is_missing() -> None:
 @given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.integers(1, 80), st.data())
 def test_shard_lookup_finds_exactly_the_shards_a_scan_finds(shape: list[int], ranks: int, data: st.DataObject) -> None:
     from ckptkit.manifest import BoxShard, BoxShards, TensorEntry
-    from ckptkit.planner import ShardLookup
-    from ckptkit.shards import shards_overlapping
+    from ckptkit.plan.load import ShardLookup
+    from ckptkit.manifest.shards import shards_overlapping
 
     # Column blocks side by side (as TP splits make them), each cut into flat (ZeRO) ranges.
     columns = sorted({0, shape[-1]} | set(data.draw(st.lists(st.integers(1, shape[-1]), max_size=3))))

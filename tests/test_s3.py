@@ -11,7 +11,7 @@ import torch
 
 import ckptkit
 from ckptkit import CheckpointExistsError, ShardedTensor
-from ckptkit.catalog import resolve
+from ckptkit.io.catalog import resolve
 from ckptkit.storage.s3 import S3Storage
 
 pytestmark = pytest.mark.s3

@@ -4,7 +4,7 @@ import pytest
 
 from ckptkit.boxes import Box, full_box
 from ckptkit.errors import LayoutError
-from ckptkit.save_plan import MIN_SPLIT_BYTES, ItemDesc, plan_save
+from ckptkit.plan.save import MIN_SPLIT_BYTES, ItemDesc, plan_save
 
 
 def _item(fqn: str, shape: tuple[int, ...], box: Box | None = None) -> ItemDesc:

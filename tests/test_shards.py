@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from ckptkit.boxes import Box, chunk_cuts, tiling_problems
 from ckptkit.manifest import BoxShards, FileRange, GridShards, TensorEntry
-from ckptkit.shards import Shard, compact_shards, iter_shards, shards_overlapping
+from ckptkit.manifest.shards import Shard, compact_shards, iter_shards, shards_overlapping
 
 
 def _grid(shape: tuple[int, ...], count: int, dim: int = 0) -> list[Shard]:

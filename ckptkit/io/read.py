@@ -30,12 +30,12 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..boxes import Box, byte_runs
-from ..dtypes import itemsize
+from ..manifest.dtypes import itemsize
 from ..errors import IntegrityError
 from ..manifest import BlockChecksums, Manifest
-from ..payload import Headers, header_entry, read_header
-from ..planner import Read, TargetPlan
-from ..catalog import Location
+from .payload import Headers, header_entry, read_header
+from ..plan.load import Read, TargetPlan
+from .catalog import Location
 from .checksum import block_digest, hasher_for
 
 PIECE = 16 << 20
@@ -354,7 +354,7 @@ class Reader:
 
     def read_whole(self, fqn: str, *, pool: Executor | None = None) -> np.ndarray[Any, Any]:
         """Return tensor `fqn` whole as bytes (see `byte_shape`), from whatever shards hold it."""
-        from ..planner import plan_load
+        from ..plan.load import plan_load
 
         entry = self.manifest.tensors[fqn]
         out = np.empty(byte_shape(entry.shape, itemsize(entry.dtype)), np.uint8)

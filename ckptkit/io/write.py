@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..manifest import BlockChecksums, FileEntry
-from ..safetensors_format import build_header
+from .safetensors import build_header
 from ..storage import Storage
 from .checksum import BlockHasher, FileHasher, block_size_for
 

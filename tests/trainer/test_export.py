@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import ckptkit
 from ckptkit.io.checksum import checksum_of
 from ckptkit.errors import CheckpointExistsError, LayoutError
-from ckptkit.exporter import REPORT_NAME, export
+from ckptkit.exports.run import REPORT_NAME, export
 from ckptkit.manifest import Topology
 from ckptkit.trainer.config import ModelConfig
 from ckptkit.trainer.data import Tokenizer

@@ -13,11 +13,11 @@ import jsonschema
 import pytest
 
 import ckptkit
-from ckptkit.differ import diff
+from ckptkit.ops.diff import diff
 from ckptkit.errors import IntegrityError
 from ckptkit.manifest import Topology
-from ckptkit.resharder import reshard
-from ckptkit.shards import iter_shards
+from ckptkit.ops.reshard import reshard
+from ckptkit.manifest.shards import iter_shards
 from ckptkit.trainer.config import MODELS, ModelConfig
 from ckptkit.layouts import rank_boxes
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptkit.differ import diff
+from ckptkit.ops.diff import diff
 from ckptkit.errors import LayoutError
 from ckptkit.trainer.train import config_from, prepare
 

@@ -1,0 +1,159 @@
+"""The Hugging Face form of a checkpoint's model (pure): tensor names, config files, shard plan.
+
+The reference trainer saves unfused, unpadded logical tensors (``model/layers.3.attn.q.weight``),
+so the Hugging Face Llama layout is a rename: same shapes, same bytes (its rotary embedding uses
+the same half-split convention, so q and k need no permutation).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import LayoutError
+from ..layouts import Layout
+
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.q.weight": "self_attn.q_proj.weight",
+    "attn.k.weight": "self_attn.k_proj.weight",
+    "attn.v.weight": "self_attn.v_proj.weight",
+    "attn.o.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate.weight": "mlp.gate_proj.weight",
+    "mlp.up.weight": "mlp.up_proj.weight",
+    "mlp.down.weight": "mlp.down_proj.weight",
+}
+_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def hf_name(logical: str) -> str | None:
+    """Return the Hugging Face Llama name of a logical parameter name, or None if it has none."""
+    if logical in _TOP:
+        return _TOP[logical]
+    match = _LAYER_NAME.match(logical)
+    if match and match.group(2) in _LAYER:
+        return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
+    return None
+
+
+def name_map(tensors: Mapping[str, Any], expected: list[str]) -> dict[str, str]:
+    """Map every parameter (``model/<name>``) of a checkpoint to its Hugging Face name.
+
+    Args:
+        tensors: the checkpoint's tensors by fqn.
+        expected: the logical parameter names the model config implies.
+
+    Raises:
+        LayoutError: a parameter has no Hugging Face name, or an expected one is missing;
+            all of them are listed.
+    """
+    params = sorted(fqn for fqn in tensors if fqn.startswith("model/"))
+    unmapped = [fqn for fqn in params if hf_name(fqn.removeprefix("model/")) is None]
+    missing = sorted(f"model/{n}" for n in expected if f"model/{n}" not in tensors)
+    problems = []
+    if unmapped:
+        problems.append(f"{len(unmapped)} tensor(s) with no Hugging Face name: {', '.join(unmapped[:20])}")
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the model config needs are missing: {', '.join(missing[:20])}")
+    if problems:
+        raise LayoutError("cannot export: " + "; ".join(problems))
+    return {fqn: hf_name(fqn.removeprefix("model/")) or "" for fqn in params}
+
+
+def sort_key(name: str) -> tuple[Any, ...]:
+    """Order Hugging Face names as a model's modules come: embedding, layers by number, norm, head."""
+    match = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
+    if match:
+        return (1, int(match.group(1)), match.group(2))
+    return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, name)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One output file: its name and the tensors it holds, in order."""
+
+    file: str
+    names: tuple[str, ...]
+
+
+def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[Shard]:
+    """Cut the tensors (in module order) into files of at most `max_shard_bytes` (a larger
+    tensor gets a file of its own), named ``model-0000k-of-0000n.safetensors``."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(sizes, key=sort_key):
+        if groups[-1] and size + sizes[name] > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += sizes[name]
+    n = len(groups)
+    return [Shard(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(g)) for i, g in enumerate(groups)]
+
+
+CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+               "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings")
+
+
+def llama_config(layout: Layout, where: str) -> dict[str, Any]:
+    """Return the reference Llama config a Hugging Face export needs, from the checkpoint's layout.
+
+    Raises:
+        LayoutError: the layout is not the reference Llama's, or its config lacks a value.
+    """
+    if layout.name != "llama":
+        raise LayoutError(f"{where}: the checkpoint's layout is {layout.name!r}; export --format hf maps the layout 'llama'")
+    missing = [k for k in CONFIG_KEYS if k not in layout.config]
+    if missing:
+        raise LayoutError(f"{where}: the llama layout's config lacks {', '.join(missing)}")
+    return dict(layout.config)
+
+
+def config_json(model: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    """The ``config.json`` of a LlamaForCausalLM with the reference trainer's model config."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model["vocab_size"],
+        "hidden_size": model["hidden_size"],
+        "intermediate_size": model["intermediate_size"],
+        "num_hidden_layers": model["num_layers"],
+        "num_attention_heads": model["num_heads"],
+        "num_key_value_heads": model["num_kv_heads"],
+        "head_dim": model["hidden_size"] // model["num_heads"],
+        "hidden_act": "silu",
+        "max_position_embeddings": model["max_seq_len"],
+        "rms_norm_eps": model["norm_eps"],
+        "rope_theta": model["rope_theta"],
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": model["tie_embeddings"],
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+
+
+def generation_config_json(eos_token_id: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"_from_model_config": True}
+    if eos_token_id is not None:
+        out["eos_token_id"] = eos_token_id
+    return out
+
+
+def tokenizer_config_json(tokenizer: Mapping[str, Any], max_length: int) -> dict[str, Any]:
+    """A ``tokenizer_config.json`` for a bare ``tokenizer.json``: the fast tokenizer class and its
+    special tokens (``<unk>``, ``<eos>``, ``<bos>``, ``<pad>`` when the vocabulary has them)."""
+    vocab = tokenizer.get("model", {}).get("vocab", {})
+    specials = {"unk_token": "<unk>", "eos_token": "<eos>", "bos_token": "<bos>", "pad_token": "<pad>"}
+    out: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length}
+    out.update({key: tok for key, tok in specials.items() if tok in vocab})
+    return out

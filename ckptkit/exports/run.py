@@ -1,0 +1,236 @@
+"""Export a checkpoint (any topology) to portable full weights: Hugging Face, torch DCP, zarr.
+
+Call order: open the source and plan the output (an unmapped or missing tensor fails before
+anything is written); then stream the tensors one at a time (each read whole from whatever
+boxes hold it, converted, written) into a temporary directory, add the format's other files
+and the export report, and rename it into place. The same logical state gives byte-identical
+files whatever topology saved it. The Hugging Face writer is here; ``export_dcp`` and
+``zarr_form`` hold the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from . import hf
+from .convert import CONVERSIONS
+from ..io.catalog import locate, refuse_nesting, temp_name
+from ..io.commit import discard
+from ..io.checksum import checksum_of
+from ..io.write import write_safetensors
+from ..manifest.dtypes import itemsize
+from ..errors import CheckpointExistsError, LayoutError, StorageError
+from .source import (
+    REPORT_NAME,
+    ExportedFile,
+    ExportedTensor,
+    ExportReport,
+    Source,
+    Writer,
+    Written,
+    exported,
+    report_bytes,
+)
+from ..layouts import layout_for
+from ..io.payload import open_checkpoint, read_checked
+from ..storage import Storage
+from .zarr_form import CHUNK_BYTES
+
+__all__ = ["REPORT_NAME", "ExportReport", "export"]
+
+DEFAULT_MAX_SHARD = 5 * 10**9
+
+
+FORMATS = ("hf", "dcp", "zarr")
+
+
+def export(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    format: str = "hf",
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD,
+    include_optimizer: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+    storage: Storage | None = None,
+    dst_storage: Storage | None = None,
+) -> ExportReport:
+    """Export the checkpoint at `src` to the directory `dst` in `format`.
+
+    - ``hf``: a Hugging Face Llama directory (``config.json``, ``generation_config.json``,
+      ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, the tokenizer).
+      Weights come from the checkpoint's parameters (the fp32 master weights the reference
+      trainer saves), converted to `dtype` (default bf16) with round-to-nearest-even.
+    - ``dcp``: a torch.distributed.checkpoint directory of the parameters (``model.<name>``)
+      and, with `include_optimizer`, the optimizer state (``optimizer.exp_avg.<name>``, ...),
+      in their saved dtype unless `dtype` is given.
+    - ``zarr``: the topology-free form (see ``ckptkit.exports.zarr_form``): every tensor as a zarr v3
+      array with the manifest beside it, bit for bit; `dtype` must be None.
+
+    Every format writes ``export_report.json`` (each tensor's source, dtypes and checksum, each
+    file, the tensors left out). Tensors stream one at a time; `dst` appears only when complete.
+
+    Raises:
+        LayoutError: an unknown format or dtype, a model family with no HF export, or tensors
+            that cannot be mapped (all are listed); nothing is written.
+        CheckpointExistsError: something exists at `dst`.
+        IntegrityError, StorageError: reading or writing failed; `dst` does not appear.
+    """
+    if format not in FORMATS:
+        raise LayoutError(f"export format {format!r} is not available; available: {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in hf.DTYPES:
+        raise LayoutError(f"dtype {dtype!r} is not one of {', '.join(hf.DTYPES)}")
+    if format == "zarr" and dtype is not None:
+        raise LayoutError("the zarr form keeps every tensor in its saved dtype; drop --dtype")
+    if format == "hf" and include_optimizer:
+        raise LayoutError("the hf format holds model weights only; --include-optimizer applies to dcp")
+    out_dtype = hf.DTYPES[dtype or "bf16"] if format == "hf" else hf.DTYPES[dtype] if dtype else None
+    started = time.perf_counter()
+    src_loc, manifest = open_checkpoint(src, storage)
+    with Source(src_loc, manifest) as source:
+        return _export(source, dst, format, out_dtype, max_shard_bytes, include_optimizer, chunk_bytes, dst_storage, started)
+
+
+def _export(
+    source: Source, dst: str | os.PathLike[str], format: str, out_dtype: str | None, max_shard_bytes: int,
+    include_optimizer: bool, chunk_bytes: int, dst_storage: Storage | None, started: float,
+) -> ExportReport:
+    src_loc, manifest = source.loc, source.manifest
+    writer: Writer
+    if format == "hf":
+        writer = _hf_writer(source, out_dtype or hf.DTYPES["bf16"], max_shard_bytes)
+    elif format == "dcp":
+        from .dcp import dcp_writer
+
+        writer = dcp_writer(source, out_dtype, include_optimizer)
+    else:
+        from .zarr_form import zarr_writer
+
+        writer = zarr_writer(source, chunk_bytes)
+    dst_loc = locate(dst, dst_storage)
+    refuse_nesting(src_loc, dst_loc)
+    if dst_loc.storage.exists(dst_loc.name):
+        raise CheckpointExistsError(f"{dst_loc}: already exists; choose another path or remove it")
+    # Written under a temporary name and renamed; an object store, which cannot rename, gets the
+    # files in place, the report last (a failed export deletes what it wrote).
+    in_place = not dst_loc.storage.capabilities.rename
+    tmp = dst_loc.name if in_place else temp_name(dst_loc.name, uuid.uuid4().hex[:12])
+    try:
+        written = writer(source, dst_loc.storage, tmp)
+        report = ExportReport(
+            format=format, dtype=out_dtype or "saved", source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
+            step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
+            tensors=written.tensors, files=sorted(written.files, key=lambda f: f.path), skipped=written.skipped,
+            seconds=round(time.perf_counter() - started, 3),
+        )
+        data = report_bytes(report)
+        dst_loc.storage.write(f"{tmp}/{REPORT_NAME}", [data])
+        if written.finish is not None:
+            written.finish(ExportedFile(path=REPORT_NAME, size=len(data), checksum=checksum_of(data)))
+        if not in_place:
+            dst_loc.storage.rename(tmp, dst_loc.name)
+    except BaseException as exc:
+        # In place, losing the race to create the zarr form's manifest means another export of the
+        # same destination committed: its files are not ours to delete.
+        if not (in_place and isinstance(exc, CheckpointExistsError)):
+            discard(dst_loc.storage, tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+            raise StorageError(f"{dst_loc}: export failed, nothing written: {exc}") from exc
+        raise
+    return report
+
+
+def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int) -> Writer:
+    """Plan the HF export (failing before any write) and return its writer."""
+    manifest = source.manifest
+    layout = layout_for(manifest, where=str(source.loc))
+    model = hf.llama_config(layout, str(source.loc))
+    names = hf.name_map(manifest.tensors, list(layout.tensors()))
+    sizes = {names[fqn]: manifest.tensors[fqn].shape for fqn in names}
+    nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in sizes.items()}
+    shards = hf.plan_shards(nbytes, max_shard_bytes)
+    source_of = {name: fqn for fqn, name in names.items()}
+    odd = sorted(f"{fqn} ({manifest.tensors[fqn].dtype})" for fqn in names if (manifest.tensors[fqn].dtype, out_dtype) not in CONVERSIONS
+                 and manifest.tensors[fqn].dtype != out_dtype)
+    if odd:
+        raise LayoutError(f"export converts float32, bfloat16 and float16 weights; {len(odd)} are not: " + ", ".join(odd[:10]))
+
+    def write(source: Source, dst: Storage, tmp: str) -> Written:
+        tensors: list[ExportedTensor] = []
+        stream = source.stream([source_of[n] for shard in shards for n in shard.names], lambda fqn: out_dtype)
+        files = [_write_shard(source, dst, tmp, shard, source_of, stream, out_dtype, tensors) for shard in shards]
+        index = {"metadata": {"total_size": sum(nbytes.values())},
+                 "weight_map": {name: shard.file for shard in shards for name in shard.names}}
+        extra = {
+            "model.safetensors.index.json": index,
+            "config.json": hf.config_json(model, out_dtype),
+            "generation_config.json": hf.generation_config_json(_eos_id(source)),
+        }
+        copied, tokenizer_extra = _tokenizer_files(source, dst, tmp, model)
+        files += copied
+        extra.update(tokenizer_extra)
+        for path, doc in extra.items():
+            data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+            dst.write(f"{tmp}/{path}", [data])
+            files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
+        return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in names))
+
+    return write
+
+
+def _write_shard(
+    source: Source, dst: Storage, tmp: str, shard: hf.Shard, source_of: dict[str, str],
+    stream: Iterator[tuple[str, Any]], out_dtype: str, report: list[ExportedTensor],
+) -> ExportedFile:
+    """Write one safetensors shard from the next tensors of `stream` (those of `shard`, in order)."""
+    manifest = source.manifest
+
+    def bodies() -> Iterator[memoryview]:
+        for name in shard.names:
+            fqn, data = next(stream)
+            assert fqn == source_of[name]
+            view = memoryview(data)
+            report.append(exported(source, name, fqn, view, out_dtype, shard.file))
+            yield view
+
+    tensors = [(name, out_dtype, manifest.tensors[source_of[name]].shape) for name in shard.names]
+    written = write_safetensors(dst, f"{tmp}/{shard.file}", shard.file, tensors, bodies(), metadata={"format": "pt"})
+    return ExportedFile(path=shard.file, size=written.size, checksum=written.checksum)
+
+
+def _tokenizer_files(
+    source: Source, dst: Storage, tmp: str, model: dict[str, Any]
+) -> tuple[list[ExportedFile], dict[str, Any]]:
+    """Copy the checkpoint's tokenizer files (checked) to the output; return them and the JSON
+    files to add (a ``tokenizer_config.json`` when the checkpoint has none)."""
+    copied: dict[str, bytes] = {}
+    files: list[ExportedFile] = []
+    for entry in source.manifest.files:
+        if entry.role != "tokenizer":
+            continue
+        data = read_checked(source.loc, entry)
+        name = entry.path.partition("tokenizer/")[2]  # a save to an object store prefixes its paths
+        dst.write(f"{tmp}/{name}", [data])
+        copied[name] = data
+        files.append(ExportedFile(path=name, size=len(data), checksum=entry.checksum))
+    if "tokenizer.json" in copied and "tokenizer_config.json" not in copied:
+        config = hf.tokenizer_config_json(json.loads(copied["tokenizer.json"]), model["max_seq_len"])
+        return files, {"tokenizer_config.json": config}
+    return files, {}
+
+
+def _eos_id(source: Source) -> int | None:
+    for entry in source.manifest.files:
+        if entry.role == "tokenizer" and entry.path.endswith("tokenizer/tokenizer.json"):
+            vocab = json.loads(read_checked(source.loc, entry)).get("model", {}).get("vocab", {})
+            eos = vocab.get("<eos>")
+            return eos if isinstance(eos, int) else None
+    return None

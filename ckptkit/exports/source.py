@@ -1,0 +1,138 @@
+"""What every export format shares: the source being read, the export report (no torch)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from .convert import convert
+from ..io.catalog import Location
+from ..io.checksum import checksum_of
+from ..manifest.dtypes import itemsize
+from ..manifest import Manifest, Topology
+from ..io.read import Reader
+from ..storage import Storage
+
+REPORT_NAME = "export_report.json"
+READ_THREADS = 4
+AHEAD_THREADS = 3
+AHEAD_BYTES = 128 << 20
+
+
+@dataclass
+class Source:
+    """The checkpoint being exported: its location, checked manifest, the reader that checks
+    every byte it returns, and the threads that read it. Use as a context manager (the threads
+    stop at exit)."""
+
+    loc: Location
+    manifest: Manifest
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(READ_THREADS))
+    reader: Reader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reader = Reader(self.loc, self.manifest)
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def read(self, fqn: str, dtype: str | None = None) -> np.ndarray[Any, Any]:
+        """Return tensor `fqn` whole as flat bytes (C order), converted to `dtype` if given."""
+        data = self.reader.read_whole(fqn, pool=self.pool)
+        saved = self.manifest.tensors[fqn].dtype
+        return convert(data, saved, dtype or saved)
+
+    def stream(self, fqns: Sequence[str], dtype: Callable[[str], str | None]) -> Iterator[tuple[str, np.ndarray[Any, Any]]]:
+        """Yield (fqn, bytes) for `fqns` in order, each converted to ``dtype(fqn)``.
+
+        Helper threads read and convert the next tensors while the caller uses the current
+        one, up to AHEAD_BYTES of saved bytes ahead (always at least the next tensor), so many
+        small tensors keep the disk busy and memory stays bounded.
+        """
+        sizes = [math.prod(self.manifest.tensors[f].shape) * itemsize(self.manifest.tensors[f].dtype) for f in fqns]
+        with ThreadPoolExecutor(AHEAD_THREADS) as ahead:
+            queue: deque[tuple[str, Future[np.ndarray[Any, Any]], int]] = deque()
+            submitted = 0
+            held = 0
+            for _ in fqns:
+                while submitted < len(fqns) and (not queue or held + sizes[submitted] <= AHEAD_BYTES):
+                    fqn = fqns[submitted]
+                    queue.append((fqn, ahead.submit(self.read, fqn, dtype(fqn)), sizes[submitted]))
+                    held += sizes[submitted]
+                    submitted += 1
+                fqn, future, size = queue.popleft()
+                data = future.result()
+                held -= size
+                yield fqn, data
+                del data
+
+
+class ExportedTensor(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    source: str
+    shape: list[int]
+    source_dtype: str
+    dtype: str
+    file: str
+    checksum: str
+
+
+class ExportedFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    path: str
+    size: int
+    checksum: str
+
+
+class ExportReport(BaseModel):
+    """What ``ckptkit export --json`` prints, also written as ``export_report.json`` in DST."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    format: str
+    dtype: str
+    source: str
+    source_checkpoint_id: str
+    step: int
+    source_topology: Topology
+    destination: str
+    tensors: list[ExportedTensor]
+    files: list[ExportedFile]
+    skipped: list[str]
+    seconds: float = 0.0  # from opening the source to the last tensor written
+
+
+@dataclass
+class Written:
+    """What a format's writer wrote: the report's tensors and files, the tensors left out, and
+    what to do once the report is written (the zarr form writes its manifest last)."""
+
+    tensors: list[ExportedTensor]
+    files: list[ExportedFile]
+    skipped: list[str]
+    finish: Callable[[ExportedFile], None] | None = None
+
+
+# A format's writer: (source, destination storage, temporary name) -> what it wrote.
+Writer = Callable[[Source, Storage, str], Written]
+
+
+def report_bytes(report: ExportReport) -> bytes:
+    return report.model_dump_json(indent=2).encode()
+
+
+def exported(source: Source, name: str, fqn: str, data: memoryview, dtype: str, file: str) -> ExportedTensor:
+    """The report line of tensor `fqn` exported as `name` (bytes `data` in `dtype`) in `file`."""
+    entry = source.manifest.tensors[fqn]
+    return ExportedTensor(name=name, source=fqn, shape=list(entry.shape), source_dtype=entry.dtype,
+                          dtype=dtype, file=file, checksum=checksum_of(data))

@@ -1,0 +1,190 @@
+"""Where checkpoints are: locating one, the naming rules, the latest pointer, listing a root (the
+commit itself is ``ckptkit.io.commit``).
+
+A checkpoint named NAME under a root is committed when ``NAME/manifest.json`` exists. It is
+written as ``.NAME.tmp-<id>/`` and renamed to NAME after its manifest is durable (where the
+storage can rename); then ``latest`` is replaced atomically with NAME. Anything else under
+the root is a leftover: readers ignore it and ``ckptkit ls`` names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, ManifestError, StorageError
+from ..manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ..storage import Storage, check_key, open_storage
+
+LATEST_NAME = "latest"
+LEASES_NAME = ".leases"  # read leases (ckptkit.writer.retention); not a leftover
+_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<id>[0-9a-f]+)$")
+
+
+def temp_name(name: str, uid: str) -> str:
+    """Return the name a checkpoint is written under before it is committed."""
+    return f".{name}.tmp-{uid}"
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """A checkpoint: the storage of its root and its name under that root."""
+
+    storage: Storage
+    name: str
+
+    def key(self, relative: str) -> str:
+        return f"{self.name}/{relative}"
+
+    def __str__(self) -> str:
+        root = getattr(self.storage, "root", "")
+        return os.path.join(root, self.name) if root else self.name
+
+
+def locate(path: str | os.PathLike[str], storage: Storage | None = None) -> Location:
+    """Return the location of the checkpoint directory `path` (committed or not).
+
+    With `storage`, `path` is the checkpoint's name under that storage's root.
+    """
+    if storage is not None:
+        return Location(storage, check_key(os.fspath(path)))
+    text = os.path.abspath(os.fspath(path)) if "://" not in os.fspath(path) else os.fspath(path)
+    parent, name = os.path.split(text.rstrip("/"))
+    if not name:
+        raise StorageError(f"{path}: not a checkpoint directory path")
+    return Location(open_storage(parent), name)
+
+
+def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> Location:
+    """Return the committed checkpoint at `path`, following ``path/latest`` for a root.
+
+    With `storage`, `path` is a checkpoint name under its root, or ``latest``.
+
+    Raises:
+        CheckpointNotFoundError: `path` is neither a committed checkpoint nor a root whose
+            latest pointer names one.
+    """
+    if storage is not None and os.fspath(path) == LATEST_NAME:
+        name = read_latest(storage)
+        if not name:
+            raise CheckpointNotFoundError(f"{storage}: no {LATEST_NAME} pointer")
+        path = name
+    loc = locate(path, storage)
+    if loc.storage.exists(loc.key(MANIFEST_NAME)):
+        return loc
+    if storage is None and loc.storage.exists(f"{loc.name}/{LATEST_NAME}"):
+        root = open_storage(str(loc))
+        name = read_latest(root)
+        if name and root.exists(f"{name}/{MANIFEST_NAME}"):
+            return Location(root, name)
+        raise CheckpointNotFoundError(f"{path}/{LATEST_NAME} names {name!r}, which is not a committed checkpoint")
+    if loc.storage.exists(loc.name):
+        raise CheckpointNotFoundError(f"{path}: no {MANIFEST_NAME}, so not a committed checkpoint (interrupted save?)")
+    raise CheckpointNotFoundError(f"{path}: no such checkpoint")
+
+
+def read_manifest(loc: Location) -> Manifest:
+    """Read and validate the manifest of the checkpoint at `loc`."""
+    where = str(loc) + "/" + MANIFEST_NAME
+    try:
+        data = loc.storage.read(loc.key(MANIFEST_NAME))
+    except StorageError as exc:
+        raise CheckpointNotFoundError(f"{where}: cannot read ({exc})") from exc
+    return parse_manifest(data, source=where)
+
+
+def read_latest(root: Storage) -> str:
+    """Return the checkpoint name the root's latest pointer holds ('' when there is none)."""
+    if not root.exists(LATEST_NAME):
+        return ""
+    return root.read(LATEST_NAME).decode("utf-8", "replace").strip()
+
+
+def write_latest(root: Storage, name: str) -> None:
+    """Point the root's latest pointer at `name`, atomically."""
+    root.write(LATEST_NAME, [f"{name}\n".encode()])
+
+
+def refuse_nesting(src: Location, dst: Location) -> None:
+    """Refuse a destination that is, contains or lies inside the source checkpoint (writing it
+    would add files to a committed checkpoint).
+
+    Raises:
+        CheckpointExistsError: the two overlap.
+    """
+    a, b = str(src), str(dst)
+    if os.path.isabs(a) and os.path.isabs(b):  # two local paths
+        a, b = os.path.realpath(a), os.path.realpath(b)
+    elif src.storage is not dst.storage:
+        return
+    if a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/"):
+        raise CheckpointExistsError(f"{dst}: the destination may not be, contain or lie inside the source {src}")
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One name under a root: a committed checkpoint (with its step) or a leftover and why."""
+
+    name: str
+    committed: bool
+    step: int | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """What a root holds: committed checkpoints by step, leftovers, and the latest pointer."""
+
+    root: str
+    checkpoints: tuple[Entry, ...]
+    leftovers: tuple[Entry, ...]
+    latest: str
+
+
+def list_root(path: str | os.PathLike[str]) -> Listing:
+    """List the committed checkpoints and the leftovers under a root.
+
+    Raises:
+        CheckpointNotFoundError: the root does not exist.
+    """
+    storage = open_storage(path)
+    if not _root_exists(storage):
+        raise CheckpointNotFoundError(f"{path}: no such directory")
+    committed: list[Entry] = []
+    leftovers: list[Entry] = []
+    for child in storage.list("", recursive=False):
+        name = child.rstrip("/")
+        if name in (LATEST_NAME, LEASES_NAME):
+            continue
+        if not child.endswith("/"):
+            leftovers.append(Entry(name, False, reason="stray file"))
+            continue
+        tmp = _TMP.match(name)
+        if tmp:
+            leftovers.append(Entry(name, False, reason=f"uncommitted save of {tmp['name']}"))
+            continue
+        if not storage.exists(f"{name}/{MANIFEST_NAME}"):
+            if storage.is_prefix(name):  # an object store may list a prefix whose keys are gone
+                leftovers.append(Entry(name, False, reason=f"no {MANIFEST_NAME}"))
+            continue
+        committed.append(Entry(name, True, step=step_of(storage, name)))
+    committed.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
+    return Listing(str(path), tuple(committed), tuple(leftovers), read_latest(storage))
+
+
+def _root_exists(storage: Storage) -> bool:
+    root = getattr(storage, "root", None)
+    if isinstance(root, str) and "://" in root:  # an object store: a root exists while it holds keys
+        return bool(storage.list("", recursive=False))
+    return os.path.isdir(root) if isinstance(root, str) else True
+
+
+def step_of(storage: Storage, name: str) -> int | None:
+    """The step in the manifest of checkpoint `name` (None when it cannot be read)."""
+    try:
+        raw = json.loads(storage.read(f"{name}/{MANIFEST_NAME}"))
+        return int(raw["step"])
+    except (ValueError, KeyError, TypeError, StorageError, ManifestError):
+        return None

@@ -1,0 +1,101 @@
+"""Payload files as the manifest describes them: read and check their headers (no torch); open a checkpoint with its checked manifest.
+
+A tensors file is a safetensors file, or (``encoding: raw``) the bytes of one shard from
+offset 0: its "header" is empty and the shard's place follows from the manifest alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .catalog import Location, read_manifest, resolve
+from ..manifest.consistency import manifest_findings
+from ..errors import IntegrityError, ManifestError
+from ..storage import Storage
+from .checksum import hasher_for
+from ..manifest.dtypes import itemsize
+from ..manifest import FileEntry, Manifest
+from ..plan.load import Read
+from .safetensors import Header, HeaderEntry, header_length, parse_header
+
+
+# Checked headers of payload files by file index (a cache callers pass along), with their raw bytes.
+Headers = dict[int, tuple[Header, bytes]]
+
+
+def open_checkpoint(path: str | os.PathLike[str], storage: Storage | None = None) -> tuple[Location, Manifest]:
+    """Return the location and the checked manifest of the committed checkpoint at `path`.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at `path`.
+        ManifestError: the manifest is malformed, newer, or inconsistent with itself.
+    """
+    loc = resolve(path, storage)
+    manifest = read_manifest(loc)
+    findings = manifest_findings(manifest)
+    if findings:
+        raise ManifestError(f"{loc}: manifest is inconsistent: " + "; ".join(str(f) for f in findings[:10]))
+    return loc, manifest
+
+
+def read_header(loc: Location, manifest: Manifest, index: int) -> tuple[Header, bytes]:
+    """Read and check the safetensors header of payload file `index`; return it and its raw bytes
+    (length prefix included). A raw file has an empty header: data from byte 0, no entries.
+
+    Raises:
+        IntegrityError: the file is missing, of another size than the manifest says, or its
+            header is malformed.
+    """
+    entry = manifest.files[index]
+    key = loc.key(entry.path)
+    where = f"{loc}/{entry.path}"
+    if not loc.storage.exists(key):
+        raise IntegrityError(f"{where}: listed in the manifest but missing")
+    size = loc.storage.size(key)
+    if size != entry.size:
+        raise IntegrityError(f"{where}: {size} bytes, manifest says {entry.size} (truncated or replaced?)")
+    if entry.encoding == "raw":
+        return Header(0, {}, {}), b""
+    first = loc.storage.read(key, 0, 8)
+    n = header_length(first, where=where)
+    if 8 + n > size:
+        raise IntegrityError(f"{where}: header of {n} bytes runs past the end of the file")
+    text = loc.storage.read(key, 8, n)
+    return parse_header(text, where=where, file_size=size), first + text
+
+
+def header_entry(loc: Location, manifest: Manifest, header: Header, read: Read, dtype: str) -> HeaderEntry:
+    """Return the header entry of the shard `read` reads, checked against the manifest's dtype and box.
+
+    Raises:
+        IntegrityError: the key is missing from the file, or holds another dtype or shape (for a
+            raw file: the file is shorter than the shard).
+    """
+    file = manifest.files[read.file]
+    if file.encoding == "raw":
+        nbytes = read.src_box.volume * itemsize(dtype)
+        if nbytes > file.size:
+            raise IntegrityError(f"{loc}/{file.path}: {file.size} bytes, too short for {dtype}{list(read.src_box.lengths)}")
+        return HeaderEntry(dtype, read.src_box.lengths, 0, nbytes)
+    entry = header.entries.get(read.key)
+    if entry is None or entry.shape != read.src_box.lengths or entry.dtype != dtype:
+        found = "missing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
+        raise IntegrityError(
+            f"{loc}/{manifest.files[read.file].path}: tensor {read.key!r} is {found}, "
+            f"manifest says {dtype}{list(read.src_box.lengths)}"
+        )
+    return entry
+
+
+def read_checked(loc: Location, entry: FileEntry) -> bytes:
+    """Return the whole content of a (small) file of the checkpoint, checked against its size and checksum.
+
+    Raises:
+        IntegrityError: the content does not match the manifest entry.
+    """
+    data = loc.storage.read(loc.key(entry.path))
+    hasher = hasher_for(entry.checksum)
+    hasher.update(data)
+    if len(data) != entry.size or hasher.digest() != entry.checksum:
+        raise IntegrityError(f"{loc}/{entry.path}: does not match its manifest entry (size or checksum)")
+    return data

@@ -1,0 +1,90 @@
+"""Checks of a manifest against itself: safe paths, valid shard specs, exact tiling (pure).
+
+Every finding is collected; callers raise once or report them all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..boxes import tiling_problems
+from .dtypes import DTYPES
+from ..errors import StorageError
+from .model import GridShards, Manifest, TensorEntry
+from .shards import grid_cell_count, grid_file, iter_shards
+from ..storage import check_key
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One problem: a short code, where it is (tensor or file), and what is wrong."""
+
+    code: str
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.where}: {self.message}"
+
+
+def manifest_findings(manifest: Manifest) -> list[Finding]:
+    """Return every inconsistency of a manifest with itself."""
+    findings: list[Finding] = []
+    seen: set[str] = set()
+    for entry in manifest.files:
+        try:
+            check_key(entry.path)
+        except StorageError:
+            findings.append(Finding("path", entry.path, "path escapes the checkpoint (absolute, '..' or empty segment)"))
+        if entry.path in seen:
+            findings.append(Finding("path", entry.path, "listed twice in files"))
+        seen.add(entry.path)
+        blocks = entry.blocks
+        if blocks is not None and len(blocks.raw()) != 8 * -(-entry.size // blocks.size):
+            findings.append(Finding("schema", entry.path, f"block checksums do not describe {-(-entry.size // blocks.size)} "
+                                                          f"blocks of {blocks.size} bytes (base64 of 8 bytes each)"))
+    for fqn, tensor in manifest.tensors.items():
+        findings += _tensor_findings(fqn, tensor, len(manifest.files))
+    return findings
+
+
+def _tensor_findings(fqn: str, tensor: TensorEntry, n_files: int) -> list[Finding]:
+    if tensor.dtype not in DTYPES:
+        return [Finding("schema", fqn, f"unknown dtype {tensor.dtype!r}")]
+    if any(d < 0 for d in tensor.shape):
+        return [Finding("schema", fqn, f"negative size in shape {list(tensor.shape)}")]
+    spec = tensor.shards
+    if isinstance(spec, GridShards):
+        # Rising cuts from 0 to the size tile the tensor by construction: no need to expand cells.
+        problem = _grid_problem(tensor, spec, n_files)
+        return [Finding("tiling", fqn, problem)] if problem else []
+    shards = list(iter_shards(tensor))
+    findings = []
+    for s in shards:
+        if not 0 <= s.file < n_files:
+            findings.append(Finding("schema", fqn, f"shard at {list(s.box.offsets)} names file #{s.file}, but there are {n_files}"))
+    if findings:
+        return findings
+    for problem in tiling_problems(tensor.shape, [s.box for s in shards]):
+        findings.append(Finding("tiling", fqn, problem))
+    return findings
+
+
+def _grid_problem(tensor: TensorEntry, spec: GridShards, n_files: int) -> str:
+    if len(spec.cuts) != len(tensor.shape):
+        return f"grid has {len(spec.cuts)} dims, tensor has {len(tensor.shape)}"
+    for size, c in zip(tensor.shape, spec.cuts):
+        if isinstance(c, int):
+            if c < 1:
+                return f"grid chunk count {c} must be at least 1"
+        elif len(c) < 2 or c[0] != 0 or c[-1] != size or any(b < a for a, b in zip(c, c[1:])):
+            return f"grid cuts {list(c)} must rise from 0 to {size}"
+    cells = grid_cell_count(tensor.shape, spec)
+    if isinstance(spec.files, tuple):
+        if len(spec.files) != cells:
+            return f"grid has {cells} cells but {len(spec.files)} file entries"
+        if spec.files and not 0 <= min(spec.files) <= max(spec.files) < n_files:
+            return f"grid cells name files outside the {n_files} listed"
+    elif cells and not grid_file(spec, cells - 1) < n_files:
+        return f"grid cells name files beyond the {n_files} listed"
+    return ""

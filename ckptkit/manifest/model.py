@@ -1,0 +1,312 @@
+"""The checkpoint manifest, schema v1: pydantic models, parsing with version checks, serialization.
+
+A committed checkpoint is a directory (or prefix) holding ``manifest.json``, written last. The
+manifest names every payload file with its size and checksum and every tensor with its global
+shape, dtype, kind and shards (boxes of the global tensor and where their bytes are). Nothing
+in it knows about TP, PP or ZeRO: a layout is only a way to cut global tensors into boxes.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
+
+from ..errors import ManifestError
+
+FORMAT = "ckptkit"
+SCHEMA_MAJOR = 1
+SCHEMA_MINOR = 2
+SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
+MANIFEST_NAME = "manifest.json"
+
+Kind = Literal["param", "optimizer", "buffer", "rng", "other"]
+KINDS: tuple[str, ...] = ("param", "optimizer", "buffer", "rng", "other")
+
+
+class Model(BaseModel):
+    """Base of every manifest model: strict, frozen, unknown fields are an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Producer(Model):
+    """Versions of the software that wrote the checkpoint."""
+
+    ckptkit: str
+    torch: str | None = None
+    python: str | None = None
+
+
+class Topology(Model):
+    """The parallel layout of the job that wrote the checkpoint.
+
+    Ranks are ordered tp fastest, then cp, dp, pp (``rank_order`` names the order from
+    fastest to slowest). ``ep`` divides ``dp`` for expert parallel layers.
+    """
+
+    world_size: int = Field(ge=1)
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    dp: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    zero_stage: int = Field(default=0, ge=0, le=3)
+    rank_order: str = "tp-cp-dp-pp"
+
+    def describe(self) -> str:
+        """The topology in words, as messages show it (``tp=2 pp=1 dp=4 zero=1``)."""
+        extra = "".join(f" {axis}={n}" for axis, n in (("cp", self.cp), ("ep", self.ep)) if n != 1)
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra} zero={self.zero_stage}"
+
+
+class BlockChecksums(Model):
+    """Since 1.2: the checksum of each `size`-byte block of a file (the last block may be
+    shorter), so that a read of part of the file checks exactly the blocks it touches.
+    ``digests`` is the base64 of the blocks' 8-byte xxh3-64 digests (big-endian), in order."""
+
+    algorithm: Literal["xxh3-64"] = "xxh3-64"
+    size: int = Field(ge=1)
+    digests: str
+
+    def digest(self, index: int) -> bytes:
+        """The digest of block `index`."""
+        return self.raw()[8 * index : 8 * index + 8]
+
+    def raw(self) -> bytes:
+        """Every digest, concatenated."""
+        return _decoded(self.digests)
+
+
+@functools.lru_cache(maxsize=1024)
+def _decoded(digests: str) -> bytes:
+    try:
+        return base64.b64decode(digests, validate=True)
+    except ValueError:
+        return b""  # a malformed value: consistency checks report it, and no block then matches
+
+
+class FileEntry(Model):
+    """One payload file of the checkpoint, relative to the checkpoint directory.
+
+    ``role``: ``tensors`` (payload), ``tokenizer`` and ``asset`` (carried over by reshard and
+    export), ``format`` (since 1.1: a file of the storage form itself, such as the ``zarr.json``
+    documents of the zarr form, never carried over). ``encoding`` of a tensors file: ``safetensors`` (the default, omitted when written), or
+    ``raw`` (since 1.1): the file is the bytes of exactly one shard, C order, little-endian,
+    from offset 0, possibly followed by padding (the chunks of the zarr form).
+    """
+
+    path: str
+    size: int = Field(ge=0)
+    checksum: str
+    role: Literal["tensors", "tokenizer", "asset", "format"] = "tensors"
+    encoding: Literal["safetensors", "raw"] = Field(default="safetensors", exclude_if=lambda v: v == "safetensors")
+    blocks: BlockChecksums | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class BoxShard(Model):
+    """One shard: a box of the global tensor and the file and key holding its bytes."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    file: int = Field(ge=0)
+    key: str
+
+
+class BoxShards(Model):
+    """Shards written as an explicit list of boxes."""
+
+    layout: Literal["boxes"] = "boxes"
+    boxes: tuple[BoxShard, ...]
+
+
+class FileRange(Model):
+    """Cell i of a grid lives in file ``start + i * step``."""
+
+    start: int = Field(ge=0)
+    step: int = Field(ge=0)
+
+
+class GridShards(Model):
+    """Shards written as a regular grid, for tensors cut the same way on many ranks.
+
+    ``cuts`` has one entry per dim: a chunk count (cells of ceil(size / count) elements as
+    torch.chunk cuts them, trailing cells possibly empty) or the explicit cut positions
+    from 0 to the size. Cells are numbered row-major; ``files`` gives each cell's file
+    index (a list, or an arithmetic range); every cell's bytes sit under the same ``key``.
+    Empty cells hold no bytes.
+    """
+
+    layout: Literal["grid"] = "grid"
+    cuts: tuple[Union[int, tuple[int, ...]], ...]
+    files: Union[tuple[int, ...], FileRange]
+    key: str
+
+
+ShardSpec = Annotated[Union[BoxShards, GridShards], Field(discriminator="layout")]
+
+
+class TensorEntry(Model):
+    """A global (logical) tensor and its shards."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    kind: Kind
+    shards: ShardSpec
+
+
+class ParamGroup(Model):
+    """An optimizer parameter group: the tensors it holds (by name) and its options."""
+
+    params: tuple[str, ...]
+    options: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class OptimizerInfo(Model):
+    """What optimizer the state belongs to: type, hyper-parameters, parameter groups."""
+
+    type: str
+    hyperparameters: dict[str, JsonValue] = Field(default_factory=dict)
+    param_groups: tuple[ParamGroup, ...] = ()
+    step: int | None = None
+
+
+class DataProgress(Model):
+    """Where the data stream stands, in terms that do not depend on the data-parallel size."""
+
+    seed: int | None = None
+    epoch: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    state: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class CodeVersion(Model):
+    """The code that produced the checkpoint."""
+
+    git_commit: str | None = None
+    dirty: bool | None = None
+    packages: dict[str, str] = Field(default_factory=dict)
+
+
+class DataVersion(Model):
+    """The data set the run trained on."""
+
+    dataset_id: str | None = None
+    fingerprint: str | None = None
+
+
+class ModelInfo(Model):
+    """Model family and configuration, as export needs them (e.g. ``family="llama"``)."""
+
+    family: str
+    config: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class TokenizerInfo(Model):
+    """The tokenizer files stored in the checkpoint (each also listed, hashed, in ``files``)."""
+
+    name: str | None = None
+    files: tuple[str, ...]
+
+
+class CheckpointInfo(Model):
+    """Training assets beside the tensors; every section is optional.
+
+    ``rng`` describes the RNG streams whose states are saved as uint8 tensors of kind
+    ``rng``; ``scheduler`` and ``loss_scaler`` hold the state of those objects as JSON.
+    """
+
+    optimizer: OptimizerInfo | None = None
+    scheduler: dict[str, JsonValue] | None = None
+    loss_scaler: dict[str, JsonValue] | None = None
+    rng: dict[str, JsonValue] | None = None
+    data_progress: DataProgress | None = None
+    code: CodeVersion | None = None
+    data: DataVersion | None = None
+    config: dict[str, JsonValue] | None = None
+    model: ModelInfo | None = None
+
+
+class Manifest(Model):
+    """The manifest of one committed checkpoint (schema v1)."""
+
+    format: Literal["ckptkit"] = "ckptkit"
+    schema_version: str = SCHEMA_VERSION
+    checkpoint_id: str
+    step: int = Field(ge=0)
+    created_at: str
+    producer: Producer
+    topology: Topology
+    files: tuple[FileEntry, ...]
+    tensors: dict[str, TensorEntry]
+    objects: dict[str, JsonValue] = Field(default_factory=dict)
+    info: CheckpointInfo = Field(default_factory=CheckpointInfo)
+    tokenizer: TokenizerInfo | None = None
+    # Since 1.2: the model's layout (a ``ckptkit-layout`` document, see ``ckptkit.layouts``),
+    # from which reshard places the tensors on any topology. Omitted when unknown.
+    layout: dict[str, JsonValue] | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+def manifest_to_json(manifest: Manifest) -> bytes:
+    """Serialize a manifest to compact, deterministic UTF-8 JSON."""
+    return manifest.model_dump_json(exclude_defaults=False).encode("utf-8")
+
+
+def parse_manifest(data: bytes | str, *, source: str = "manifest.json") -> Manifest:
+    """Parse and validate manifest bytes, refusing formats and versions this reader cannot read.
+
+    Raises:
+        ManifestError: malformed JSON, another format, a newer major schema version, or a
+            document that does not match the schema (every field error is listed).
+    """
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{source}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+    check_version(raw, source=source)
+    try:
+        return Manifest.model_validate_json(data if isinstance(data, (bytes, str)) else json.dumps(raw))
+    except ValidationError as exc:
+        raise ManifestError(f"{source}: does not match manifest schema {SCHEMA_VERSION}: {_errors(exc)}") from exc
+
+
+def check_version(raw: dict[str, Any], *, source: str) -> None:
+    """Refuse a document that is not a ckptkit manifest, or one newer than this reader."""
+    fmt = raw.get("format")
+    if fmt != FORMAT:
+        raise ManifestError(f"{source}: format is {fmt!r}, expected {FORMAT!r}")
+    version = raw.get("schema_version")
+    try:
+        major, minor = (int(p) for p in str(version).split("."))
+    except ValueError:
+        raise ManifestError(f"{source}: schema_version {version!r} is not MAJOR.MINOR") from None
+    if major > SCHEMA_MAJOR:
+        raise ManifestError(
+            f"{source}: schema version {version} is newer than this ckptkit reads "
+            f"({SCHEMA_VERSION}); upgrade ckptkit to a release that reads schema {major}.x"
+        )
+    if major < SCHEMA_MAJOR:
+        raise ManifestError(f"{source}: schema version {version} is not supported by this ckptkit")
+
+
+def _errors(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:20]:
+        where = ".".join(str(p) for p in err["loc"]) or "<root>"
+        parts.append(f"{where}: {err['msg']}")
+    more = len(exc.errors()) - 20
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def manifest_json_schema() -> dict[str, Any]:
+    """Return the JSON Schema of manifest v1, as published under ``schemas/manifest/``."""
+    schema = Manifest.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = f"https://ckptkit.dev/schemas/manifest/v{SCHEMA_MAJOR}.schema.json"
+    return schema

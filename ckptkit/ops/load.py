@@ -1,0 +1,129 @@
+"""Load a checkpoint: whole tensors in one process, or exactly the boxes of ShardedTensor targets."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..io.catalog import Location
+from ..errors import LayoutError
+from ..io.read import Reader
+from ..manifest import Manifest
+from ..plan.load import plan_load
+from ..io.payload import open_checkpoint
+from ..state.sharded import ShardedTensor
+from ..storage import Storage
+from ..state.torch_io import byte_array, is_leaf, leaf_shards, torch_dtype
+from ..state.tree import flatten, unflatten
+
+# Reads run on this many threads (the engine cuts long reads into pieces), so that page faults
+# in fresh tensors, waits on the disk and checksumming overlap.
+READ_THREADS = 4
+
+class Checkpoint:
+    """A committed checkpoint opened once: its checked manifest, and loads that share the checked
+    payload headers (what a trainer resuming reads: the manifest's metadata, then its tensors)."""
+
+    def __init__(self, location: Location, manifest: Manifest) -> None:
+        self.location = location
+        self.manifest = manifest
+        self._reader = Reader(location, manifest)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.location)!r}, step={self.manifest.step})"
+
+    def load(self, target: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Load the checkpoint, whole or into `target`; see :func:`ckptkit.load`."""
+        manifest = self.manifest
+        if target is None:
+            tensors = {
+                fqn: torch.empty(entry.shape, dtype=torch_dtype(entry.dtype)) for fqn, entry in manifest.tensors.items()
+            }
+            pieces = {fqn: [ShardedTensor(t, t.shape, (0,) * t.dim())] for fqn, t in tensors.items()}
+            leaves: dict[str, Any] = dict(tensors)
+        else:
+            leaves, _ = flatten(target, is_leaf)
+            pieces = {fqn: leaf_shards(leaf) for fqn, leaf in leaves.items()}
+        fill(self._reader, pieces)
+        return unflatten({**manifest.objects, **leaves})
+
+
+def open(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Checkpoint:  # noqa: A001
+    """Open the committed checkpoint at `path` (or the one a root's ``latest`` names): read and
+    check its manifest once; load from it with ``.load(target)``.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at `path`.
+        ManifestError: the manifest is malformed or of a newer schema.
+    """
+    return Checkpoint(*open_checkpoint(path, storage))
+
+
+def load(
+    path: str | os.PathLike[str], target: Mapping[str, Any] | None = None, *, storage: Storage | None = None
+) -> dict[str, Any]:
+    """Load a committed checkpoint (or the one a root's ``latest`` names).
+
+    Without `target`, return the saved nested dict with every tensor whole. With `target`
+    (a nested dict like the one saved), fill each of its tensors in place: a plain tensor
+    receives the whole tensor, a ``ShardedTensor`` (or list of them) exactly its box,
+    whatever sharding the checkpoint was written with; only the needed byte ranges are read.
+    Returns the target's structure with its tensors, plus every non-tensor value saved.
+    With `storage`, `path` is the checkpoint's name under that backend's root (or ``latest``).
+
+    Every byte returned is checked against the payload's block checksums (reading whole the
+    blocks at the ends of each range); a checkpoint written before block checksums (schema 1.1
+    and older) is checked file by file where a load reads all of a file's tensor bytes.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at `path`.
+        ManifestError: the manifest is malformed or of a newer schema.
+        IntegrityError: payload files disagree with the manifest.
+        LayoutError: a target tensor is missing from the checkpoint or has another shape or dtype.
+    """
+    return open(path, storage=storage).load(target)
+
+
+def fill(reader: Reader, pieces: Mapping[str, list[ShardedTensor]]) -> None:
+    """Fill every ShardedTensor of `pieces` (by fqn) in place with its box of the checkpoint
+    `reader` reads (reuse one reader across calls: it keeps the checked headers).
+
+    Raises:
+        LayoutError: a target tensor is missing from the checkpoint or has another shape or dtype.
+        IntegrityError: a payload file or a byte read does not match the manifest.
+    """
+    _check_targets(reader.manifest, pieces)
+    flat = [p for ps in pieces.values() for p in ps]
+    plan = plan_load(reader.manifest, [(fqn, p.box) for fqn, ps in pieces.items() for p in ps])
+    dests = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for p in flat:
+        out = p.local
+        if not out.is_contiguous():  # read into a contiguous buffer of exactly the box, then copy
+            out = torch.empty(tuple(out.shape), dtype=out.dtype)
+            copies.append((out, p.local))
+        dests.append(byte_array(out))
+    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+        reader.fill(plan.targets, dests, pool=pool)
+    for buf, dest in copies:
+        dest.copy_(buf)
+
+
+def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]) -> None:
+    problems = []
+    for fqn, ps in pieces.items():
+        entry = manifest.tensors.get(fqn)
+        if entry is None:
+            problems.append(f"{fqn}: not in the checkpoint")
+            continue
+        for p in ps:
+            if tuple(p.global_shape) != entry.shape:
+                problems.append(f"{fqn}: target global shape {list(p.global_shape)}, checkpoint {list(entry.shape)}")
+            if p.local.dtype != torch_dtype(entry.dtype):
+                problems.append(f"{fqn}: target dtype {p.local.dtype}, checkpoint {entry.dtype}")
+    if problems:
+        raise LayoutError(f"cannot load into target: {len(problems)} problem(s): " + "; ".join(problems[:20]))

@@ -1,0 +1,273 @@
+"""Save a nested state of tensors and JSON values as a committed checkpoint, in one process or collectively."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..boxes import Box
+from ..io.catalog import Location, locate
+from ..io.commit import Staging, commit, discard, refuse_existing, staging
+from ..io.checksum import Hasher
+from .collective import Collective, default_collective, guard, unwrap
+from ..errors import CkptkitError, LayoutError, StorageError
+from ..layouts import Layout, placed_tensors, topology_problems
+from ..manifest import (
+    KINDS,
+    CheckpointInfo,
+    FileEntry,
+    Manifest,
+    Producer,
+    TokenizerInfo,
+    Topology,
+    manifest_to_json,
+)
+from ..io.write import Written, write_safetensors
+from ..plan.save import FilePlan, ItemDesc, SavePlan, plan_save, tensor_entries
+from ..storage import Storage
+from ..state.torch_io import byte_view, dtype_name, host_contiguous, is_leaf, leaf_shards
+from ..state.tree import flatten, json_problems
+
+DEFAULT_KINDS = {"model": "param", "optimizer": "optimizer", "optim": "optimizer", "rng": "rng", "buffers": "buffer"}
+
+
+def save(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    step: int,
+    topology: Topology | None = None,
+    info: CheckpointInfo | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
+    kinds: Mapping[str, str] | None = None,
+    process_group: Any = None,
+    max_file_bytes: int | None = None,
+    io_threads: int = 2,
+    update_latest: bool = True,
+    storage: Storage | None = None,
+    layout: Layout | None = None,
+) -> Manifest:
+    """Write `state` as the committed checkpoint directory `path`.
+
+    Under torch.distributed every rank of the group calls this with its own state: tensors
+    that are plain ``torch.Tensor`` are replicas of a whole tensor, ``ShardedTensor`` values
+    (or lists of them) are boxes of a global tensor; identical boxes are written once. Each
+    rank writes only its own payload files; rank 0 checks that the boxes tile every tensor,
+    writes the manifest last, renames the checkpoint into place and moves the root's
+    ``latest`` pointer. Non-tensor values must be JSON and are taken from rank 0.
+
+    Args:
+        state: nested dict with string keys; leaves are tensors, ShardedTensors or JSON values.
+        path: the checkpoint directory to create, e.g. ``ckpts/step_00000100``.
+        step: the training step recorded in the manifest.
+        topology: the job's parallel layout (default: plain data parallel over the group).
+        info: training assets (optimizer, scheduler, data progress, versions, model config).
+        tokenizer: a tokenizer file or directory copied into the checkpoint and hashed.
+        kinds: tensor kind by fqn prefix, overriding the defaults (model -> param,
+            optimizer/optim -> optimizer, rng -> rng, buffers -> buffer, else other).
+        process_group: torch.distributed group (default: the default group, if initialized).
+        max_file_bytes: start a new payload file when a rank's file would grow past this.
+        io_threads: files each rank writes in parallel; a rank's payload is split into this
+            many files of about equal size once it holds 64 MiB per file.
+        update_latest: move the root's ``latest`` pointer to this checkpoint.
+        storage: write through this backend; `path` is then the checkpoint's name under its root.
+        layout: the model's layout (``ckptkit.layouts``), recorded in the manifest so that the
+            checkpoint can be resharded offline to any topology the layout allows; checked
+            against the saved tensors and the topology first.
+
+    Returns:
+        The manifest that was committed.
+
+    Raises:
+        LayoutError: boxes overlap or leave gaps, shapes or dtypes disagree across ranks,
+            a value is neither a tensor nor JSON, or the layout does not fit the tensors or
+            the topology.
+        CheckpointExistsError: something already exists at `path`.
+        StorageError: a write failed; nothing was committed.
+    """
+    coll = default_collective(process_group)
+    loc = locate(path, storage)
+    local, descs, objects, error = _describe(state, kinds or {})
+    gathered = coll.gather((descs, _digest(objects), error))
+    planned: tuple[str, Any] = ("ok", None)
+    plan: SavePlan | None = None
+    topo: Topology | None = None
+    shares = None
+    if gathered is not None:
+        planned = guard(lambda: _plan(gathered, loc, (max_file_bytes, io_threads), topology, layout, coll))
+        if planned[0] == "ok":
+            plan, uid, topo = planned[1]
+            shares = [(files, uid) for files in plan.files]
+    # Every rank learns whether planning worked, then receives only its own files.
+    unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
+    my_files, uid = coll.scatter(shares)
+    stage = staging(loc, uid)
+    written = guard(lambda: _write_files(loc.storage, stage, my_files, local, io_threads))
+    results = coll.gather(written)
+    outcome: tuple[str, Any] = ("ok", None)
+    if results is not None:
+        assert plan is not None and topo is not None  # rank 0 planned
+        outcome = guard(
+            lambda: _commit(results, plan, loc, stage, step, topo, info, tokenizer, objects, kinds, update_latest, layout)
+        )
+        if outcome[0] != "ok":
+            discard(loc.storage, stage)
+    return unwrap(coll.broadcast(outcome))  # type: ignore[no-any-return]
+
+
+def _describe(
+    state: Mapping[str, Any], kinds: Mapping[str, str]
+) -> tuple[dict[tuple[str, Box], torch.Tensor], list[ItemDesc], dict[str, Any], str]:
+    try:
+        unknown = sorted(k for k in kinds.values() if k not in KINDS)
+        if unknown:
+            raise LayoutError(f"unknown tensor kind(s) {unknown}; kinds are {', '.join(KINDS)}")
+        tensors, objects = flatten(state, is_leaf)
+        local: dict[tuple[str, Box], torch.Tensor] = {}
+        descs: list[ItemDesc] = []
+        for fqn, leaf in tensors.items():
+            for piece in leaf_shards(leaf):
+                item = ItemDesc(fqn, dtype_name(piece.local.dtype, fqn=fqn), piece.global_shape, piece.box)
+                local[(fqn, piece.box)] = piece.local
+                descs.append(item)
+        problems = json_problems(objects)
+        if problems:
+            raise LayoutError("values must be tensors or JSON: " + "; ".join(problems[:10]))
+    except CkptkitError as exc:
+        return {}, [], {}, f"{type(exc).__name__}: {exc}"
+    return local, descs, objects, ""
+
+
+def _digest(objects: dict[str, Any]) -> str:
+    return json.dumps(objects, sort_keys=True, default=str)
+
+
+def _plan(
+    gathered: list[Any], loc: Location, split: tuple[int | None, int], topology: Topology | None, layout: Layout | None,
+    coll: Collective,
+) -> tuple[SavePlan, str, Topology]:
+    errors = [f"rank {r}: {err}" for r, (_, _, err) in enumerate(gathered) if err]
+    if errors:
+        raise LayoutError("; ".join(errors))
+    differing = [r for r, (_, digest, _) in enumerate(gathered) if digest != gathered[0][1]]
+    if differing:
+        raise LayoutError(f"non-tensor values differ from rank 0's on ranks {differing}; save per-rank values as tensors")
+    refuse_existing(loc)
+    topo = topology or Topology(world_size=coll.world_size, dp=coll.world_size)
+    if topo.world_size != coll.world_size or topo.tp * topo.pp * topo.dp * topo.cp != topo.world_size:
+        raise LayoutError(
+            f"topology tp={topo.tp} pp={topo.pp} dp={topo.dp} cp={topo.cp} world_size={topo.world_size} "
+            f"does not match {coll.world_size} saving rank(s)"
+        )
+    plan = plan_save([descs for descs, _, _ in gathered], max_file_bytes=split[0], files_per_rank=split[1])
+    if layout is not None:
+        _check_layout(layout, topo, {fqn: shape for fqn, (_, shape) in plan.tensors.items()})
+    return plan, uuid.uuid4().hex[:12], topo
+
+
+def _check_layout(layout: Layout, topology: Topology, shapes: dict[str, tuple[int, ...]]) -> None:
+    placed, problems = placed_tensors(layout, shapes)
+    if not placed:
+        problems.append(f"it places none of the saved tensors (its groups: {', '.join(layout.tensor_groups())})")
+    problems += topology_problems(layout, topology)
+    if problems:
+        raise LayoutError(f"the layout {layout.name!r} does not fit this save: " + "; ".join(problems[:20]))
+
+
+def _write_files(
+    storage: Storage, stage: Staging, files: tuple[FilePlan, ...], local: dict[tuple[str, Box], torch.Tensor], threads: int
+) -> list[Written]:
+    if threads <= 1 or len(files) <= 1:
+        return [_write_file(storage, stage.key(f.path), f, local) for f in files]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(lambda f: _write_file(storage, stage.key(f.path), f, local), files))
+
+
+def _write_file(storage: Storage, key: str, plan: FilePlan, local: dict[tuple[str, Box], torch.Tensor]) -> Written:
+    bodies = (byte_view(host_contiguous(local[(item.fqn, item.box)])) for item, _ in plan.items)
+    return write_safetensors(storage, key, plan.path, [(k, item.dtype, item.box.lengths) for item, k in plan.items], bodies)
+
+
+def _commit(
+    results: list[Any],
+    plan: SavePlan,
+    loc: Location,
+    stage: Staging,
+    step: int,
+    topo: Topology,
+    info: CheckpointInfo | None,
+    tokenizer: str | os.PathLike[str] | None,
+    objects: dict[str, Any],
+    kinds: Mapping[str, str] | None,
+    update_latest: bool,
+    layout: Layout | None,
+) -> Manifest:
+    errors = [f"rank {r}: {res[1]}" for r, res in enumerate(results) if res[0] != "ok"]
+    if errors:
+        raise StorageError("payload writes failed, nothing committed: " + "; ".join(errors))
+    written = {w.path: w for _, ws in results for w in ws}
+    files = [written[f.path].entry(stage.path(f.path)) for f in plan.all_files()]
+    index = {f.path: i for i, f in enumerate(plan.all_files())}
+    tok_info = None
+    if tokenizer is not None:
+        tok_files = _copy_tokenizer(loc.storage, stage, tokenizer)
+        files += tok_files
+        tok_info = TokenizerInfo(name=os.path.basename(os.fspath(tokenizer).rstrip("/")), files=tuple(f.path for f in tok_files))
+    manifest = Manifest(
+        checkpoint_id=uuid.uuid4().hex,
+        step=step,
+        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        producer=Producer(ckptkit=__version__, torch=torch.__version__, python=platform.python_version()),
+        topology=topo,
+        files=tuple(files),
+        tensors=tensor_entries(plan, index, lambda fqn: kind_of(fqn, kinds or {})),
+        objects=objects,
+        info=info or CheckpointInfo(),
+        tokenizer=tok_info,
+        layout=None if layout is None else layout.to_json(),
+    )
+    commit(loc, stage, manifest_to_json(manifest), update_latest=update_latest)
+    return manifest
+
+
+def kind_of(fqn: str, kinds: Mapping[str, str]) -> str:
+    """Return a tensor's kind: the longest matching user prefix, else the default for its top key."""
+    for prefix in sorted(kinds, key=len, reverse=True):
+        if fqn == prefix or fqn.startswith(prefix.rstrip("/") + "/"):
+            kind = kinds[prefix]
+            if kind not in KINDS:
+                raise LayoutError(f"kind {kind!r} for {prefix!r} is not one of {', '.join(KINDS)}")
+            return kind
+    return DEFAULT_KINDS.get(fqn.split("/", 1)[0], "other")
+
+
+def _copy_tokenizer(storage: Storage, stage: Staging, source: str | os.PathLike[str]) -> list[FileEntry]:
+    src = os.fspath(source)
+    if os.path.isdir(src):
+        names = sorted(
+            os.path.relpath(os.path.join(d, n), src) for d, _, ns in os.walk(src) for n in ns
+        )
+        paths = [(os.path.join(src, n), n.replace(os.sep, "/")) for n in names]
+    elif os.path.isfile(src):
+        paths = [(src, os.path.basename(src))]
+    else:
+        raise StorageError(f"tokenizer {src}: no such file or directory")
+    entries = []
+    for file_path, rel in paths:
+        with open(file_path, "rb") as f:
+            data = f.read()
+        hasher = Hasher()
+        hasher.update(data)
+        key = f"tokenizer/{rel}"
+        storage.write(stage.key(key), [data])
+        entries.append(FileEntry(path=stage.path(key), size=len(data), checksum=hasher.digest(), role="tokenizer"))
+    return entries

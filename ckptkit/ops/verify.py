@@ -1,0 +1,274 @@
+"""Verify a checkpoint against its manifest: schema, files, headers, tiling, checksums (no torch).
+
+Every finding is collected and reported at once. Checksums stream every file in 8 MiB chunks:
+a few threads read ahead (reads release the GIL) while the calling thread hashes in order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+from collections.abc import Callable
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ..io.catalog import Location, resolve
+from ..io.checksum import BlockHasher, Hasher, hasher_for
+from ..manifest.consistency import Finding, manifest_findings
+from ..manifest.dtypes import itemsize
+from ..errors import CkptkitError, IntegrityError, ManifestError, StorageError
+from ..manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
+from ..io.safetensors import header_length, parse_header
+from ..manifest.shards import iter_shards
+from ..storage import Storage
+
+CHUNK = 8 << 20
+WORKERS = 4
+
+
+class FindingModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    code: str
+    where: str
+    message: str
+
+
+class VerifyReport(BaseModel):
+    """What ``ckptkit verify`` found; ``ok`` is True when there is no finding."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    path: str
+    ok: bool
+    quick: bool
+    files_checked: int
+    bytes_hashed: int
+    tensors: int
+    findings: list[FindingModel]
+
+
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    quick: bool = False,
+    workers: int = WORKERS,
+    progress: Callable[[int], None] | None = None,
+    storage: Storage | None = None,
+) -> VerifyReport:
+    """Check the committed checkpoint at `path` and return every finding.
+
+    Args:
+        path: a checkpoint directory, or a root whose ``latest`` names one.
+        quick: skip the checksums (sizes, headers and tiling are still checked).
+        workers: threads that read chunks ahead of the hashing.
+        progress: called with the number of bytes hashed as hashing proceeds.
+        storage: read through this backend; `path` is then a checkpoint name under its root.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at `path` (nothing to verify).
+    """
+    loc = resolve(path, storage)
+    findings: list[Finding] = []
+    manifest = _manifest(loc, findings)
+    if manifest is None:
+        return _report(loc, quick, findings, 0, 0, 0)
+    findings += manifest_findings(manifest)
+    bad_paths = {f.where for f in findings if f.code == "path"}
+    files = [(i, e) for i, e in enumerate(manifest.files) if e.path not in bad_paths]
+    expected = _expected_keys(manifest)
+    present = []
+    for index, entry in files:
+        problem = _file_findings(loc, manifest, index, expected.get(index, {}))
+        findings += problem
+        if not problem:
+            present.append(index)
+    findings += _stray_findings(loc, manifest)
+    hashed = 0
+    if not quick:
+        found, hashed = checksum_findings(loc, manifest, present, max(1, workers), progress)
+        findings += found
+    return _report(loc, quick, findings, len(files), hashed, len(manifest.tensors))
+
+
+def _manifest(loc: Location, findings: list[Finding]) -> Manifest | None:
+    try:
+        data = loc.storage.read(loc.key(MANIFEST_NAME))
+    except StorageError as exc:
+        findings.append(Finding("manifest", MANIFEST_NAME, str(exc)))
+        return None
+    try:
+        return parse_manifest(data, source=MANIFEST_NAME)
+    except ManifestError as exc:
+        findings.append(Finding("manifest", MANIFEST_NAME, str(exc).removeprefix(f"{MANIFEST_NAME}: ")))
+        return None
+
+
+Expected = dict[str, tuple[str, tuple[int, ...], str]]
+
+
+def _expected_keys(manifest: Manifest) -> dict[int, Expected]:
+    """Return, per file index, the keys its header must hold: key -> (dtype, shape, tensor), in one pass."""
+    out: dict[int, Expected] = {}
+    for fqn, tensor in manifest.tensors.items():
+        for shard in iter_shards(tensor):
+            out.setdefault(shard.file, {})[shard.key] = (tensor.dtype, shard.box.lengths, fqn)
+    return out
+
+
+def _file_findings(loc: Location, manifest: Manifest, index: int, expected: Expected) -> list[Finding]:
+    entry = manifest.files[index]
+    key = loc.key(entry.path)
+    try:
+        if not loc.storage.exists(key):
+            return [Finding("missing", entry.path, "file listed in the manifest does not exist")]
+        size = loc.storage.size(key)
+    except StorageError as exc:
+        return [Finding("path", entry.path, str(exc))]
+    if size != entry.size:
+        return [Finding("size", entry.path, f"{size} bytes, manifest says {entry.size}")]
+    if entry.role != "tensors":
+        return []
+    if entry.encoding == "raw":
+        return _raw_findings(entry.path, size, expected)
+    try:
+        n = header_length(loc.storage.read(key, 0, 8), where=entry.path)
+        if 8 + n > size:
+            raise IntegrityError(f"{entry.path}: header of {n} bytes runs past the end of the file")
+        header = parse_header(loc.storage.read(key, 8, n), where=entry.path, file_size=size)
+    except (IntegrityError, StorageError) as exc:
+        return [Finding("header", entry.path, str(exc).removeprefix(f"{entry.path}: "))]
+    found = []
+    for key_name, (dtype, lengths, fqn) in expected.items():
+        got = header.entries.get(key_name)
+        if got is None:
+            found.append(Finding("header", entry.path, f"tensor {key_name!r} (of {fqn}) is missing"))
+        elif (got.dtype, got.shape) != (dtype, lengths):
+            found.append(
+                Finding("header", entry.path, f"tensor {key_name!r} is {got.dtype}{list(got.shape)}, manifest says {dtype}{list(lengths)}")
+            )
+    for extra in sorted(set(header.entries) - set(expected)):
+        found.append(Finding("header", entry.path, f"tensor {extra!r} is not in the manifest"))
+    return found
+
+
+def _raw_findings(path: str, size: int, expected: Expected) -> list[Finding]:
+    """A raw file holds the bytes of exactly one shard (then possibly padding)."""
+    if len(expected) != 1:
+        return [Finding("header", path, f"a raw file holds one shard; the manifest puts {len(expected)} here")]
+    ((dtype, lengths, fqn),) = expected.values()
+    nbytes = math.prod(lengths) * itemsize(dtype)
+    if nbytes > size:
+        return [Finding("size", path, f"{size} bytes, too short for {dtype}{list(lengths)} (of {fqn})")]
+    return []
+
+
+def _stray_findings(loc: Location, manifest: Manifest) -> list[Finding]:
+    listed = {e.path for e in manifest.files} | {MANIFEST_NAME}
+    try:
+        keys = loc.storage.list(loc.name)
+    except StorageError:
+        return []
+    head = loc.name + "/"
+    return [
+        Finding("extra", k[len(head) :], "file is not listed in the manifest")
+        for k in keys
+        if k[len(head) :] not in listed
+    ]
+
+
+def checksum_findings(
+    loc: Location, manifest: Manifest, files: list[int], workers: int, progress: Callable[[int], None] | None
+) -> tuple[list[Finding], int]:
+    """Check the checksums of payload files `files` (indices): hash every file in order while
+    `workers` threads read the next chunks ahead (bounded window); return findings and bytes hashed.
+
+    A file with block checksums (schema 1.2) is checked block by block (what readers check);
+    an older one against its whole-file checksum.
+    """
+    findings: list[Finding] = []
+    hashers: dict[int, Hasher | BlockHasher] = {}
+    for i in files:
+        blocks = manifest.files[i].blocks
+        try:
+            hashers[i] = BlockHasher(blocks.size) if blocks is not None else hasher_for(manifest.files[i].checksum)
+        except CkptkitError as exc:
+            findings.append(Finding("checksum", manifest.files[i].path, str(exc)))
+    chunks = [(i, o, min(CHUNK, manifest.files[i].size - o)) for i in hashers for o in range(0, manifest.files[i].size, CHUNK)]
+    failed: dict[int, str] = {}
+    hashed = 0
+    # Buffers are reused: fresh ones would cost a page fault per 4 KiB on every chunk.
+    free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+    for _ in range(workers + 2):
+        free.put(bytearray(CHUNK))
+
+    def read(chunk: tuple[int, int, int]) -> tuple[bytearray, str]:
+        index, offset, length = chunk
+        buffer = free.get()
+        try:
+            loc.storage.readinto(loc.key(manifest.files[index].path), offset, memoryview(buffer)[:length])
+        except StorageError as exc:
+            return buffer, str(exc)
+        return buffer, ""
+
+    for (index, _, length), (buffer, error) in zip(chunks, _read_ahead(read, chunks, workers)):
+        if error and index not in failed:
+            failed[index] = error
+        if index not in failed:
+            hashers[index].update(memoryview(buffer)[:length])
+            hashed += length
+            if progress is not None:
+                progress(length)
+        free.put(buffer)
+    for index, hasher in hashers.items():
+        entry = manifest.files[index]
+        if index in failed:
+            findings.append(Finding("checksum", entry.path, f"cannot read: {failed[index]}"))
+        elif isinstance(hasher, BlockHasher):
+            findings += _block_findings(entry, hasher.finish())
+        elif hasher.digest() != entry.checksum:
+            findings.append(
+                Finding("checksum", entry.path, f"content hashes to {hasher.digest()}, manifest says {entry.checksum}")
+            )
+    return findings, hashed
+
+
+def _block_findings(entry: FileEntry, digests: bytes) -> list[Finding]:
+    assert entry.blocks is not None
+    expected = entry.blocks.raw()
+    bad = [i for i in range(0, max(len(digests), len(expected)), 8) if digests[i : i + 8] != expected[i : i + 8]]
+    if not bad:
+        return []
+    size = entry.blocks.size
+    first = bad[0] // 8
+    return [Finding("checksum", entry.path, f"{len(bad)} block(s) of {size} bytes do not match their checksums, "
+                                            f"the first at bytes {first * size} to {min((first + 1) * size, entry.size)}")]
+
+
+def _read_ahead(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:
+    """Yield fn(item) for every item in order, running up to workers + 2 calls ahead on threads."""
+    window = workers + 2
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: deque[Future[Any]] = deque(pool.submit(fn, item) for item in items[:window])
+        rest = iter(items[window:])
+        while pending:
+            result = pending.popleft().result()
+            nxt = next(rest, None)
+            if nxt is not None:
+                pending.append(pool.submit(fn, nxt))
+            yield result
+
+
+def _report(loc: Location, quick: bool, findings: list[Finding], files: int, hashed: int, tensors: int) -> VerifyReport:
+    return VerifyReport(
+        path=str(loc),
+        ok=not findings,
+        quick=quick,
+        files_checked=files,
+        bytes_hashed=hashed,
+        tensors=tensors,
+        findings=[FindingModel(code=f.code, where=f.where, message=f.message) for f in findings],
+    )

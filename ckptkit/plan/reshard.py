@@ -1,0 +1,154 @@
+"""Plan an offline reshard (pure): the target checkpoint's files, and the source bytes of each.
+
+The target is planned exactly as a save by the target topology's ranks would be: every rank
+holds the boxes its layout gives it, replicas are written once (``plan_files``). Then, per
+target file, ``plan_reads`` finds the source shard bytes that fill each of its boxes.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ..boxes import Box, in_bounds, tiling_problems
+from ..errors import LayoutError
+from ..layouts import Holders, Layout, holders, placed_tensors, topology_problems
+from ..manifest import Manifest, Topology
+from .load import ShardLookup, TargetPlan, plan_load
+from .save import FilePlan, ItemDesc, SavePlan, plan_files
+from ..manifest.shards import iter_shards
+
+
+@dataclass(frozen=True, slots=True)
+class FileJob:
+    """One target payload file and the rank that would have written it."""
+
+    rank: int
+    plan: FilePlan
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item, _ in self.plan.items)
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardPlan:
+    topology: Topology
+    save: SavePlan
+    jobs: tuple[FileJob, ...]
+    kept: tuple[str, ...]  # tensors the layout does not place: copied with their saved boxes
+    layout: Layout | None = None  # recorded in the target's manifest
+
+    @property
+    def nbytes(self) -> int:
+        return sum(j.nbytes for j in self.jobs)
+
+
+def plan_reshard(
+    manifest: Manifest,
+    layout: Layout,
+    topology: Topology,
+    *,
+    files_per_rank: int = 1,
+    max_file_bytes: int | None = None,
+) -> ReshardPlan:
+    """Plan the checkpoint that `topology`'s ranks would have saved from the same state.
+
+    Raises:
+        LayoutError: the model cannot be laid out over `topology`, the checkpoint lacks part
+            of a tensor group the layout places, or the layout does not match the saved
+            shapes; every problem is listed.
+    """
+    problems = topology_problems(layout, topology)
+    if problems:
+        raise LayoutError(f"cannot reshard to {topology.describe()}: " + "; ".join(problems))
+    placed, problems = placed_tensors(layout, {fqn: t.shape for fqn, t in manifest.tensors.items()})
+    if problems:
+        raise LayoutError(f"the layout does not match the saved tensors: {len(problems)} problem(s): " + "; ".join(problems))
+    with collector_paused():
+        by_tensor = {fqn: boxes for fqn, boxes in holders(layout, topology).items() if fqn in placed}
+        return plan_placement(manifest, by_tensor, topology, files_per_rank=files_per_rank,
+                              max_file_bytes=max_file_bytes, layout=layout)
+
+
+def plan_placement(
+    manifest: Manifest,
+    placement: Holders,
+    topology: Topology,
+    *,
+    files_per_rank: int = 1,
+    max_file_bytes: int | None = None,
+    layout: Layout | None = None,
+) -> ReshardPlan:
+    """Plan the target files when the tensors of `placement` get its boxes (each held by the
+    ranks given); every other tensor keeps its saved boxes.
+
+    Raises:
+        LayoutError: a placed tensor is not in the checkpoint, or its boxes do not tile it
+            (every problem is listed).
+    """
+    world = topology.world_size
+    problems = [f"{fqn}: not in the checkpoint" for fqn in sorted(placement) if fqn not in manifest.tensors]
+    by_tensor = {fqn: boxes for fqn, boxes in placement.items() if fqn in manifest.tensors}
+    placed = set(by_tensor)
+    kept = tuple(sorted(set(manifest.tensors) - placed))
+    for fqn in kept:
+        entry = manifest.tensors[fqn]
+        by_tensor[fqn] = {shard.box: [i % world] for i, shard in enumerate(iter_shards(entry))}
+    meta = {}
+    for fqn in sorted(set(by_tensor) | placed):
+        entry = manifest.tensors[fqn]
+        meta[fqn] = ItemDesc(fqn, entry.dtype, entry.shape, Box((0,) * len(entry.shape), entry.shape))
+        problems += [f"{fqn}: {p}" for p in _tiling_problems(entry.shape, list(by_tensor.get(fqn, {})))]
+    if problems:
+        raise LayoutError(
+            f"the layout does not match the saved tensors: {len(problems)} problem(s): "
+            + "; ".join(problems[:20])
+        )
+    save = plan_files(by_tensor, meta, world, max_file_bytes=max_file_bytes, files_per_rank=files_per_rank)
+    jobs = [FileJob(rank, f) for rank, files in enumerate(save.files) for f in files]
+    return ReshardPlan(topology, save, tuple(jobs), kept, layout)
+
+
+def plan_reads(manifest: Manifest, job: FileJob, lookup: ShardLookup | None = None) -> tuple[TargetPlan, ...]:
+    """Return the source reads that fill each item of a target file (``[i]`` fills ``job.plan.items[i]``).
+
+    Planned per file, by the process that writes it, so that the processes of a split
+    reshard plan only their own reads; share one `lookup` between the files of a process,
+    and plan many files inside one ``collector_paused()``.
+    """
+    requests = [(item.fqn, item.box) for item, _ in job.plan.items]
+    return plan_load(manifest, requests, lookup=lookup or ShardLookup(manifest)).targets
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector: plans allocate hundreds of thousands of small
+    acyclic objects, and each full collection would walk them all again (and the manifest).
+    Pause once around a whole planning pass: re-enabling it triggers a collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+# Boxes from a layout are checked for overlaps only up to this many per tensor; past it, for
+# bounds and total volume (overlap sweeps over the ZeRO boxes of thousands of ranks would
+# dominate the plan; the layouts' own tests check that their boxes tile).
+FULL_TILING_CHECK = 64
+
+
+def _tiling_problems(shape: tuple[int, ...], boxes: list[Box]) -> list[str]:
+    if len(boxes) <= FULL_TILING_CHECK:
+        return tiling_problems(shape, boxes)
+    outside = [b for b in boxes if not in_bounds(b, shape)]
+    if outside:
+        return [f"box at {list(outside[0].offsets)} of size {list(outside[0].lengths)} is outside shape {list(shape)}"]
+    covered = sum(b.volume for b in boxes)
+    return [] if covered == math.prod(shape) else [f"boxes hold {covered} of {math.prod(shape)} elements"]
