@@ -72,15 +72,14 @@ def test_load_time_resharding_reads_only_the_needed_ranges(s3_bucket: str, monke
     payload = [r for r in read if r[0].endswith(".safetensors")]
     assert len({key for key, _, _ in payload}) == 1  # one payload object touched
     header_len = int.from_bytes(counting.read(payload[0][0], 0, 8), "little")
-    # Its header (length, then JSON) and the blocks holding it (checked), then the blocks holding the
-    # box's bytes (8 rows of 32 floats): the two at its ends read whole and checked, those between in one read.
+    # Its header (length, then JSON) and the blocks holding it (checked); then exactly the box's bytes
+    # (8 rows of 32 floats) and, to check the two blocks at their ends, the rest of those blocks.
     prefix = 8 + header_len
     start, end = prefix + 4 * 32 * 4, prefix + 12 * 32 * 4
-    assert start % block and end % block and prefix <= start // block * block  # both ends inside blocks
-    inner = (-(-start // block) * block, end // block * block)
+    assert start % block and end % block and -(-prefix // block) * block <= start // block * block  # ends inside blocks
     assert [(o, n) for _, o, n in payload] == [
         (0, 8), (8, header_len), (0, -(-prefix // block) * block),
-        (start // block * block, block), (inner[0], inner[1] - inner[0]), (end // block * block, block)]
+        (start, end - start), (start // block * block, start % block), (end, block - end % block)]
 
 
 @pytest.mark.parametrize("round_", range(5))

@@ -73,11 +73,6 @@ def block_size_for(size: int) -> int:
     return block
 
 
-def block_digest(data: bytes | bytearray | memoryview) -> bytes:
-    """The 8-byte digest of one block, as the manifest stores it (xxh3-64, big-endian)."""
-    return xxhash.xxh3_64_digest(data)
-
-
 class BlockHasher:
     """Digests of consecutive `block`-byte blocks of a stream (the last block may be shorter), fed in order."""
 

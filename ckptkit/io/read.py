@@ -11,22 +11,26 @@ each planned read the engine picks how to fetch the source bytes:
 - many short runs are read as their whole span (one large read beats many small ones) and
   gathered in memory; a span longer than ``piece`` is split along a dim first.
 
-Checks: a file with block checksums (schema 1.2) has every block a read touches checked, the
-blocks at the ends of a range read whole (at most one extra block each end), and its header's
-blocks checked when it is first read. A file without them (older checkpoints) is checked against
-its whole-file checksum when one call reads all of its tensor bytes, as ``load`` always did.
+The bytes a call wants from a file are merged into ranges and cut into checked pieces
+(``ckptkit.io.fetch``). A file with block checksums (schema 1.2) has every block a read touches
+checked: inside a range from the destination itself, at its two ends with the bytes outside the
+range read too (at most one extra block each end, fewer where a checked copy of the block is
+kept); its header's blocks are checked when it is first read. A file without them (older
+checkpoints) is checked against its whole-file checksum when one call reads all of its tensor
+bytes, as ``load`` always did.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import xxhash
 from numpy.lib.stride_tricks import as_strided
 
 from ..boxes import Box, byte_runs
@@ -36,13 +40,15 @@ from ..manifest import BlockChecksums, Manifest
 from .payload import Headers, header_entry, read_header
 from ..plan.load import Read, TargetPlan
 from .catalog import Location
-from .checksum import block_digest, hasher_for
+from .checksum import hasher_for
+from .fetch import Piece, Range, Segment, merge, pieces
 
 PIECE = 16 << 20
 SMALL_RUN = 64 << 10
 # Blocks read whole for the ends of ranges (and headers) are kept, checked, up to this many bytes:
 # neighbouring ranges and the first tensor after a header then read a shared block once.
 BLOCK_CACHE = 64 << 20
+ARENA_KEEP = 2 * PIECE  # scratch memory a thread keeps between calls
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -59,17 +65,6 @@ def byte_slices(box: Box, size: int) -> tuple[slice, ...]:
     return (*lead, slice(last.start * size, last.stop * size))
 
 
-@dataclass
-class _Fetch:
-    """One storage read of [offset, offset + len(view)) of a file into `view`, and the blocks of it to check."""
-
-    file: int
-    offset: int
-    view: memoryview
-    check: list[tuple[int, memoryview]] = field(default_factory=list)  # (block index, its bytes in view)
-    then: Callable[[], None] | None = None  # copy the needed part out of a whole block, once read and checked
-
-
 class _Arena:
     """Scratch memory of one thread's `fill` calls, reused from call to call (fresh buffers would
     fault every page again): slices handed out in order, all given back when the next call starts."""
@@ -80,8 +75,8 @@ class _Arena:
         self.wanted = 0
 
     def reset(self) -> None:
-        if self.wanted > len(self.memory):
-            self.memory = np.empty(self.wanted, np.uint8)
+        if self.wanted > len(self.memory):  # grow, up to ARENA_KEEP: larger needs get fresh buffers, freed after
+            self.memory = np.empty(min(self.wanted, ARENA_KEEP), np.uint8)
         self.used = self.wanted = 0
 
     def take(self, n: int) -> np.ndarray[Any, Any]:
@@ -139,10 +134,9 @@ class Reader:
 
     def _check_prefix(self, file: int, blocks: BlockChecksums, prefix: bytes) -> None:
         end = min(self.manifest.files[file].size, -(-len(prefix) // blocks.size) * blocks.size)
-        data = bytearray(end)
+        data = memoryview(bytearray(end))
         count = -(-end // blocks.size)
-        self._read(_Fetch(file, 0, memoryview(data), [(i, memoryview(data)[i * blocks.size : (i + 1) * blocks.size])
-                                                       for i in range(count)]))
+        self._run(Piece(file, [(0, data)], [(i, [data[i * blocks.size : (i + 1) * blocks.size]]) for i in range(count)]))
         with self._lock:
             self.bytes_read += end
         if bytes(data[: len(prefix)]) != prefix:
@@ -184,74 +178,85 @@ class Reader:
         """
         for file in sorted({r.file for p in plans for r in p.reads}):
             self.header_of(file)
-        self._arena().reset()
-        self._local.partial = {}
-        fetches: list[_Fetch] = []
-        finish: list[Callable[[], None]] = []  # copies out of buffers, once every fetch is done
+        arena = self._arena()
+        arena.reset()
+        segments: dict[int, list[Segment]] = {}
+        finish: list[Callable[[], None]] = []  # copies out of buffers, once every read is done
         for plan, dest in zip(plans, dests):
             dtype = self.manifest.tensors[plan.fqn].dtype
             size = itemsize(dtype)
             for read in plan.reads:
                 region = dest[byte_slices(read.overlap.shifted(plan.box.offsets), size)] if read.overlap.ndim else dest
-                self._plan_read(read, self.begin(read, dtype), region, size, fetches, finish)
-        fetches += self._partial_fetches()
-        fetches.sort(key=lambda f: (f.file, f.offset))
-        whole = self._whole_file_checks(fetches)
+                self._plan_read(read, self.begin(read, dtype), region, size, segments, finish)
+        work: list[Piece] = []
+        checks: list[Callable[[], None]] = []
+        for file, segs in sorted(segments.items()):
+            entry = self.manifest.files[file]
+            for span in merge(segs):
+                work += pieces(file, span, entry.size, entry.blocks, self.piece, functools.partial(self._kept, file),
+                               lambda n: arena.take(n).data)
+                if entry.blocks is None and span.start == self.headers[file][0].data_start and span.end == entry.size:
+                    checks.append(_whole_check(self, file, span))
         if pool is None:
-            for f in fetches:
-                self._read(f)
+            for p in work:
+                self._run(p)
         else:
-            for _ in pool.map(self._read, fetches):
+            for _ in pool.map(self._run, work):
                 pass
-        for f in fetches:
-            if f.then is not None:
-                f.then()
         for copy in finish:
             copy()
-        for check in whole.values():
+        for check in checks:
             check()
-        total = sum(len(f.view) for f in fetches)
+        total = sum(p.nbytes for p in work)
         with self._lock:
             self.bytes_read += total
         return total
 
-    def _read(self, fetch: _Fetch) -> None:
-        self.loc.storage.readinto(self.loc.key(self.manifest.files[fetch.file].path), fetch.offset, fetch.view)
-        blocks = self.manifest.files[fetch.file].blocks
-        for index, data in fetch.check:
+    def _run(self, piece: Piece) -> None:
+        """Do a piece's reads, check its blocks, keep the checked end blocks."""
+        key = self.loc.key(self.manifest.files[piece.file].path)
+        for offset, view in piece.reads:
+            self.loc.storage.readinto(key, offset, view)
+        blocks = self.manifest.files[piece.file].blocks
+        for index, parts in piece.blocks:
             assert blocks is not None
-            if block_digest(data) != blocks.digest(index):
-                raise IntegrityError(
-                    f"{self._where(fetch.file)}: block {index} (bytes {index * blocks.size} to "
-                    f"{index * blocks.size + len(data)}) does not match its checksum"
-                )
+            hasher = xxhash.xxh3_64()
+            for part in parts:
+                hasher.update(part)
+            if hasher.digest() != blocks.digest(index):
+                size = sum(len(p) for p in parts)
+                raise IntegrityError(f"{self._where(piece.file)}: block {index} (bytes {index * blocks.size} to "
+                                     f"{index * blocks.size + size}) does not match its checksum")
+            if index in piece.keep:
+                self._keep(piece.file, index, b"".join(parts))
 
     def _where(self, file: int) -> str:
         return f"{self.loc}/{self.manifest.files[file].path}"
 
-    def _plan_read(self, read: Read, begin: int, region: np.ndarray[Any, Any], size: int, fetches: list[_Fetch],
-                   finish: list[Callable[[], None]]) -> None:
-        """Add the fetches (and the copies after them) that fill `region` (the read's bytes inside
-        the destination) with `read`."""
+    def _plan_read(self, read: Read, begin: int, region: np.ndarray[Any, Any], size: int,
+                   segments: dict[int, list[Segment]], finish: list[Callable[[], None]]) -> None:
+        """Add the segments (and the copies after them) that fill `region` (the read's bytes
+        inside the destination) with `read`."""
         runs = byte_runs(read.src_box, read.overlap, size)
         if not runs.nbytes:
             return
         blocks = self.manifest.files[read.file].blocks
         short = max(self.small_run, blocks.size if blocks is not None else 0)
         if runs.n_runs > 1 and runs.run_length < short:
-            self._gather(read, begin, read.overlap, region, size, fetches, finish)
+            self._gather(read, begin, read.overlap, region, size, segments, finish)
             return
         contiguous = region.flags.c_contiguous
         buffer = region.reshape(-1) if contiguous else self._arena().take(runs.nbytes)
         pos = 0
+        mine = segments.setdefault(read.file, [])
         for offset in runs.offsets():
-            fetches += self._ranges(read.file, begin + offset, buffer[pos : pos + runs.run_length].data)
+            mine.append((begin + offset, buffer[pos : pos + runs.run_length].data))
             pos += runs.run_length
         if not contiguous:
             finish.append(lambda: np.copyto(region, buffer.reshape(region.shape)))
 
     def _gather(self, read: Read, begin: int, overlap: Box, region: np.ndarray[Any, Any], size: int,
-                fetches: list[_Fetch], finish: list[Callable[[], None]]) -> None:
+                segments: dict[int, list[Segment]], finish: list[Callable[[], None]]) -> None:
         """Read the whole span of many short runs once, then copy the runs out of it; a span
         longer than a piece is split in two along its first dim of more than one element."""
         runs = byte_runs(read.src_box, overlap, size)
@@ -265,10 +270,10 @@ class Reader:
                 part = Box(tuple(o + lo if d == dim else o for d, o in enumerate(overlap.offsets)),
                            tuple(n if d == dim else m for d, m in enumerate(overlap.lengths)))
                 index = tuple(slice(lo * scale, (lo + n) * scale) if d == dim else slice(None) for d in range(ndim))
-                self._gather(read, begin, part, region[index], size, fetches, finish)
+                self._gather(read, begin, part, region[index], size, segments, finish)
             return
         scratch = self._arena().take(span)
-        fetches += self._ranges(read.file, begin + runs.start, scratch.data)
+        segments.setdefault(read.file, []).append((begin + runs.start, scratch.data))
         strides = [size] * len(read.src_box.lengths)
         for d in range(len(strides) - 2, -1, -1):
             strides[d] = strides[d + 1] * read.src_box.lengths[d + 1]
@@ -278,79 +283,6 @@ class Reader:
             region.view(_UINT[size]).reshape(overlap.lengths)[...] = typed
 
         finish.append(scatter)
-
-    def _ranges(self, file: int, offset: int, view: memoryview) -> list[_Fetch]:
-        """Fetches of the byte range [offset, offset + len(view)) of `file` into `view`, in pieces;
-        with block checksums, every block the range touches is read whole and checked."""
-        blocks = self.manifest.files[file].blocks
-        n = len(view)
-        if blocks is None:
-            return [_Fetch(file, offset + o, view[o : o + self.piece]) for o in range(0, n, self.piece)]
-        b = blocks.size
-        file_size = self.manifest.files[file].size
-        out: list[_Fetch] = []
-        first, last = offset // b, (offset + n - 1) // b
-        inner: list[int] = []
-        for k in range(first, last + 1):
-            lo, hi = k * b, min((k + 1) * b, file_size)
-            if lo >= offset and hi <= offset + n:
-                inner.append(k)
-                continue
-            self._partial_block(file, k, lo, hi, offset, view)
-        per_piece = max(1, self.piece // b)
-        for i in range(0, len(inner), per_piece):
-            ks = inner[i : i + per_piece]
-            lo, hi = ks[0] * b, min((ks[-1] + 1) * b, file_size)
-            part = view[lo - offset : hi - offset]
-            out.append(_Fetch(file, lo, part, [(k, part[(k - ks[0]) * b : (k - ks[0] + 1) * b]) for k in ks]))
-        return out
-
-    def _partial_block(self, file: int, k: int, lo: int, hi: int, offset: int, view: memoryview) -> None:
-        """Want the part of block k (file bytes [lo, hi)) that the range at `offset` (into `view`)
-        needs: the block is read whole once per call (or taken from the kept blocks) and checked."""
-        a, z = max(lo, offset), min(hi, offset + len(view))
-        wanted: dict[tuple[int, int], tuple[int, int, list[Any]]] = self._local.partial
-        wanted.setdefault((file, k), (lo, hi, []))[2].append((view[a - offset : z - offset], a - lo))
-
-    def _partial_fetches(self) -> list[_Fetch]:
-        """The fetches of this call's wanted blocks that are not kept already (those are copied now)."""
-        out = []
-        wanted: dict[tuple[int, int], tuple[int, int, list[Any]]] = self._local.partial
-        for (file, k), (lo, hi, targets) in wanted.items():
-            kept = self._kept(file, k)
-            if kept is not None:
-                for dest, start in targets:
-                    dest[:] = kept[start : start + len(dest)]
-                continue
-            buffer = self._arena().take(hi - lo).data
-
-            def copy(file: int = file, k: int = k, buffer: memoryview = buffer, targets: list[Any] = targets) -> None:
-                for dest, start in targets:
-                    dest[:] = buffer[start : start + len(dest)]
-                self._keep(file, k, bytes(buffer))
-
-            out.append(_Fetch(file, lo, buffer, [(k, buffer)], copy))
-        return out
-
-    def _whole_file_checks(self, fetches: list[_Fetch]) -> dict[int, Callable[[], None]]:
-        """For files without block checksums: a check of the whole-file checksum for every file
-        whose tensor bytes the fetches read exactly once, all of them (fetches sorted by offset)."""
-        spans: dict[int, list[_Fetch]] = {}
-        for f in fetches:
-            if self.manifest.files[f.file].blocks is None:
-                spans.setdefault(f.file, []).append(f)
-        checks: dict[int, Callable[[], None]] = {}
-        for file, mine in spans.items():
-            header, prefix = self.headers[file]
-            position = header.data_start
-            for f in mine:
-                if f.offset != position:
-                    break
-                position += len(f.view)
-            else:
-                if position == self.manifest.files[file].size:
-                    checks[file] = _whole_check(self, file, prefix, mine)
-        return checks
 
     def read_whole(self, fqn: str, *, pool: Executor | None = None) -> np.ndarray[Any, Any]:
         """Return tensor `fqn` whole as bytes (see `byte_shape`), from whatever shards hold it."""
@@ -363,14 +295,16 @@ class Reader:
         return out
 
 
-def _whole_check(reader: Reader, file: int, prefix: bytes, mine: list[_Fetch]) -> Callable[[], None]:
+def _whole_check(reader: Reader, file: int, span: Range) -> Callable[[], None]:
+    """The check of a file without block checksums whose tensor bytes `span` holds, all of them."""
     entry = reader.manifest.files[file]
+    prefix = reader.headers[file][1]
 
     def check() -> None:
         hasher = hasher_for(entry.checksum)
         hasher.update(prefix)
-        for f in mine:
-            hasher.update(f.view)
+        for _, view in span.segments:
+            hasher.update(view)
         if hasher.digest() != entry.checksum:
             raise IntegrityError(f"{reader._where(file)}: checksum mismatch: content hashes to {hasher.digest()}, "
                                  f"manifest says {entry.checksum}")
