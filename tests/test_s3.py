@@ -253,3 +253,51 @@ def test_a_failure_after_the_manifest_keeps_the_committed_files(s3_bucket: str) 
     storage.create("k", b"mine")
     with pytest.raises(CheckpointExistsError):
         storage.create("k", b"theirs")
+
+
+@pytest.mark.parametrize("fmt", ["hf", "zarr"])
+def test_two_exports_to_one_destination_exactly_one_commits(s3_bucket: str, fmt: str) -> None:
+    from ckptkit.io.checksum import checksum_of
+
+    source = str(Path(__file__).resolve().parents[1] / "fixtures" / "llama-v1.1")
+    dst = f"s3://{s3_bucket}/race-{fmt}"
+    barrier = threading.Barrier(2)
+    outcomes: dict[int, str] = {}
+
+    def exporter(i: int) -> None:
+        barrier.wait()
+        try:
+            ckptkit.export(source, dst, format=fmt, dtype="fp32" if fmt == "hf" else None)
+            outcomes[i] = "committed"
+        except CheckpointExistsError as exc:
+            outcomes[i] = f"refused: {exc}"
+
+    threads = [threading.Thread(target=exporter, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(outcomes.values())[0] == "committed" and len(outcomes) == 2, outcomes
+    assert sorted(outcomes.values())[1].startswith("refused: "), outcomes  # the other wrote nothing
+    storage = S3Storage(dst)
+    report = json.loads(storage.read("export_report.json"))
+    listed = {f["path"]: f["checksum"] for f in report["files"]}
+    assert {path: checksum_of(storage.read(path)) for path in listed} == listed  # one writer's files, whole
+    assert not storage.exists(".ckptkit-claim")
+    if fmt == "zarr":
+        assert ckptkit.verify(dst).ok
+
+
+def test_an_export_that_claims_a_committed_destination_backs_off_and_deletes_nothing(s3_bucket: str) -> None:
+    from ckptkit.io.catalog import locate
+    from ckptkit.io.commit import staging
+
+    source = str(Path(__file__).resolve().parents[1] / "fixtures" / "llama-v1.1")
+    dst = f"s3://{s3_bucket}/late"
+    ckptkit.export(source, dst, dtype="fp32")
+    storage = S3Storage(dst)
+    files = storage.list("")
+    # As a second export would, had it checked for DST just before the first one committed.
+    with pytest.raises(CheckpointExistsError, match="another writer committed it"):
+        staging(locate(dst), "late0123", fixed_paths=True)
+    assert storage.list("") == files and ".ckptkit-claim" not in files

@@ -3,7 +3,7 @@
 Call order: open the source and plan the output (an unmapped or missing tensor fails before
 anything is written); then stream the tensors one at a time (each read whole from whatever
 boxes hold it, converted, written) into a temporary directory, add the format's other files
-and the export report, and rename it into place. The same logical state gives byte-identical
+and the export report, and commit it as a checkpoint is committed (``ckptkit.io.commit``). The same logical state gives byte-identical
 files whatever topology saved it. The Hugging Face writer is here; ``export_dcp`` and
 ``zarr_form`` hold the others.
 """
@@ -21,12 +21,12 @@ from typing import Any
 
 from . import hf
 from .convert import CONVERSIONS
-from ..io.catalog import locate, refuse_nesting, temp_name
-from ..io.commit import discard
+from ..io.catalog import locate, refuse_nesting
+from ..io.commit import commit, discard, staging
 from ..io.checksum import checksum_of
 from ..io.write import write_safetensors
 from ..manifest.dtypes import itemsize
-from ..errors import CheckpointExistsError, LayoutError, StorageError
+from ..errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError
 from .source import (
     REPORT_NAME,
     ExportedFile,
@@ -119,12 +119,11 @@ def _export(
     refuse_nesting(src_loc, dst_loc)
     if dst_loc.storage.exists(dst_loc.name):
         raise CheckpointExistsError(f"{dst_loc}: already exists; choose another path or remove it")
-    # Written under a temporary name and renamed; an object store, which cannot rename, gets the
-    # files in place, the report last (a failed export deletes what it wrote).
-    in_place = not dst_loc.storage.capabilities.rename
-    tmp = dst_loc.name if in_place else temp_name(dst_loc.name, uuid.uuid4().hex[:12])
+    # Staged and committed as a checkpoint is, the files keeping their paths: under a temporary
+    # name renamed at the end, or on an object store in place under this writer's claim.
+    stage = staging(dst_loc, uuid.uuid4().hex[:12], fixed_paths=True)
     try:
-        written = writer(source, dst_loc.storage, tmp)
+        written = writer(source, dst_loc.storage, stage.root)
         report = ExportReport(
             format=format, dtype=out_dtype or "saved", source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
             step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
@@ -132,17 +131,15 @@ def _export(
             seconds=round(time.perf_counter() - started, 3),
         )
         data = report_bytes(report)
-        dst_loc.storage.write(f"{tmp}/{REPORT_NAME}", [data])
-        if written.finish is not None:
-            written.finish(ExportedFile(path=REPORT_NAME, size=len(data), checksum=checksum_of(data)))
-        if not in_place:
-            dst_loc.storage.rename(tmp, dst_loc.name)
+        if written.manifest is None:  # the report is the last file: it commits the export
+            commit(dst_loc, stage, data, update_latest=False, marker_name=REPORT_NAME)
+        else:  # the zarr form: the report is one of its files, its manifest commits it
+            dst_loc.storage.write(stage.key(REPORT_NAME), [data])
+            manifest_json = written.manifest(ExportedFile(path=REPORT_NAME, size=len(data), checksum=checksum_of(data)))
+            commit(dst_loc, stage, manifest_json, update_latest=False)
     except BaseException as exc:
-        # In place, losing the race to create the zarr form's manifest means another export of the
-        # same destination committed: its files are not ours to delete.
-        if not (in_place and isinstance(exc, CheckpointExistsError)):
-            discard(dst_loc.storage, tmp)
-        if isinstance(exc, OSError) and not isinstance(exc, StorageError):
+        discard(dst_loc.storage, stage)
+        if isinstance(exc, OSError) and not isinstance(exc, CkptkitError):
             raise StorageError(f"{dst_loc}: export failed, nothing written: {exc}") from exc
         raise
     return report

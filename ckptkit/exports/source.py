@@ -115,12 +115,12 @@ class ExportReport(BaseModel):
 @dataclass
 class Written:
     """What a format's writer wrote: the report's tensors and files, the tensors left out, and
-    what to do once the report is written (the zarr form writes its manifest last)."""
+    for a format that is also a checkpoint (the zarr form), its manifest given the report's file."""
 
     tensors: list[ExportedTensor]
     files: list[ExportedFile]
     skipped: list[str]
-    finish: Callable[[ExportedFile], None] | None = None
+    manifest: Callable[[ExportedFile], bytes] | None = None
 
 
 # A format's writer: (source, destination storage, temporary name) -> what it wrote.

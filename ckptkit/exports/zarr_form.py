@@ -282,7 +282,7 @@ def zarr_writer(source: Source, chunk_bytes: int = CHUNK_BYTES) -> Writer:
                 dst.write(f"{tmp}/{carried.path}", [read_checked(source.loc, carried)])
                 files.append(carried)
 
-        def finish(report_file: ExportedFile) -> None:
+        def manifest_of(report_file: ExportedFile) -> bytes:
             listed = (*files, FileEntry(path=report_file.path, size=report_file.size, checksum=report_file.checksum, role="format"))
             form = manifest.model_copy(update={
                 "checkpoint_id": uuid.uuid4().hex,
@@ -290,12 +290,9 @@ def zarr_writer(source: Source, chunk_bytes: int = CHUNK_BYTES) -> Writer:
                 "producer": Producer(ckptkit=__version__, python=platform.python_version()),
                 "files": listed, "tensors": tensors,
             })
-            if dst.capabilities.rename:
-                dst.write(f"{tmp}/{MANIFEST_NAME}", [manifest_to_json(form)])
-            else:  # written in place: the manifest commits, and only one writer can create it
-                dst.create(f"{tmp}/{MANIFEST_NAME}", manifest_to_json(form))
+            return manifest_to_json(form)
 
         out = [ExportedFile(path=f.path, size=f.size, checksum=f.checksum) for f in files]
-        return Written(report, out, [], finish)
+        return Written(report, out, [], manifest_of)
 
     return write

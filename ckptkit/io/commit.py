@@ -2,10 +2,13 @@
 clean-up of one that did not.
 
 Call order: `refuse_existing` (before anything is written), `staging` (where the files go), the
-writes under ``Staging.key``, then `commit` (manifest last, then ``latest``) or, on failure,
-`discard`. Where the storage renames, files go under ``.NAME.tmp-<id>/`` and are renamed at
-commit; an object store gets them in place under ``NAME/<id>/`` and the conditional create of
-the manifest decides which of two concurrent writers committed.
+writes under ``Staging.key``, then `commit` (the marker last: a checkpoint's manifest, an export's
+report; then ``latest``) or, on failure, `discard`. Where the storage renames, files go under
+``.NAME.tmp-<id>/`` and are renamed at commit. An object store gets a checkpoint's files in place
+under ``NAME/<id>/`` (the manifest names them), and the conditional create of the manifest
+decides which of two concurrent writers committed; an export, whose files must keep the paths
+the tool reading it expects, first claims ``NAME`` (``NAME/.ckptkit-claim``, created only if
+none exists), so a second writer fails before writing anything.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Staging:
 
     root: str  # the key prefix of the files being written
     paths: str  # the prefix of their paths in the manifest ("" or "<id>/")
+    claimed: bool = False  # written in place under this writer's claim of the name
 
     def key(self, path: str) -> str:
         """The storage key of the file whose manifest path (without prefix) is `path`."""
@@ -40,11 +44,35 @@ class Staging:
         return self.paths + path
 
 
-def staging(loc: Location, uid: str) -> Staging:
-    """Return where a new checkpoint at `loc` is written before its commit."""
+CLAIM_NAME = ".ckptkit-claim"
+
+
+def staging(loc: Location, uid: str, *, fixed_paths: bool = False) -> Staging:
+    """Return where a new checkpoint (or export) at `loc` is written before its commit.
+
+    With `fixed_paths` (an export: its files keep their paths), a storage that cannot rename
+    gets the files in place once this writer has claimed the name.
+
+    Raises:
+        CheckpointExistsError: another writer holds the claim (nothing was written).
+    """
     if loc.storage.capabilities.rename:
         return Staging(temp_name(loc.name, uid), "")
-    return Staging(loc.name, f"{uid}/")
+    if not fixed_paths:
+        return Staging(loc.name, f"{uid}/")
+    try:
+        loc.storage.create(loc.key(CLAIM_NAME), uid.encode())
+    except CheckpointExistsError:
+        raise CheckpointExistsError(
+            f"{loc}: another writer is writing it ({CLAIM_NAME} exists; remove {loc} if that writer died)"
+        ) from None
+    # A writer that committed has dropped its claim: the name must hold nothing but ours.
+    if loc.storage.list(loc.name) != [loc.key(CLAIM_NAME)]:
+        try:
+            loc.storage.delete(loc.key(CLAIM_NAME))
+        finally:
+            raise CheckpointExistsError(f"{loc}: already exists (another writer committed it); choose another path")
+    return Staging(loc.name, "", claimed=True)
 
 
 def refuse_existing(loc: Location) -> None:
@@ -62,24 +90,32 @@ def refuse_existing(loc: Location) -> None:
         raise CheckpointExistsError(f"{loc}: {what} already exists; choose another path or remove it")
 
 
-def commit(loc: Location, stage: Staging, manifest: bytes, *, update_latest: bool) -> None:
-    """Commit the checkpoint written under `stage`: write its manifest and rename it to its name
-    (or, where the storage cannot rename, create its manifest only if none exists), then (with
-    `update_latest`) move the root's latest pointer to it.
+def commit(
+    loc: Location, stage: Staging, marker: bytes, *, update_latest: bool, marker_name: str = MANIFEST_NAME
+) -> None:
+    """Commit what was written under `stage`: write its marker (the manifest, or an export's
+    report) and rename it to its name (or, where the storage cannot rename, create the marker
+    only if none exists, then drop this writer's claim), then (with `update_latest`) move the
+    root's latest pointer to it.
 
     Raises:
         CheckpointExistsError: another writer committed the same name first.
     """
     if loc.storage.capabilities.rename:
-        loc.storage.write(f"{stage.root}/{MANIFEST_NAME}", [manifest])
+        loc.storage.write(f"{stage.root}/{marker_name}", [marker])
         try:
             loc.storage.rename(stage.root, loc.name)
         except StorageError:
-            if loc.storage.exists(loc.key(MANIFEST_NAME)):
-                raise CheckpointExistsError(f"{loc}: another writer committed this checkpoint first") from None
+            if loc.storage.exists(loc.key(marker_name)):
+                raise CheckpointExistsError(f"{loc}: another writer committed it first") from None
             raise
     else:
-        loc.storage.create(loc.key(MANIFEST_NAME), manifest)
+        loc.storage.create(loc.key(marker_name), marker)
+        if stage.claimed:
+            try:
+                loc.storage.delete(loc.key(CLAIM_NAME))
+            except StorageError:
+                pass  # committed all the same; a claim left behind only keeps others from writing here
     if update_latest:
         write_latest(loc.storage, loc.name)
 
@@ -87,9 +123,12 @@ def commit(loc: Location, stage: Staging, manifest: bytes, *, update_latest: boo
 def discard(storage: Storage, stage: Staging | str) -> None:
     """Delete the files of a checkpoint that did not commit, quietly (they are a leftover if this
     fails). Files written in place are kept when the manifest there lists them: the commit
-    happened, and only a later step (moving ``latest``) failed."""
+    happened, and only a later step (moving ``latest``) failed. A claimed name is all this
+    writer's: everything under it goes, the claim last."""
     if isinstance(stage, str):
         prefix = stage
+    elif stage.claimed:
+        prefix = stage.root
     else:
         prefix = f"{stage.root}/{stage.paths}".rstrip("/")
         if stage.paths and _listed(storage, stage):

@@ -27,6 +27,7 @@ class Piece:
     reads: list[Segment] = field(default_factory=list)
     blocks: list[tuple[int, list[memoryview]]] = field(default_factory=list)  # (index, its bytes in order)
     keep: list[int] = field(default_factory=list)  # indices of checked blocks worth keeping (range ends)
+    copies: list[tuple[memoryview, memoryview]] = field(default_factory=list)  # (destination, checked bytes kept)
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +90,18 @@ def pieces(
     if blocks is None:
         return [Piece(file, span.slices(lo, min(lo + piece, span.end))) for lo in range(span.start, span.end, piece)]
     b = blocks.size
+    # An end block kept already (checked) gives its bytes inside the range too: nothing of it is read again.
+    copies: list[tuple[memoryview, memoryview]] = []
+    start, end = span.start, span.end
+    for k, lo, hi in ((start // b, start, min((start // b + 1) * b, end)), ((end - 1) // b, None, end)):
+        lo = max(k * b, start) if lo is None else lo
+        kept_copy = kept(k) if (lo % b or hi % b and hi != file_size) and lo < hi else None
+        if kept_copy is not None:
+            copies += [(view, memoryview(kept_copy)[a - k * b : a - k * b + len(view)]) for a, view in span.slices(lo, hi)]
+            start, end = (hi, end) if lo == start else (start, lo)
+    if start >= end:
+        return [Piece(file, copies=copies)]
+    span = Range(start, end, tuple(span.slices(start, end)))
     k0, k1 = span.start // b, (span.end - 1) // b
     outside: dict[int, tuple[memoryview, memoryview]] = {}  # block -> (bytes before, bytes after) the range
     extra: dict[int, list[Segment]] = {}  # reads of those outside bytes, by block
@@ -114,4 +127,5 @@ def pieces(
             if k in extra:
                 p.keep.append(k)
         out.append(p)
+    out[0].copies = copies
     return out

@@ -214,6 +214,8 @@ class Reader:
 
     def _run(self, piece: Piece) -> None:
         """Do a piece's reads, check its blocks, keep the checked end blocks."""
+        for dest, kept in piece.copies:
+            dest[:] = kept
         key = self.loc.key(self.manifest.files[piece.file].path)
         for offset, view in piece.reads:
             self.loc.storage.readinto(key, offset, view)
