@@ -199,7 +199,8 @@ def _write_shard(
             yield view
 
     tensors = [(name, out_dtype, manifest.tensors[source_of[name]].shape) for name in shard.names]
-    written = write_safetensors(dst, f"{tmp}/{shard.file}", shard.file, tensors, bodies(), metadata={"format": "pt"})
+    written = write_safetensors(dst, f"{tmp}/{shard.file}", shard.file, tensors, bodies(), metadata={"format": "pt"},
+                                blocks=False)
     return ExportedFile(path=shard.file, size=written.size, checksum=written.checksum)
 
 

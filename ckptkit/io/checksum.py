@@ -104,12 +104,14 @@ class BlockHasher:
 
 
 class FileHasher:
-    """The whole-file checksum and the block digests of a file being written, fed in order."""
+    """The whole-file checksum and (unless `blocks` is false: a file no ckptkit reader reads, such
+    as an export's) the block digests of a file being written, fed in order."""
 
-    def __init__(self, size_hint: int) -> None:
+    def __init__(self, size_hint: int, *, blocks: bool = True) -> None:
         self.whole = Hasher()
-        self.blocks = BlockHasher(block_size_for(size_hint))
+        self.blocks = BlockHasher(block_size_for(size_hint)) if blocks else None
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         self.whole.update(data)
-        self.blocks.update(data)
+        if self.blocks is not None:
+            self.blocks.update(data)

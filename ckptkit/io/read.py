@@ -104,6 +104,7 @@ class Reader:
         self.bytes_read = 0
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._header_locks: dict[int, threading.Lock] = {}
         self._blocks: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # checked blocks, least recent first
         self._cached = 0
 
@@ -123,12 +124,17 @@ class Reader:
                 blocks holding the header do not match their checksums.
         """
         found = self.headers.get(file)
-        if found is None:
-            found = read_header(self.loc, self.manifest, file)
-            blocks = self.manifest.files[file].blocks
-            if blocks is not None and found[1]:
-                self._check_prefix(file, blocks, found[1])
-            with self._lock:
+        if found is not None:
+            return found
+        with self._lock:
+            lock = self._header_locks.setdefault(file, threading.Lock())
+        with lock:  # one thread reads it; the others wait for it
+            found = self.headers.get(file)
+            if found is None:
+                found = read_header(self.loc, self.manifest, file)
+                blocks = self.manifest.files[file].blocks
+                if blocks is not None and found[1]:
+                    self._check_prefix(file, blocks, found[1])
                 self.headers[file] = found
         return found
 
@@ -288,13 +294,18 @@ class Reader:
 
     def read_whole(self, fqn: str, *, pool: Executor | None = None) -> np.ndarray[Any, Any]:
         """Return tensor `fqn` whole as bytes (see `byte_shape`), from whatever shards hold it."""
+        return self.read_tensors([fqn], pool=pool)[0]
+
+    def read_tensors(self, fqns: Sequence[str], *, pool: Executor | None = None) -> list[np.ndarray[Any, Any]]:
+        """Return tensors whole as bytes, read in one call: tensors that neighbour each other in
+        a file read their shared boundary blocks once."""
         from ..plan.load import plan_load
 
-        entry = self.manifest.tensors[fqn]
-        out = np.empty(byte_shape(entry.shape, itemsize(entry.dtype)), np.uint8)
-        box = Box((0,) * len(entry.shape), entry.shape)
-        self.fill(plan_load(self.manifest, [(fqn, box)]).targets, [out], pool=pool)
-        return out
+        entries = [self.manifest.tensors[fqn] for fqn in fqns]
+        outs = [np.empty(byte_shape(e.shape, itemsize(e.dtype)), np.uint8) for e in entries]
+        plan = plan_load(self.manifest, [(fqn, Box((0,) * len(e.shape), e.shape)) for fqn, e in zip(fqns, entries)])
+        self.fill(plan.targets, outs, pool=pool)
+        return outs
 
 
 def _whole_check(reader: Reader, file: int, span: Range) -> Callable[[], None]:

@@ -17,30 +17,34 @@ HEADER_METADATA = {"format": "pt", "producer": "ckptkit"}
 
 @dataclass(frozen=True, slots=True)
 class Written:
-    """A file as written: its path (as planned), size, whole-file checksum and block checksums."""
+    """A file as written: its path (as planned), size, whole-file checksum and block checksums
+    (None for a file written without them)."""
 
     path: str
     size: int
     checksum: str
-    blocks: BlockChecksums
+    blocks: BlockChecksums | None
 
     def entry(self, path: str | None = None, role: str = "tensors") -> FileEntry:
         """The manifest entry of the file, under `path` (default: as planned)."""
         return FileEntry(path=self.path if path is None else path, size=self.size, checksum=self.checksum,
-                         role=role, blocks=self.blocks)  # type: ignore[arg-type]
+                         role=role, blocks=self.blocks)  # type: ignore[arg-type]  # role: a Literal
 
 
 def blocks_of(hasher: BlockHasher) -> BlockChecksums:
     return BlockChecksums(size=hasher.block, digests=base64.b64encode(hasher.finish()).decode("ascii"))
 
 
-def write_stream(storage: Storage, key: str, path: str, chunks: Iterable[memoryview], size: int) -> Written:
-    """Write `chunks` (exactly `size` bytes in all) as the file `key`, hashing them on the way.
+def write_stream(
+    storage: Storage, key: str, path: str, chunks: Iterable[memoryview], size: int, *, blocks: bool = True
+) -> Written:
+    """Write `chunks` (exactly `size` bytes in all) as the file `key`, hashing them on the way
+    (with `blocks`, also block by block, as every payload a ckptkit reader reads needs).
 
     Raises:
         StorageError: the write failed (nothing is left under `key`).
     """
-    hasher = FileHasher(size)
+    hasher = FileHasher(size, blocks=blocks)
 
     def hashed() -> Iterator[memoryview]:
         for chunk in chunks:
@@ -48,15 +52,15 @@ def write_stream(storage: Storage, key: str, path: str, chunks: Iterable[memoryv
             yield chunk
 
     written = storage.write(key, hashed())
-    return Written(path, written, hasher.whole.digest(), blocks_of(hasher.blocks))
+    return Written(path, written, hasher.whole.digest(), None if hasher.blocks is None else blocks_of(hasher.blocks))
 
 
 def write_safetensors(
     storage: Storage, key: str, path: str, tensors: Sequence[tuple[str, str, tuple[int, ...]]], bodies: Iterable[memoryview],
-    *, metadata: dict[str, str] | None = None,
+    *, metadata: dict[str, str] | None = None, blocks: bool = True,
 ) -> Written:
     """Write a safetensors file of `tensors` ((key, dtype, shape), in file order) whose bytes come,
-    in the same order, from `bodies`; hash it on the way."""
+    in the same order, from `bodies`; hash it on the way (see `write_stream`)."""
     prefix, entries = build_header(list(tensors), HEADER_METADATA if metadata is None else metadata)
     size = max((e.end for e in entries.values()), default=len(prefix))
 
@@ -64,7 +68,7 @@ def write_safetensors(
         yield memoryview(prefix)
         yield from bodies
 
-    return write_stream(storage, key, path, chunks(), size)
+    return write_stream(storage, key, path, chunks(), size, blocks=blocks)
 
 
 def hash_padded(data: memoryview, pad: int) -> tuple[str, BlockChecksums]:
@@ -75,6 +79,7 @@ def hash_padded(data: memoryview, pad: int) -> tuple[str, BlockChecksums]:
     while pad > 0:
         hasher.update(memoryview(zeros)[: min(pad, len(zeros))])
         pad -= len(zeros)
+    assert hasher.blocks is not None
     return hasher.whole.digest(), blocks_of(hasher.blocks)
 
 
