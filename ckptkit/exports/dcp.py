@@ -98,7 +98,7 @@ class _StreamingPlanner(DefaultSavePlanner):
             return super().resolve_data(write_item)
         entry = self.source.manifest.tensors[fqn]
         out_dtype = output_dtype(entry.dtype, self.out_dtype)
-        (saved,) = self.source.read([fqn], lambda _: None)
+        saved = self.source.read(fqn)
         tensor = torch.from_numpy(saved).view(torch_dtype(entry.dtype)).reshape(entry.shape)
         out = tensor.to(torch_dtype(out_dtype)).contiguous()  # torch's own rounding, any float dtype
         self.report.append(exported(self.source, key, fqn, byte_view(out), out_dtype, ""))

@@ -24,7 +24,6 @@ REPORT_NAME = "export_report.json"
 READ_THREADS = 4
 AHEAD_THREADS = 3
 AHEAD_BYTES = 128 << 20
-BATCH_BYTES = 32 << 20
 
 
 @dataclass
@@ -47,46 +46,35 @@ class Source:
     def __exit__(self, *exc: object) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def read(self, fqns: Sequence[str], dtype: Callable[[str], str | None]) -> list[np.ndarray[Any, Any]]:
-        """Return tensors `fqns` whole as flat bytes (C order), read in one call, each converted
-        to ``dtype(fqn)`` (None keeps its saved dtype)."""
-        out = []
-        for fqn, data in zip(fqns, self.reader.read_tensors(fqns, pool=self.pool)):
-            saved = self.manifest.tensors[fqn].dtype
-            out.append(convert(data, saved, dtype(fqn) or saved))
-        return out
+    def read(self, fqn: str, dtype: str | None = None) -> np.ndarray[Any, Any]:
+        """Return tensor `fqn` whole as flat bytes (C order), converted to `dtype` if given."""
+        data = self.reader.read_whole(fqn, pool=self.pool)
+        saved = self.manifest.tensors[fqn].dtype
+        return convert(data, saved, dtype or saved)
 
     def stream(self, fqns: Sequence[str], dtype: Callable[[str], str | None]) -> Iterator[tuple[str, np.ndarray[Any, Any]]]:
         """Yield (fqn, bytes) for `fqns` in order, each converted to ``dtype(fqn)``.
 
         Helper threads read and convert the next tensors while the caller uses the current
-        ones, in batches of about BATCH_BYTES (tensors that neighbour each other in a file then
-        read their shared blocks once), up to AHEAD_BYTES of saved bytes ahead (always at least
-        the next batch), so many small tensors keep the disk busy and memory stays bounded.
+        one, up to AHEAD_BYTES of saved bytes ahead (always at least the next tensor), so many
+        small tensors keep the disk busy and memory stays bounded.
         """
         sizes = [math.prod(self.manifest.tensors[f].shape) * itemsize(self.manifest.tensors[f].dtype) for f in fqns]
-        batches: list[tuple[list[str], int]] = []
-        for fqn, size in zip(fqns, sizes):
-            if not batches or batches[-1][1] >= BATCH_BYTES:
-                batches.append(([], 0))
-            batches[-1][0].append(fqn)
-            batches[-1] = (batches[-1][0], batches[-1][1] + size)
         with ThreadPoolExecutor(AHEAD_THREADS) as ahead:
-            queue: deque[tuple[list[str], Future[list[np.ndarray[Any, Any]]], int]] = deque()
+            queue: deque[tuple[str, Future[np.ndarray[Any, Any]], int]] = deque()
             submitted = 0
             held = 0
-            for _ in batches:
-                while submitted < len(batches) and (not queue or held + batches[submitted][1] <= AHEAD_BYTES):
-                    names, size = batches[submitted]
-                    queue.append((names, ahead.submit(self.read, names, dtype), size))
-                    held += size
+            for _ in fqns:
+                while submitted < len(fqns) and (not queue or held + sizes[submitted] <= AHEAD_BYTES):
+                    fqn = fqns[submitted]
+                    queue.append((fqn, ahead.submit(self.read, fqn, dtype(fqn)), sizes[submitted]))
+                    held += sizes[submitted]
                     submitted += 1
-                names, future, size = queue.popleft()
-                datas = future.result()
+                fqn, future, size = queue.popleft()
+                data = future.result()
                 held -= size
-                for fqn in names:
-                    yield fqn, datas.pop(0)
-                del datas
+                yield fqn, data
+                del data
 
 
 class ExportedTensor(BaseModel):

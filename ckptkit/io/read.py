@@ -47,8 +47,8 @@ PIECE = 16 << 20
 SMALL_RUN = 64 << 10
 # Blocks read whole for the ends of ranges (and headers) are kept, checked, up to this many bytes:
 # neighbouring ranges and the first tensor after a header then read a shared block once.
-BLOCK_CACHE = 64 << 20
-ARENA_KEEP = 2 * PIECE  # scratch memory a thread keeps between calls
+BLOCK_CACHE = 16 << 20
+KEEP_SCRATCH = 4 << 20  # scratch memory a thread keeps between calls, by default
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -69,14 +69,15 @@ class _Arena:
     """Scratch memory of one thread's `fill` calls, reused from call to call (fresh buffers would
     fault every page again): slices handed out in order, all given back when the next call starts."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
         self.memory = np.empty(0, np.uint8)
         self.used = 0
         self.wanted = 0
 
     def reset(self) -> None:
-        if self.wanted > len(self.memory):  # grow, up to ARENA_KEEP: larger needs get fresh buffers, freed after
-            self.memory = np.empty(min(self.wanted, ARENA_KEEP), np.uint8)
+        if self.wanted > len(self.memory) and len(self.memory) < self.keep:  # grow, up to `keep`: larger
+            self.memory = np.empty(min(self.wanted, self.keep), np.uint8)  # needs get fresh buffers, freed after
         self.used = self.wanted = 0
 
     def take(self, n: int) -> np.ndarray[Any, Any]:
@@ -95,11 +96,15 @@ class Reader:
     Thread-safe: several threads may call `fill` at once.
     """
 
-    def __init__(self, loc: Location, manifest: Manifest, *, piece: int = PIECE, small_run: int = SMALL_RUN) -> None:
+    def __init__(
+        self, loc: Location, manifest: Manifest, *, piece: int = PIECE, small_run: int = SMALL_RUN,
+        keep_scratch: int = KEEP_SCRATCH,
+    ) -> None:
         self.loc = loc
         self.manifest = manifest
         self.piece = piece
         self.small_run = small_run
+        self.keep_scratch = keep_scratch  # per thread, for callers making many calls of similar needs
         self.headers: Headers = {}
         self.bytes_read = 0
         self._lock = threading.Lock()
@@ -111,7 +116,7 @@ class Reader:
     def _arena(self) -> _Arena:
         arena: _Arena | None = getattr(self._local, "arena", None)
         if arena is None:
-            arena = self._local.arena = _Arena()
+            arena = self._local.arena = _Arena(self.keep_scratch)
         return arena
 
     # --- headers ---------------------------------------------------------------------------------
@@ -294,18 +299,12 @@ class Reader:
 
     def read_whole(self, fqn: str, *, pool: Executor | None = None) -> np.ndarray[Any, Any]:
         """Return tensor `fqn` whole as bytes (see `byte_shape`), from whatever shards hold it."""
-        return self.read_tensors([fqn], pool=pool)[0]
-
-    def read_tensors(self, fqns: Sequence[str], *, pool: Executor | None = None) -> list[np.ndarray[Any, Any]]:
-        """Return tensors whole as bytes, read in one call: tensors that neighbour each other in
-        a file read their shared boundary blocks once."""
         from ..plan.load import plan_load
 
-        entries = [self.manifest.tensors[fqn] for fqn in fqns]
-        outs = [np.empty(byte_shape(e.shape, itemsize(e.dtype)), np.uint8) for e in entries]
-        plan = plan_load(self.manifest, [(fqn, Box((0,) * len(e.shape), e.shape)) for fqn, e in zip(fqns, entries)])
-        self.fill(plan.targets, outs, pool=pool)
-        return outs
+        entry = self.manifest.tensors[fqn]
+        out = np.empty(byte_shape(entry.shape, itemsize(entry.dtype)), np.uint8)
+        self.fill(plan_load(self.manifest, [(fqn, Box((0,) * len(entry.shape), entry.shape))]).targets, [out], pool=pool)
+        return out
 
 
 def _whole_check(reader: Reader, file: int, span: Range) -> Callable[[], None]:

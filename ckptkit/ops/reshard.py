@@ -189,7 +189,8 @@ def _write_jobs(
     lookup = ShardLookup(manifest)
     with collector_paused():
         reads = {job.plan.path: plan_reads(manifest, job, lookup) for job in jobs}
-    reader = Reader(src_loc, manifest, piece=PIECE, small_run=SMALL_RUN)
+    # Each writer thread fills one piece per call: it keeps the scratch of a piece between calls.
+    reader = Reader(src_loc, manifest, piece=PIECE, small_run=SMALL_RUN, keep_scratch=2 * PIECE)
     files = sorted({r.file for targets in reads.values() for target in targets for r in target.reads})
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         for _ in pool.map(reader.header_of, files):
