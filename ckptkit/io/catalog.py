@@ -39,7 +39,7 @@ class Location:
         return f"{self.name}/{relative}"
 
     def __str__(self) -> str:
-        root = getattr(self.storage, "root", "")
+        root = self.storage.root
         return os.path.join(root, self.name) if root else self.name
 
 
@@ -175,10 +175,9 @@ def list_root(path: str | os.PathLike[str]) -> Listing:
 
 
 def _root_exists(storage: Storage) -> bool:
-    root = getattr(storage, "root", None)
-    if isinstance(root, str) and "://" in root:  # an object store: a root exists while it holds keys
-        return bool(storage.list("", recursive=False))
-    return os.path.isdir(root) if isinstance(root, str) else True
+    if storage.capabilities.local_files:
+        return os.path.isdir(storage.root)
+    return bool(storage.list("", recursive=False))  # elsewhere a root exists while it holds keys
 
 
 def step_of(storage: Storage, name: str) -> int | None:

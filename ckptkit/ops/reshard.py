@@ -218,15 +218,14 @@ def _check_sources(loc: Location, manifest: Manifest, files: list[int]) -> list[
     Local files are hashed through a read-only memory map: the pages the copy threads read
     are hashed in place from the page cache, without a second copy into this process.
     """
-    path_of = getattr(loc.storage, "path", None)
-    if path_of is None:
+    if not loc.storage.capabilities.local_files:
         return [f"{loc}/{f.where}: {f.message}" for f in checksum_findings(loc, manifest, files, 1, None)[0]]
     problems = []
     for index in files:
         entry = manifest.files[index]
         hasher = hasher_for(entry.checksum)
         try:
-            with open(path_of(loc.key(entry.path)), "rb") as f:
+            with open(loc.storage.local_path(loc.key(entry.path)), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size:
                     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:

@@ -16,10 +16,12 @@ class Capabilities:
     """What a backend can do beyond the basics.
 
     ``rename``: a prefix can be renamed atomically, so a checkpoint can be written under a
-    temporary name and appear whole.
+    temporary name and appear whole. ``local_files``: every key is a file of a local directory,
+    whose path ``local_path(key)`` gives (for writers that need paths: tensorstore, torch DCP).
     """
 
     rename: bool
+    local_files: bool = False
 
 
 @runtime_checkable
@@ -33,6 +35,17 @@ class Storage(Protocol):
 
     @property
     def capabilities(self) -> Capabilities: ...
+
+    @property
+    def root(self) -> str:
+        """Where the storage is, as users name it: a local directory or a URL ('' in memory)."""
+
+    def local_path(self, key: str) -> str:
+        """The file-system path of `key` where ``capabilities.local_files``.
+
+        Raises:
+            StorageError: the keys are not local files.
+        """
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         """Return `length` bytes from `offset` (to the end when `length` is None)."""

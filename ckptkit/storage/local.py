@@ -29,7 +29,10 @@ class LocalStorage:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(rename=True)
+        return Capabilities(rename=True, local_files=True)
+
+    def local_path(self, key: str) -> str:
+        return self.path(key)
 
     def path(self, key: str) -> str:
         """Return the file-system path of `key`.

@@ -12,6 +12,8 @@ from .base import Buffer, Capabilities, check_key
 class MemoryStorage:
     """A dict of bytes behind the storage protocol; thread-safe."""
 
+    root = ""
+
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
         self._lock = threading.Lock()
@@ -19,6 +21,9 @@ class MemoryStorage:
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(rename=True)
+
+    def local_path(self, key: str) -> str:
+        raise StorageError(f"{key}: an in-memory storage has no files")
 
     def _get(self, key: str) -> bytes:
         check_key(key)

@@ -69,6 +69,9 @@ class S3Storage:
     def capabilities(self) -> Capabilities:
         return Capabilities(rename=False)
 
+    def local_path(self, key: str) -> str:
+        raise StorageError(f"{self.root}/{key}: an object store has no local files")
+
     def _key(self, key: str) -> str:
         return self.prefix + check_key(key)
 

@@ -145,3 +145,28 @@ def test_local_write_leaves_no_temporary_files(tmp_path: Path) -> None:
     store = LocalStorage(tmp_path)
     store.write("d/f", [b"x" * 1000])
     assert sorted(os.listdir(tmp_path / "d")) == ["f"]
+
+
+def test_local_paths_exist_exactly_where_the_capabilities_say(storage: Storage) -> None:
+    storage.write("a/b", [b"xyz"])
+    if storage.capabilities.local_files:
+        with open(storage.local_path("a/b"), "rb") as f:
+            assert f.read() == b"xyz"
+        assert os.path.isdir(storage.root)
+    else:
+        with pytest.raises(StorageError):
+            storage.local_path("a/b")
+    assert isinstance(storage.root, str)
+
+
+def test_schemes_open_their_backends_and_an_unknown_one_is_refused(tmp_path: Path) -> None:
+    from ckptkit.storage import LocalStorage, open_storage, register_scheme, SCHEMES
+
+    assert isinstance(open_storage(f"file://{tmp_path}"), LocalStorage)
+    with pytest.raises(StorageError, match=r"no storage backend for scheme 'gs' \(supported: local paths, file://, s3://\)"):
+        open_storage("gs://bucket/x")
+    register_scheme("mem-test", lambda url: MemoryStorage())
+    try:
+        assert isinstance(open_storage("mem-test://anything"), MemoryStorage)
+    finally:
+        del SCHEMES["mem-test"]
