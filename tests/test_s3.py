@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,16 +83,15 @@ def test_load_time_resharding_reads_only_the_needed_ranges(s3_bucket: str, monke
         (start, end - start), (start // block * block, start % block), (end, block - end % block)]
 
 
-@pytest.mark.parametrize("round_", range(5))
-def test_two_writers_of_the_same_step_exactly_one_commits(s3_bucket: str, round_: int) -> None:
-    path = f"s3://{s3_bucket}/race/step_00000007"
+def _race(write: Callable[[int], object]) -> dict[int, str]:
+    """Run write(0) and write(1) at once; return each one's outcome ("committed" or "refused: ...")."""
     barrier = threading.Barrier(2)
     outcomes: dict[int, str] = {}
 
     def writer(i: int) -> None:
         barrier.wait()
         try:
-            ckptkit.save(_state(100 + i), path, step=7)
+            write(i)
             outcomes[i] = "committed"
         except CheckpointExistsError as exc:
             outcomes[i] = f"refused: {exc}"
@@ -100,7 +100,14 @@ def test_two_writers_of_the_same_step_exactly_one_commits(s3_bucket: str, round_
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(120)
+    return outcomes
+
+
+@pytest.mark.parametrize("round_", range(5))
+def test_two_writers_of_the_same_step_exactly_one_commits(s3_bucket: str, round_: int) -> None:
+    path = f"s3://{s3_bucket}/race/step_00000007"
+    outcomes = _race(lambda i: ckptkit.save(_state(100 + i), path, step=7))
     winners = [i for i, o in outcomes.items() if o == "committed"]
     assert len(winners) == 1 and len(outcomes) == 2, outcomes
     loser = 1 - winners[0]
@@ -261,22 +268,7 @@ def test_two_exports_to_one_destination_exactly_one_commits(s3_bucket: str, fmt:
 
     source = str(Path(__file__).resolve().parents[1] / "fixtures" / "llama-v1.1")
     dst = f"s3://{s3_bucket}/race-{fmt}"
-    barrier = threading.Barrier(2)
-    outcomes: dict[int, str] = {}
-
-    def exporter(i: int) -> None:
-        barrier.wait()
-        try:
-            ckptkit.export(source, dst, format=fmt, dtype="fp32" if fmt == "hf" else None)
-            outcomes[i] = "committed"
-        except CheckpointExistsError as exc:
-            outcomes[i] = f"refused: {exc}"
-
-    threads = [threading.Thread(target=exporter, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    outcomes = _race(lambda i: ckptkit.export(source, dst, format=fmt, dtype="fp32" if fmt == "hf" else None))
     assert sorted(outcomes.values())[0] == "committed" and len(outcomes) == 2, outcomes
     assert sorted(outcomes.values())[1].startswith("refused: "), outcomes  # the other wrote nothing
     storage = S3Storage(dst)

@@ -42,7 +42,7 @@ def reference_llama(config: Mapping[str, Any]) -> Layout:
     TP rank and gate, up likewise (each split evenly), vocabularies padded to a multiple of tp."""
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
     c = _need(config, keys, "llama")
-    v, h, f, heads, kv = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_heads"], c["num_kv_heads"]
+    h, f, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_heads"], c["num_kv_heads"]
     hd = h // heads
     p = f"layers.{L}."
     layer = Unit(name=f"layers.{L}", place="layers", params=(
@@ -54,15 +54,26 @@ def reference_llama(config: Mapping[str, Any]) -> Layout:
         _param("mlp.gate_up.weight", [(p + "mlp.gate.weight", (f, h)), (p + "mlp.up.weight", (f, h))], 0),
         _param("mlp.down.weight", [(p + "mlp.down.weight", (h, f))], 1),
     ))
-    units = [Unit(name="embed", place="first", params=(_param("weight", [("embed.weight", (v, h))], 0, pad_multiple=1),)),
-             layer, Unit(name="norm", place="last", params=(_param("weight", [("norm.weight", (h,))]),))]
+    return _decoder("llama", c, c["num_layers"], layer, ("embed", "embed.weight"), ("norm", "norm.weight"),
+                    "lm_head.weight", bool(c.get("tie_embeddings")), kv)
+
+
+def _decoder(
+    name: str, config: dict[str, Any], layers: int, layer: Unit, embed: tuple[str, str], norm: tuple[str, str],
+    head: str, tied: bool, kv: int,
+) -> Layout:
+    """A decoder-only layout: the (unit, tensor) of a vocabulary-parallel embedding first, the
+    layer unit, the final norm and (unless tied to the embedding) a vocabulary-parallel head last."""
+    v, h, heads = config["vocab_size"], config["hidden_size"], config.get("num_heads") or config["num_attention_heads"]
+    units = [Unit(name=embed[0], place="first", params=(_param("weight", [(embed[1], (v, h))], 0, pad_multiple=1),)),
+             layer, Unit(name=norm[0], place="last", params=(_param("weight", [(norm[1], (h,))]),))]
     constraints = [Constraint(axis="tp", divides=heads, what="attention heads"),
                    Constraint(axis="tp", divides=kv, what="key/value heads")]
-    if c.get("tie_embeddings"):
+    if tied:
         constraints.append(Constraint(axis="pp", at_most=1, what="tied embeddings need the embedding and the head on one stage"))
     else:
-        units.append(Unit(name="lm_head", place="last", params=(_param("weight", [("lm_head.weight", (v, h))], 0, pad_multiple=1),)))
-    return Layout(name="llama", config=c, num_layers=c["num_layers"], units=tuple(units), constraints=tuple(constraints))
+        units.append(Unit(name="lm_head", place="last", params=(_param("weight", [(head, (v, h))], 0, pad_multiple=1),)))
+    return Layout(name=name, config=config, num_layers=layers, units=tuple(units), constraints=tuple(constraints))
 
 
 def hf_llama(config: Mapping[str, Any]) -> Layout:
@@ -70,7 +81,7 @@ def hf_llama(config: Mapping[str, Any]) -> Layout:
     q, k, v biases), tensors under their Hugging Face names, Megatron-style TP cuts."""
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     c = _need(config, keys, "hf-llama")
-    v, h, f, heads = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
+    h, f, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
     hd = c.get("head_dim") or h // heads
     bias = bool(c.get("attention_bias", False))
@@ -87,16 +98,9 @@ def hf_llama(config: Mapping[str, Any]) -> Layout:
         _param("mlp.up_proj.weight", [(p + "mlp.up_proj.weight", (f, h))], 0),
         _param("mlp.down_proj.weight", [(p + "mlp.down_proj.weight", (h, f))], 1),
     ]
-    units = [Unit(name="embed_tokens", place="first", params=(_param("weight", [("model.embed_tokens.weight", (v, h))], 0, pad_multiple=1),)),
-             Unit(name=f"model.layers.{L}", place="layers", params=tuple(params)),
-             Unit(name="norm", place="last", params=(_param("weight", [("model.norm.weight", (h,))]),))]
-    constraints = [Constraint(axis="tp", divides=heads, what="attention heads"),
-                   Constraint(axis="tp", divides=kv, what="key/value heads")]
-    if c.get("tie_word_embeddings"):
-        constraints.append(Constraint(axis="pp", at_most=1, what="tied embeddings need the embedding and the head on one stage"))
-    else:
-        units.append(Unit(name="lm_head", place="last", params=(_param("weight", [("lm_head.weight", (v, h))], 0, pad_multiple=1),)))
-    return Layout(name="hf-llama", config=c, num_layers=c["num_hidden_layers"], units=tuple(units), constraints=tuple(constraints))
+    layer = Unit(name=f"model.layers.{L}", place="layers", params=tuple(params))
+    return _decoder("hf-llama", c, c["num_hidden_layers"], layer, ("embed_tokens", "model.embed_tokens.weight"),
+                    ("norm", "model.norm.weight"), "lm_head.weight", bool(c.get("tie_word_embeddings")), kv)
 
 
 def gpt2(config: Mapping[str, Any]) -> Layout:
