@@ -58,5 +58,8 @@ def layout_for(manifest: Manifest, *, where: str = "checkpoint") -> Layout:
             f"{where}: the checkpoint records no layout and names no model (info.model), so its tensors cannot be "
             f"placed on a new topology; give one with --layout FILE (built in: {', '.join(sorted(FAMILIES))})"
         )
-    return builtin(model.family, dict(model.config))
+    try:
+        return builtin(model.family, dict(model.config))
+    except LayoutError as exc:
+        raise LayoutError(f"{where}: info.model names no usable layout: {exc}") from None
 
