@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import time
 import uuid
 from collections.abc import Iterator

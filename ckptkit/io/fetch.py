@@ -108,10 +108,8 @@ def pieces(
     for k, lo, hi in ((k0, k0 * b, span.start), (k1, span.end, min((k1 + 1) * b, file_size))):
         if hi <= lo:
             continue
-        copy = kept(k)
-        part = memoryview(copy)[lo - k * b : hi - k * b] if copy is not None else scratch(hi - lo)
-        if copy is None:
-            extra.setdefault(k, []).append((lo, part))
+        part = scratch(hi - lo)  # not kept (a kept end block was taken whole above): read it
+        extra.setdefault(k, []).append((lo, part))
         before, after = outside.get(k, (memoryview(b""), memoryview(b"")))
         outside[k] = (part, after) if lo < span.start else (before, part)
     per = max(1, piece // b)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..manifest import BlockChecksums, FileEntry
 from .safetensors import build_header
 from ..storage import Storage
-from .checksum import BlockHasher, FileHasher, block_size_for
+from .checksum import BlockHasher, FileHasher
 
 HEADER_METADATA = {"format": "pt", "producer": "ckptkit"}
 
@@ -83,4 +83,4 @@ def hash_padded(data: memoryview, pad: int) -> tuple[str, BlockChecksums]:
     return hasher.whole.digest(), blocks_of(hasher.blocks)
 
 
-__all__ = ["Written", "block_size_for", "hash_padded", "write_safetensors", "write_stream"]
+__all__ = ["Written", "blocks_of", "hash_padded", "write_safetensors", "write_stream"]
