@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..errors import CheckpointExistsError, StorageError
 from ..manifest import MANIFEST_NAME
 from ..storage import Storage
-from .catalog import Location, temp_name, write_latest
+from .catalog import LATEST_NAME, Location, temp_name, write_latest
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +100,9 @@ def commit(
 
     Raises:
         CheckpointExistsError: another writer committed the same name first.
+        StorageError: a write failed: before the marker, nothing was committed; when moving
+            ``latest``, the checkpoint is committed and the pointer still names the previous one
+            (the message says which).
     """
     if loc.storage.capabilities.rename:
         loc.storage.write(f"{stage.root}/{marker_name}", [marker])
@@ -117,7 +120,19 @@ def commit(
             except StorageError:
                 pass  # committed all the same; a claim left behind only keeps others from writing here
     if update_latest:
+        _move_latest(loc)
+
+
+def _move_latest(loc: Location) -> None:
+    """Point the root's ``latest`` at the checkpoint just committed. Its failure comes after the
+    commit, so the error says so: the checkpoint stays, loadable by its name."""
+    try:
         write_latest(loc.storage, loc.name)
+    except OSError as exc:  # StorageError, or a backend's bare OSError (ENOSPC)
+        raise StorageError(
+            f"{loc}: the checkpoint is committed, but the {LATEST_NAME} pointer was not moved to it "
+            f"(it still names the previous one): {exc}; load it by its name (the next save moves {LATEST_NAME})"
+        ) from exc
 
 
 def discard(storage: Storage, stage: Staging | str) -> None:
@@ -145,6 +160,14 @@ def _listed(storage: Storage, stage: Staging) -> bool:
         raw = json.loads(storage.read(f"{stage.root}/{MANIFEST_NAME}"))
         return any(str(f.get("path", "")).startswith(stage.paths) for f in raw.get("files", []))
     except StorageError:
-        return False
+        return _exists(storage, f"{stage.root}/{MANIFEST_NAME}")  # one there but unreadable: keep
     except (ValueError, AttributeError, TypeError):
         return True  # unreadable: keep everything rather than guess
+
+
+def _exists(storage: Storage, key: str) -> bool:
+    """Whether `key` exists; True when even that cannot be told (keep rather than delete)."""
+    try:
+        return storage.exists(key)
+    except StorageError:
+        return True

@@ -92,7 +92,8 @@ def save(
             a value is neither a tensor nor JSON, or the layout does not fit the tensors or
             the topology.
         CheckpointExistsError: something already exists at `path`.
-        StorageError: a write failed; nothing was committed.
+        StorageError: a write failed; nothing was committed, unless the message says the
+            checkpoint is committed and only the root's ``latest`` pointer was not moved.
     """
     coll = default_collective(process_group)
     loc = locate(path, storage)

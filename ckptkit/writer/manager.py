@@ -212,17 +212,21 @@ class CheckpointManager:
     def reading(self, step: int | None = None) -> Iterator[str]:
         """Hold checkpoint `step` (default: the latest) against deletion while the block reads
         it; yields its name under the root (a lease file under ``.leases/`` marks it for other
-        processes too)."""
+        processes too).
+
+        Raises:
+            CheckpointNotFoundError: there is no such committed checkpoint, or retention (of
+                this or another process) removed it, or is removing it, as the lease was taken.
+        """
         name = self.name_format.format(step=step) if step is not None else read_latest(self.storage)
         if not name:
             raise CheckpointNotFoundError(f"{self.root}: no {LATEST_NAME} pointer, so no latest checkpoint")
+        if not self.storage.exists(f"{name}/{MANIFEST_NAME}"):
+            raise CheckpointNotFoundError(f"{self.root}/{name}: no committed checkpoint")
         with self._lock:
             self._reading[name] = self._reading.get(name, 0) + 1
         try:
-            with retention.lease(self.storage, name):
-                # Retention elsewhere may have deleted it between our reading its name and the lease.
-                if not self.storage.exists(f"{name}/{MANIFEST_NAME}"):
-                    raise CheckpointNotFoundError(f"{self.root}/{name}: no committed checkpoint")
+            with retention.lease(self.storage, name):  # checks that retention is not deleting it
                 yield name
         finally:
             with self._lock:
@@ -238,7 +242,11 @@ class CheckpointManager:
             return load(name, target, storage=self.storage)
 
     def apply_retention(self) -> list[str]:
-        """Delete the checkpoints the policy does not keep; return their names."""
+        """Delete the checkpoints the policy does not keep and no reader holds; return their names.
+
+        A reader's lease is honoured whenever it is taken: `retention.apply` marks each
+        checkpoint before checking its leases again, and a reader checks for marks after
+        taking its lease."""
         committed = self._committed()
         with self._lock:
             local = set(self._reading)

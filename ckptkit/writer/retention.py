@@ -9,6 +9,15 @@ first, so that a checkpoint half deleted never looks committed.
 A read lease is a small file ``.leases/<name>/<host>-<pid>-<id>`` under the root, held while
 a reader uses the checkpoint (`lease`). A lease of a process of this host that no longer runs
 is stale and ignored.
+
+Readers and deleters agree through a second kind of file there, a deletion mark
+``.leases/<name>/.deleting-<host>-<pid>-<id>``. Each side writes its own file first and then
+looks for the other's: the deleter marks, checks for live leases and backs off (removing its
+mark) if it finds one, else deletes; the reader leases, then checks for a live mark and then for
+the manifest (in that order), and gives up with `CheckpointNotFoundError` if either says the
+checkpoint is going. Whichever wrote second sees the first's file, so a reader either keeps an
+intact checkpoint until it releases its lease or learns that retention removed it. A mark, like
+a lease, of a process of this host that no longer runs is stale and ignored.
 """
 
 from __future__ import annotations
@@ -22,9 +31,11 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from ..io.catalog import LEASES_NAME as LEASES
-from ..errors import StorageError
+from ..errors import CheckpointNotFoundError, StorageError
 from ..manifest import MANIFEST_NAME
 from ..storage import Storage
+
+MARK_PREFIX = ".deleting-"  # a deletion mark among the leases (a lease starts with its host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,49 +68,104 @@ def plan_deletions(
 
 
 def apply(storage: Storage, names: list[str]) -> list[str]:
-    """Delete each checkpoint of `names`: its manifest first, then the rest. Return those deleted
-    (one that cannot be deleted is left, at worst as a leftover without manifest)."""
-    done = []
-    for name in names:
-        try:
-            storage.delete(f"{name}/{MANIFEST_NAME}")
-            storage.delete(name)
-            storage.delete(f"{LEASES}/{name}")
-        except StorageError:
-            continue
-        done.append(name)
-    return done
+    """Delete each checkpoint of `names` that no live lease holds; return those deleted.
+
+    Each is first marked as being deleted, then its leases are checked again (a reader may have
+    taken one since `busy`): a held one is left as it was, mark removed. Otherwise its manifest
+    goes first, then the rest, its leases and marks last (one that cannot be deleted is left, at
+    worst as a leftover without manifest).
+    """
+    return [name for name in names if _delete(storage, name)]
 
 
 def busy(storage: Storage, names: Collection[str]) -> set[str]:
-    """Return the names among `names` that hold a live read lease."""
+    """Return the names among `names` that hold a live read lease (a first, cheap filter:
+    `apply` checks again under its mark)."""
     out = set()
     for name in names:
-        try:
-            leases = storage.list(f"{LEASES}/{name}")
-        except StorageError:
-            continue
-        if any(_live(storage, key) for key in leases):
-            out.add(name)
+        with contextlib.suppress(StorageError):
+            if _held(storage, name):
+                out.add(name)
     return out
 
 
 @contextlib.contextmanager
 def lease(storage: Storage, name: str) -> Iterator[None]:
-    """Hold a read lease on checkpoint `name` of the root `storage` for the duration of the block."""
-    key = f"{LEASES}/{name}/{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    storage.write(key, [json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()])
+    """Hold a read lease on checkpoint `name` of the root `storage` for the duration of the block.
+
+    Raises:
+        CheckpointNotFoundError: retention removed the checkpoint, or is removing it, before
+            the lease was taken (the lease is released).
+    """
+    key = f"{LEASES}/{name}/{_owner_id()}"
+    storage.write(key, [_owner_doc()])
     try:
+        # The mark first: a deleter drops its mark only after deleting the manifest (or after
+        # backing off, keeping the checkpoint), so no mark then a manifest means it stays.
+        if _marked(storage, name) or not storage.exists(f"{name}/{MANIFEST_NAME}"):
+            where = f"{storage.root}/{name}" if storage.root else name
+            raise CheckpointNotFoundError(f"{where}: removed by retention (deleted or being deleted); read a newer one")
         yield
     finally:
         with contextlib.suppress(StorageError):
             storage.delete(key)
 
 
+def _delete(storage: Storage, name: str) -> bool:
+    """Mark `name`, re-check its leases, and delete it unless one is live; return whether deleted."""
+    mark = f"{LEASES}/{name}/{MARK_PREFIX}{_owner_id()}"
+    try:
+        storage.write(mark, [_owner_doc()])
+        if _held(storage, name):
+            _unmark(storage, mark)
+            return False
+        storage.delete(f"{name}/{MANIFEST_NAME}")
+    except StorageError:
+        _unmark(storage, mark)  # the manifest is there (or gone): readers see which, with no mark
+        return False
+    deleted = True
+    try:
+        storage.delete(name)
+    except StorageError:
+        deleted = False  # a leftover without manifest
+    with contextlib.suppress(StorageError):
+        storage.delete(f"{LEASES}/{name}")  # marks and leases last: the manifest is gone already
+    return deleted
+
+
+def _unmark(storage: Storage, mark: str) -> None:
+    with contextlib.suppress(StorageError):
+        storage.delete(mark)
+
+
+def _held(storage: Storage, name: str) -> bool:
+    """Whether a live read lease holds checkpoint `name`."""
+    return any(_live(storage, key) for key in storage.list(f"{LEASES}/{name}") if not _is_mark(key))
+
+
+def _marked(storage: Storage, name: str) -> bool:
+    """Whether a live deleter has marked checkpoint `name` as being deleted."""
+    return any(_live(storage, key) for key in storage.list(f"{LEASES}/{name}") if _is_mark(key))
+
+
+def _is_mark(key: str) -> bool:
+    return key.rsplit("/", 1)[-1].startswith(MARK_PREFIX)
+
+
+def _owner_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _owner_doc() -> bytes:
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+
+
 def _live(storage: Storage, key: str) -> bool:
     try:
         doc = json.loads(storage.read(key))
-    except (StorageError, ValueError):
+    except StorageError:
+        return storage.exists(key)  # gone since listed: released; else unreadable: assume held
+    except ValueError:
         return True  # unreadable: assume a reader holds it
     if doc.get("host") != socket.gethostname():
         return True  # another machine's reader: cannot check, so it counts
