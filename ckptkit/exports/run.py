@@ -20,7 +20,7 @@ from typing import Any
 
 from . import hf
 from .convert import CONVERSIONS
-from ..io.catalog import locate, refuse_nesting
+from ..io.catalog import locate, refuse_nesting, still_committed
 from ..io.commit import commit, discard, staging
 from ..io.checksum import checksum_of
 from ..io.write import write_safetensors
@@ -94,7 +94,7 @@ def export(
     out_dtype = hf.DTYPES[dtype or "bf16"] if format == "hf" else hf.DTYPES[dtype] if dtype else None
     started = time.perf_counter()
     src_loc, manifest = open_checkpoint(src, storage)
-    with Source(src_loc, manifest) as source:
+    with Source(src_loc, manifest) as source, still_committed(src_loc):
         return _export(source, dst, format, out_dtype, max_shard_bytes, include_optimizer, chunk_bytes, dst_storage, started)
 
 

@@ -5,20 +5,28 @@ A checkpoint named NAME under a root is committed when ``NAME/manifest.json`` ex
 written as ``.NAME.tmp-<id>/`` and renamed to NAME after its manifest is durable (where the
 storage can rename); then ``latest`` is replaced atomically with NAME. Anything else under
 the root is a leftover: readers ignore it and ``ckptkit ls`` names it.
+
+``latest`` holds two lines: NAME, and the checksum of NAME (so that a damaged pointer never
+names another checkpoint silently). A pointer of one line (written before the checksum) is read
+as NAME. Either way NAME must be one plain name under the root, and the file at most
+LATEST_LIMIT bytes.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, ManifestError, StorageError
-from ..manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, IntegrityError, ManifestError, StorageError
+from .checksum import checksum_of
+from ..manifest import MANIFEST_LIMIT, MANIFEST_NAME, Manifest, check_seal, check_version, parse_manifest, strictjson
 from ..storage import Storage, check_key, open_storage
 
 LATEST_NAME = "latest"
+LATEST_LIMIT = 4096
 LEASES_NAME = ".leases"  # read leases (ckptkit.writer.retention); not a leftover
 _TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<id>[0-9a-f]+)$")
 
@@ -89,22 +97,88 @@ def read_manifest(loc: Location) -> Manifest:
     """Read and validate the manifest of the checkpoint at `loc`."""
     where = str(loc) + "/" + MANIFEST_NAME
     try:
-        data = loc.storage.read(loc.key(MANIFEST_NAME))
+        data = manifest_bytes(loc)
     except StorageError as exc:
         raise CheckpointNotFoundError(f"{where}: cannot read ({exc})") from exc
     return parse_manifest(data, source=where)
 
 
+@contextlib.contextmanager
+def still_committed(loc: Location) -> Iterator[None]:
+    """Turn a failed read of a checkpoint that is no longer committed (retention or another
+    process removed it meanwhile) into that plain fact, not a report of corruption.
+
+    Raises:
+        CheckpointNotFoundError: a read failed and the manifest at `loc` is gone.
+    """
+    try:
+        yield
+    except (IntegrityError, StorageError) as exc:
+        if removed(loc):
+            raise removed_error(loc) from exc
+        raise
+
+
+def removed(loc: Location) -> bool:
+    """Whether the checkpoint at `loc` is no longer committed (its manifest is gone)."""
+    try:
+        return not loc.storage.exists(loc.key(MANIFEST_NAME))
+    except StorageError:
+        return False
+
+
+def removed_error(loc: Location) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"{loc}: removed while it was being read (by retention or another process)")
+
+
+def manifest_bytes(loc: Location) -> bytes:
+    """The bytes of the manifest at `loc`, refused unread above MANIFEST_LIMIT.
+
+    Raises:
+        StorageError: it cannot be read (or is not a regular file).
+        ManifestError: it is larger than any manifest.
+    """
+    key = loc.key(MANIFEST_NAME)
+    size = loc.storage.size(key)
+    if size > MANIFEST_LIMIT:
+        raise ManifestError(f"{loc}/{MANIFEST_NAME}: {size} bytes, over the {MANIFEST_LIMIT}-byte limit of a manifest")
+    return loc.storage.read(key, 0, size)
+
+
 def read_latest(root: Storage) -> str:
-    """Return the checkpoint name the root's latest pointer holds ('' when there is none)."""
+    """Return the checkpoint name the root's latest pointer holds ('' when there is none).
+
+    Raises:
+        IntegrityError: the pointer is damaged (too large, not text, not a plain name, or not
+            matching its checksum).
+        StorageError: it cannot be read (or is not a regular file).
+    """
     if not root.exists(LATEST_NAME):
         return ""
-    return root.read(LATEST_NAME).decode("utf-8", "replace").strip()
+    where = f"{root.root}/{LATEST_NAME}" if root.root else LATEST_NAME
+    size = root.size(LATEST_NAME)
+    if size > LATEST_LIMIT:
+        raise IntegrityError(f"{where}: {size} bytes, too large for a latest pointer (damaged?)")
+    try:
+        lines = root.read(LATEST_NAME, 0, size).decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise IntegrityError(f"{where}: not text, so not a latest pointer (damaged?)") from None
+    name, checksum = lines[0].strip(), (lines[1].strip() if len(lines) > 1 else "")
+    if checksum and checksum != checksum_of(name.encode("utf-8")):
+        raise IntegrityError(f"{where}: names {name[:100]!r}, which does not match its checksum (damaged?)")
+    if any(line.strip() for line in lines[2:]) or not _plain_name(name):
+        raise IntegrityError(f"{where}: does not hold one plain checkpoint name (damaged?)")
+    return name
 
 
 def write_latest(root: Storage, name: str) -> None:
     """Point the root's latest pointer at `name`, atomically."""
-    root.write(LATEST_NAME, [f"{name}\n".encode()])
+    root.write(LATEST_NAME, [f"{name}\n{checksum_of(name.encode('utf-8'))}\n".encode()])
+
+
+def _plain_name(name: str) -> bool:
+    """A checkpoint name: one path segment, printable, not hidden, not `.` or `..`."""
+    return bool(name) and name.isprintable() and "/" not in name and "\\" not in name and not name.startswith(".")
 
 
 def refuse_nesting(src: Location, dst: Location) -> None:
@@ -169,7 +243,11 @@ def list_root(path: str | os.PathLike[str]) -> Listing:
             if storage.is_prefix(name):  # an object store may list a prefix whose keys are gone
                 leftovers.append(Entry(name, False, reason=f"no {MANIFEST_NAME}"))
             continue
-        committed.append(Entry(name, True, step=step_of(storage, name)))
+        step, problem = _step(storage, name)
+        if problem:
+            leftovers.append(Entry(name, False, reason=f"unreadable {MANIFEST_NAME}: {problem}"))
+        else:
+            committed.append(Entry(name, True, step=step))
     committed.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
     return Listing(str(path), tuple(committed), tuple(leftovers), read_latest(storage))
 
@@ -182,8 +260,19 @@ def _root_exists(storage: Storage) -> bool:
 
 def step_of(storage: Storage, name: str) -> int | None:
     """The step in the manifest of checkpoint `name` (None when it cannot be read)."""
+    return _step(storage, name)[0]
+
+
+def _step(storage: Storage, name: str) -> tuple[int | None, str]:
+    """The step of checkpoint `name`, or None and why its manifest cannot be read. Lighter than
+    parsing the manifest (no schema validation), but size-capped and checked against its seal."""
+    loc = Location(storage, name)
     try:
-        raw = json.loads(storage.read(f"{name}/{MANIFEST_NAME}"))
-        return int(raw["step"])
-    except (ValueError, KeyError, TypeError, StorageError, ManifestError):
-        return None
+        raw = strictjson.loads(manifest_bytes(loc))
+        if not isinstance(raw, dict):
+            return None, "not a JSON object"
+        check_seal(raw, check_version(raw, source=MANIFEST_NAME), source=MANIFEST_NAME)
+        step = raw.get("step")
+        return (step, "") if type(step) is int else (None, "no step")
+    except (StorageError, ManifestError, ValueError) as exc:
+        return None, str(exc).removeprefix(f"{MANIFEST_NAME}: ")

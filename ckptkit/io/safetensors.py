@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import math
 import struct
+from typing import Any
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..manifest.dtypes import DTYPES, SAFETENSORS_CODES
+from ..manifest import strictjson
 from ..errors import IntegrityError
 
 # The safetensors reference implementation refuses headers above 100 MB; so do we.
@@ -86,24 +88,24 @@ def parse_header(header_json: bytes, *, where: str, file_size: int | None = None
     """
     start = 8 + len(header_json)
     try:
-        doc = json.loads(header_json)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{where}: safetensors header is not valid JSON ({exc})") from exc
+        doc = strictjson.loads(header_json)
+    except strictjson.StrictJsonError as exc:
+        raise IntegrityError(f"{where}: safetensors header is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise IntegrityError(f"{where}: safetensors header is not a JSON object")
     metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise IntegrityError(f"{where}: safetensors __metadata__ is not an object of strings")
     entries: dict[str, HeaderEntry] = {}
     problems: list[str] = []
     for key, spec in doc.items():
-        try:
-            dtype = SAFETENSORS_CODES[spec["dtype"]]
-            shape = tuple(int(d) for d in spec["shape"])
-            begin, end = (int(x) for x in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            problems.append(f"tensor {key!r} has a malformed or unknown-dtype entry {spec!r}")
+        fields = _entry_fields(spec)
+        if fields is None:
+            problems.append(f"tensor {key[:200]!r} has a malformed or unknown-dtype entry {str(spec)[:200]}")
             continue
-        if end - begin != math.prod(shape) * DTYPES[dtype][0] or begin < 0:
-            problems.append(f"tensor {key!r}: byte range [{begin}, {end}) does not fit shape {list(shape)} {dtype}")
+        dtype, shape, begin, end = fields
+        if end - begin != math.prod(shape) * DTYPES[dtype][0]:
+            problems.append(f"tensor {key[:200]!r}: byte range [{begin}, {end}) does not fit shape {list(shape)} {dtype}")
         entries[key] = HeaderEntry(dtype, shape, start + begin, start + end)
     ordered = sorted(entries.values(), key=lambda e: (e.begin, e.end))
     position = start
@@ -115,5 +117,19 @@ def parse_header(header_json: bytes, *, where: str, file_size: int | None = None
     if file_size is not None and position != file_size:
         problems.append(f"tensor data ends at byte {position} but the file has {file_size} bytes")
     if problems:
-        raise IntegrityError(f"{where}: " + "; ".join(problems))
-    return Header(start, entries, {str(k): str(v) for k, v in dict(metadata).items()})
+        raise IntegrityError(f"{where}: " + "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
+    return Header(start, entries, dict(metadata))
+
+
+def _entry_fields(spec: Any) -> tuple[str, tuple[int, ...], int, int] | None:
+    """(dtype, shape, begin, end) of a header entry, or None when it is malformed: an unknown
+    dtype, or anything but non-negative integers for the shape and the offsets."""
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        return None
+    dtype = SAFETENSORS_CODES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
+    shape, offsets = spec["shape"], spec["data_offsets"]
+    if dtype is None or not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+        return None
+    if not all(type(x) is int and x >= 0 for x in (*shape, *offsets)):
+        return None
+    return dtype, tuple(shape), offsets[0], offsets[1]

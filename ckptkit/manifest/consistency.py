@@ -45,6 +45,36 @@ def manifest_findings(manifest: Manifest) -> list[Finding]:
                                                           f"blocks of {blocks.size} bytes (base64 of 8 bytes each)"))
     for fqn, tensor in manifest.tensors.items():
         findings += _tensor_findings(fqn, tensor, len(manifest.files))
+    if not findings:  # every spec is sound, so expanding the shards is bounded by the files
+        findings += _mapping_findings(manifest)
+    return findings
+
+
+def _mapping_findings(manifest: Manifest) -> list[Finding]:
+    """Each shard's bytes are its own: no two shards name the same key of the same file, and a
+    raw file holds exactly one shard, of the file's size (or, for a zarr chunk at the edge of
+    its array, of the size of the array's largest chunk: the padding the zarr form writes)."""
+    findings = []
+    owner: dict[tuple[int, str], str] = {}
+    raw: dict[int, list[tuple[str, int, int]]] = {}
+    for fqn, tensor in manifest.tensors.items():
+        shards = list(iter_shards(tensor))
+        largest = max((s.box.volume for s in shards), default=0) * DTYPES[tensor.dtype][0]
+        for s in shards:
+            if (s.file, s.key) in owner:
+                findings.append(Finding("mapping", fqn, f"two shards read key {s.key!r} of {manifest.files[s.file].path} "
+                                                        f"(the other of {owner[s.file, s.key]})"))
+            owner[s.file, s.key] = fqn
+            if manifest.files[s.file].encoding == "raw":
+                raw.setdefault(s.file, []).append((fqn, s.box.volume * DTYPES[tensor.dtype][0], largest))
+    for index, entry in enumerate(manifest.files):
+        if entry.encoding != "raw" or entry.role != "tensors":
+            continue
+        held = raw.get(index, [])
+        if len(held) != 1:
+            findings.append(Finding("mapping", entry.path, f"a raw file holds exactly one shard, this one is named by {len(held)}"))
+        elif entry.size not in held[0][1:]:
+            findings.append(Finding("mapping", entry.path, f"raw file of {entry.size} bytes holds a shard of {held[0][1]} bytes"))
     return findings
 
 
@@ -75,8 +105,8 @@ def _grid_problem(tensor: TensorEntry, spec: GridShards, n_files: int) -> str:
         return f"grid has {len(spec.cuts)} dims, tensor has {len(tensor.shape)}"
     for size, c in zip(tensor.shape, spec.cuts):
         if isinstance(c, int):
-            if c < 1:
-                return f"grid chunk count {c} must be at least 1"
+            if not 1 <= c <= max(size, 1):
+                return f"grid chunk count {c} must be from 1 to the size {size}"
         elif len(c) < 2 or c[0] != 0 or c[-1] != size or any(b < a for a, b in zip(c, c[1:])):
             return f"grid cuts {list(c)} must rise from 0 to {size}"
     cells = grid_cell_count(tensor.shape, spec)
@@ -87,4 +117,6 @@ def _grid_problem(tensor: TensorEntry, spec: GridShards, n_files: int) -> str:
             return f"grid cells name files outside the {n_files} listed"
     elif cells and not grid_file(spec, cells - 1) < n_files:
         return f"grid cells name files beyond the {n_files} listed"
+    elif cells > 1 and spec.files.step == 0:
+        return f"grid puts its {cells} cells in one file under one key"
     return ""

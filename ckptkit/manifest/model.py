@@ -15,13 +15,20 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
+import xxhash
+
 from ..errors import ManifestError
+from . import strictjson
 
 FORMAT = "ckptkit"
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 2
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 MANIFEST_NAME = "manifest.json"
+# No manifest is read past this size: a larger file is refused before it is parsed.
+MANIFEST_LIMIT = 256 << 20
+# Since 1.2 the manifest carries the checksum of its own content (see `seal`).
+SEALED_SINCE = (1, 2)
 
 Kind = Literal["param", "optimizer", "buffer", "rng", "other"]
 KINDS: tuple[str, ...] = ("param", "optimizer", "buffer", "rng", "other")
@@ -249,35 +256,87 @@ class Manifest(Model):
     # Since 1.2: the model's layout (a ``ckptkit-layout`` document, see ``ckptkit.layouts``),
     # from which reshard places the tensors on any topology. Omitted when unknown.
     layout: dict[str, JsonValue] | None = Field(default=None, exclude_if=lambda v: v is None)
+    # Since 1.2: the checksum of the rest of the document (see `seal`). Computed whenever a
+    # manifest is written; checked and dropped when one is parsed, so always None in memory.
+    manifest_checksum: str | None = Field(default=None, exclude=True)
 
 
 def manifest_to_json(manifest: Manifest) -> bytes:
-    """Serialize a manifest to compact, deterministic UTF-8 JSON."""
-    return manifest.model_dump_json(exclude_defaults=False).encode("utf-8")
+    """Serialize a manifest to compact, deterministic UTF-8 JSON, sealed with its checksum (a
+    manifest of a version before 1.2 is written as that version has it, unsealed)."""
+    text = manifest.model_dump_json(exclude_defaults=False)
+    if _version(manifest.schema_version) < SEALED_SINCE:
+        return text.encode("utf-8")
+    return _sealed(text, json.loads(text))
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """Return the manifest document `doc` as JSON bytes ending in its ``manifest_checksum``.
+
+    The checksum is the xxh3-128 of the canonical form of every other member (sorted keys,
+    compact, UTF-8: `strictjson.canonical`), so the file stays ordinary readable JSON, and a
+    change to any value, or a member added or dropped, no longer matches it.
+    """
+    body = {k: v for k, v in doc.items() if k != "manifest_checksum"}
+    return _sealed(json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False), body)
+
+
+def _sealed(text: str, body: dict[str, Any]) -> bytes:
+    return (text[:-1] + f',"manifest_checksum":"{content_checksum(body)}"}}').encode("utf-8")
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    return int(major), int(minor)
+
+
+def content_checksum(body: dict[str, Any]) -> str:
+    """The checksum of a manifest document without its own checksum member."""
+    return "xxh3-128:" + xxhash.xxh3_128_hexdigest(strictjson.canonical(body))
 
 
 def parse_manifest(data: bytes | str, *, source: str = "manifest.json") -> Manifest:
     """Parse and validate manifest bytes, refusing formats and versions this reader cannot read.
 
     Raises:
-        ManifestError: malformed JSON, another format, a newer major schema version, or a
-            document that does not match the schema (every field error is listed).
+        ManifestError: larger than MANIFEST_LIMIT, malformed or duplicate-keyed JSON, another
+            format, a newer major schema version, a content checksum that does not match (a
+            1.2 manifest without one included), or a document that does not match the schema
+            (every field error is listed).
     """
+    if len(data) > MANIFEST_LIMIT:
+        raise ManifestError(f"{source}: {len(data)} bytes, over the {MANIFEST_LIMIT}-byte limit of a manifest")
     try:
-        raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{source}: not valid JSON ({exc})") from exc
+        raw = strictjson.loads(data)
+    except strictjson.StrictJsonError as exc:
+        raise ManifestError(f"{source}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise ManifestError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-    check_version(raw, source=source)
+    version = check_version(raw, source=source)
+    check_seal(raw, version, source=source)
     try:
-        return Manifest.model_validate_json(data if isinstance(data, (bytes, str)) else json.dumps(raw))
+        manifest = Manifest.model_validate_json(data)
     except ValidationError as exc:
-        raise ManifestError(f"{source}: does not match manifest schema {SCHEMA_VERSION}: {_errors(exc)}") from exc
+        raise ManifestError(f"{source}: does not match manifest schema {SCHEMA_VERSION}: {_errors(exc)}") from None
+    return manifest if manifest.manifest_checksum is None else manifest.model_copy(update={"manifest_checksum": None})
 
 
-def check_version(raw: dict[str, Any], *, source: str) -> None:
-    """Refuse a document that is not a ckptkit manifest, or one newer than this reader."""
+def check_seal(raw: dict[str, Any], version: tuple[int, int], *, source: str) -> None:
+    """Refuse a manifest whose content does not match its ``manifest_checksum`` (required
+    since 1.2; checked whenever present)."""
+    claimed = raw.get("manifest_checksum")
+    if claimed is None:
+        if version >= SEALED_SINCE:
+            raise ManifestError(f"{source}: no manifest_checksum (required since schema 1.2); the manifest was edited or damaged")
+        return
+    body = {k: v for k, v in raw.items() if k != "manifest_checksum"}
+    if not isinstance(claimed, str) or content_checksum(body) != claimed:
+        raise ManifestError(f"{source}: content does not match its manifest_checksum (the manifest was edited or damaged)")
+
+
+def check_version(raw: dict[str, Any], *, source: str) -> tuple[int, int]:
+    """Refuse a document that is not a ckptkit manifest, or one newer than this reader; return
+    its (major, minor) version."""
     fmt = raw.get("format")
     if fmt != FORMAT:
         raise ManifestError(f"{source}: format is {fmt!r}, expected {FORMAT!r}")
@@ -293,6 +352,7 @@ def check_version(raw: dict[str, Any], *, source: str) -> None:
         )
     if major < SCHEMA_MAJOR:
         raise ManifestError(f"{source}: schema version {version} is not supported by this ckptkit")
+    return major, minor
 
 
 def _errors(exc: ValidationError) -> str:

@@ -8,7 +8,7 @@ from collections import Counter
 
 from pydantic import BaseModel, ConfigDict
 
-from ..io.catalog import read_manifest, resolve
+from ..io.payload import open_checkpoint
 from ..manifest.dtypes import itemsize
 from ..manifest import CheckpointInfo, Producer, Topology
 from ..manifest.shards import iter_shards
@@ -80,10 +80,9 @@ def inspect(path: str | os.PathLike[str]) -> InspectReport:
 
     Raises:
         CheckpointNotFoundError: nothing committed at `path`.
-        ManifestError: the manifest cannot be read.
+        ManifestError: the manifest cannot be read, or is inconsistent with itself.
     """
-    loc = resolve(path)
-    m = read_manifest(loc)
+    loc, m = open_checkpoint(path)
     by_kind: Counter[str] = Counter()
     by_dtype: Counter[str] = Counter()
     count_kind: Counter[str] = Counter()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..io.catalog import Location
+from ..io.catalog import Location, still_committed
 from ..errors import LayoutError
 from ..io.read import Reader
 from ..manifest import Manifest
@@ -48,7 +48,8 @@ class Checkpoint:
         else:
             leaves, _ = flatten(target, is_leaf)
             pieces = {fqn: leaf_shards(leaf) for fqn, leaf in leaves.items()}
-        fill(self._reader, pieces)
+        with still_committed(self.location):
+            fill(self._reader, pieces)
         return unflatten({**manifest.objects, **leaves})
 
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .. import __version__
 from ..boxes import Box, flat_range_to_boxes
-from ..io.catalog import Location, locate, refuse_nesting
+from ..io.catalog import Location, locate, refuse_nesting, still_committed
 from ..io.commit import Staging, commit, discard, refuse_existing, staging
 from ..io.checksum import hasher_for
 from ..io.read import PIECE, SMALL_RUN, Reader, byte_shape
@@ -41,6 +41,7 @@ from ..io.payload import open_checkpoint, read_checked
 from ..plan.load import Read, ShardLookup, TargetPlan
 from ..plan.reshard import FileJob, ReshardPlan, collector_paused, plan_reads, plan_reshard
 from ..plan.save import ItemDesc, tensor_entries
+from ..storage.local import open_regular
 from ..storage import Storage
 from .verify import checksum_findings
 
@@ -117,8 +118,9 @@ def reshard(
     topology = topology.model_copy(update={"rank_order": "-".join(layout.mesh)})
     per_rank = files_per_rank or max(2, -(-threads // topology.world_size))
     plan = plan_reshard(manifest, layout, topology, files_per_rank=per_rank, max_file_bytes=max_file_bytes)
-    return write_reshard(src_loc, manifest, plan, dst, threads=threads, check_source=check_source,
-                         update_latest=update_latest, process_group=process_group, dst_storage=dst_storage, started=started)
+    with still_committed(src_loc):
+        return write_reshard(src_loc, manifest, plan, dst, threads=threads, check_source=check_source,
+                             update_latest=update_latest, process_group=process_group, dst_storage=dst_storage, started=started)
 
 
 def write_reshard(
@@ -225,8 +227,8 @@ def _check_sources(loc: Location, manifest: Manifest, files: list[int]) -> list[
         entry = manifest.files[index]
         hasher = hasher_for(entry.checksum)
         try:
-            with open(loc.storage.local_path(loc.key(entry.path)), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+            fd, size = open_regular(loc.storage.local_path(loc.key(entry.path)))
+            with os.fdopen(fd, "rb") as f:
                 if size:
                     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                         mapped.madvise(mmap.MADV_SEQUENTIAL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterable
 
@@ -58,22 +59,28 @@ class LocalStorage:
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         path = self.path(key)
+        fd, size = open_regular(path)
         try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read() if length is None else f.read(length)
+            want = max(0, size - offset) if length is None else length
+            parts = []
+            done = 0
+            while done < want:
+                part = os.pread(fd, want - done, offset + done)
+                if not part:
+                    break
+                parts.append(part)
+                done += len(part)
         except OSError as exc:
             raise StorageError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-        if length is not None and len(data) != length:
-            raise StorageError(f"{path}: short read, wanted {length} bytes at {offset}, got {len(data)}")
-        return data
+        finally:
+            os.close(fd)
+        if done != want:
+            raise StorageError(f"{path}: short read, wanted {want} bytes at {offset}, got {done}")
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def readinto(self, key: str, offset: int, buffer: memoryview) -> None:
         path = self.path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            raise StorageError(f"{path}: cannot open ({exc.strerror or exc})") from exc
+        fd, _ = open_regular(path)
         try:
             _pread_full(fd, buffer, offset, path)
         finally:
@@ -130,9 +137,12 @@ class LocalStorage:
     def size(self, key: str) -> int:
         path = self.path(key)
         try:
-            return os.stat(path).st_size
+            info = os.lstat(path)
         except OSError as exc:
             raise StorageError(f"{path}: cannot stat ({exc.strerror or exc})") from exc
+        if not stat.S_ISREG(info.st_mode):
+            raise StorageError(f"{path}: {_kind(info.st_mode)}, not a regular file")
+        return info.st_size
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self.path(key))
@@ -180,6 +190,37 @@ class LocalStorage:
         _fsync_dir(os.path.dirname(dst_path))
 
 
+def open_regular(path: str) -> tuple[int, int]:
+    """Open `path` for reading only if it is a regular file; return the descriptor and its size.
+
+    The open neither follows a symlink nor blocks (a FIFO would wait for a writer forever),
+    and the type is checked on the open descriptor: a symlink, FIFO, device, socket or
+    directory is refused before a byte is read from it.
+
+    Raises:
+        StorageError: the file is missing, unreadable or not a regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StorageError(f"{path}: a symlink, not a regular file") from None
+        raise StorageError(f"{path}: cannot open ({exc.strerror or exc})") from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise StorageError(f"{path}: {_kind(info.st_mode)}, not a regular file")
+    return fd, info.st_size
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
 def _within(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
@@ -205,7 +246,10 @@ def _pread_full(fd: int, buffer: memoryview, offset: int, path: str) -> None:
     view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise StorageError(f"{path}: cannot read ({exc.strerror or exc})") from exc
         if n == 0:
             raise StorageError(f"{path}: short read, wanted {len(view)} bytes at {offset}, got {done}")
         done += n

@@ -88,7 +88,7 @@ def test_cli_reshard_then_diff_says_equal(sources: dict, tmp_path: Path, run_ckp
     report = json.loads(done.stdout)
     jsonschema.validate(report, json.loads((SCHEMAS / "cli" / "reshard.v1.schema.json").read_text()))
     assert report["topology"]["tp"] == 4 and report["files"] >= 8 and report["bytes_read"] >= report["bytes_written"] > 0
-    assert (tmp_path / "run-b" / "latest").read_text().strip() == "step_00000004"
+    assert (tmp_path / "run-b" / "latest").read_text().split()[0] == "step_00000004"
     assert run_ckptkit("diff", str(sources["a"]), str(dst)).returncode == 0
     assert run_ckptkit("verify", str(dst)).returncode == 0
 
