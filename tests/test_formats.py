@@ -68,3 +68,28 @@ def test_the_1_1_llama_fixture_exports_to_hugging_face(fixtures: ModuleType, tmp
     want = fixtures.llama_v1_1_tensors()
     assert torch.equal(weights["model.layers.1.self_attn.k_proj.weight"], want["model/layers.1.attn.k.weight"])
     assert torch.equal(weights["lm_head.weight"], want["model/lm_head.weight"])
+
+
+def test_a_partial_load_of_a_1_1_checkpoint_says_once_that_it_is_not_checked(fixtures: ModuleType) -> None:
+    import warnings
+
+    from ckptkit import ShardedTensor
+    from ckptkit.io import read
+
+    read._WARNED.clear()
+    want = fixtures.llama_v1_1_tensors()
+    fqn = next(k for k, v in want.items() if v.dim() == 2 and v.shape[0] > 1)
+    rows = want[fqn].shape[0] // 2
+    target = ShardedTensor(torch.empty(rows, want[fqn].shape[1], dtype=want[fqn].dtype), tuple(want[fqn].shape), (rows, 0))
+    prefix, _, leaf = fqn.rpartition("/")
+    tree: dict = {}
+    node = tree
+    for part in prefix.split("/"):
+        node = node.setdefault(part, {})
+    node[leaf] = target
+    with pytest.warns(UserWarning, match="partial reads of its files are not checked"):
+        ckptkit.load(str(LLAMA_V1_1), tree)
+    assert torch.equal(target.local, want[fqn][rows:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckptkit.load(str(LLAMA_V1_1), tree)  # said once

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -206,8 +207,11 @@ class Reader:
             for span in merge(segs):
                 work += pieces(file, span, entry.size, entry.blocks, self.piece, functools.partial(self._kept, file),
                                lambda n: arena.take(n).data)
-                if entry.blocks is None and span.start == self.headers[file][0].data_start and span.end == entry.size:
-                    checks.append(_whole_check(self, file, span))
+                if entry.blocks is None:
+                    if span.start == self.headers[file][0].data_start and span.end == entry.size:
+                        checks.append(_whole_check(self, file, span))
+                    else:
+                        _unchecked_once(self.loc, self.manifest)
         if pool is None:
             for p in work:
                 self._run(p)
@@ -305,6 +309,18 @@ class Reader:
         out = np.empty(byte_shape(entry.shape, itemsize(entry.dtype)), np.uint8)
         self.fill(plan_load(self.manifest, [(fqn, Box((0,) * len(entry.shape), entry.shape))]).targets, [out], pool=pool)
         return out
+
+
+_WARNED: set[str] = set()
+
+
+def _unchecked_once(loc: Location, manifest: Manifest) -> None:
+    """Say once per checkpoint and process that a partial read of it cannot be checked."""
+    if manifest.checkpoint_id in _WARNED:
+        return
+    _WARNED.add(manifest.checkpoint_id)
+    warnings.warn(f"ckptkit: {loc} was written before block checksums (schema {manifest.schema_version}); partial reads "
+                  f"of its files are not checked (whole-file reads and `ckptkit verify` are)", stacklevel=4)
 
 
 def _whole_check(reader: Reader, file: int, span: Range) -> Callable[[], None]:
