@@ -97,7 +97,7 @@ def run_rounds(settings: Settings, phase: str, tools: list[str], request_for: Ca
     for repeat in range(settings.repeats):
         for tool in rotated(tools, repeat):
             request = {"size_mib": settings.size_mib, **request_for(tool)}
-            if request["kind"] in ("save", "write-limit"):
+            if request["kind"] in ("save", "write-limit", "checksums-save"):
                 _clear(request["directory"])
             evict_files(settings.work)
             result = run_worker(request)

@@ -82,6 +82,8 @@ EXPORT_VS_LIMIT = 1.3
 ASYNC_VS_COPY = 1.2
 ASYNC_VS_DCP = 0.5
 S3_VS_BOTO3 = 0.9
+CHECKSUM_COST = 0.97  # throughput with block checksums / without: at most 3 % lost
+PARTIAL_READ_AMPLIFICATION = 1.1  # bytes a partial load reads / bytes its targets need: at most
 
 
 def tool_summary(runs: Runs, peers: dict[str, str], rss_fixed: int = RESHARD_RSS_FIXED) -> dict[str, Any]:
@@ -164,6 +166,14 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         add("ckptkit load from S3 throughput / boto3 download_file", s3["load_vs_download_file"], S3_VS_BOTO3, True)
         r = s3["resharding"]
         add("S3 load-time reshard payload bytes read / box bytes", r["payload_bytes_read"] / r["box_bytes"], 1.0 + 1e-9, False)
+    block = results.get("checksums")
+    if block and "error" not in block:
+        for key, what in (("save", "save"), ("load", "cold load"), ("load_sharded", "cold sharded load")):
+            add(f"{what} throughput, block checksums / none", block["ratios"][key], CHECKSUM_COST, True)
+        for name, variants in block["partial"].items():
+            if name != "error" and "checked" in variants and name.endswith("of 4"):
+                add(f"partial load ({name}) bytes read / needed", variants["checked"]["amplification"],
+                    PARTIAL_READ_AMPLIFICATION + 1e-9, False)
     plan = results.get("reshard_plan")
     if plan and "error" not in plan:
         add("reshard plan 4096 -> 2048 ranks seconds", plan["seconds"], RESHARD_PLAN_S, False)

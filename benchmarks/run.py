@@ -1,6 +1,6 @@
 """Benchmark ckptkit against torch.save, safetensors and DCP, and against the machine's limits.
 
-Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export,async,s3]``.
+Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export,async,s3,checksums]``.
 Prints a table and writes a JSON document (``<out>/results.json`` unless ``--json``); the
 checkpoints it writes under ``<out>/work`` are deleted at the end. See docs/PERFORMANCE.md.
 """
@@ -27,7 +27,7 @@ from .phases import Runs, Settings, load_phase, run_rounds, run_worker, save_pha
 from .state import state_bytes, state_specs
 from .table import render
 
-PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export", "async", "s3")
+PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export", "async", "s3", "checksums")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -226,6 +226,34 @@ def run_s3_phase(settings: Settings, size_mib: int) -> dict[str, Any]:
     return {**s3s.summary(runs), "resharding": reads, "size_mib": size_mib, "runs": runs}
 
 
+def run_checksums_phase(settings: Settings) -> dict[str, Any]:
+    """Time save and cold loads (whole, and as 3 ranks' row blocks) with block checksums as shipped
+    and with them patched out, interleaved per repeat; then count the bytes partial loads read."""
+    from . import checksums
+
+    source = checksums.source_dir(settings.work)
+    prepared = run_worker({"kind": "checksums-prepare", "size_mib": settings.size_mib, "directory": source})
+    if "error" in prepared:
+        settings.say(f"[checksums] prepare FAILED: {prepared['error']}")
+        return {"error": prepared["error"]}
+    settings.say(f"[checksums] source checkpoint written (untimed); block hashing alone {prepared['block_hash_s']:.2f} s")
+
+    def request_for(tool: str) -> dict[str, Any]:
+        if tool in (checksums.SAVE, checksums.SAVE_UNHASHED):
+            return {"kind": "checksums-save", "tool": tool, "directory": checksums.save_dir(settings.work, tool)}
+        return {"kind": "checksums", "tool": tool, "directory": source}
+
+    runs = run_rounds(settings, "checksums", list(checksums.TOOLS), request_for)
+    reads = run_worker({"kind": "checksums-reads", "size_mib": settings.size_mib, "directory": source})
+    if "error" in reads:
+        settings.say(f"[checksums] partial reads FAILED: {reads['error']}")
+    else:
+        for name, variants in reads["partial"].items():
+            settings.say(f"[checksums] partial load, {name}: read / needed "
+                         + ", ".join(f"{v} {r['amplification']:.3f}" for v, r in variants.items()))
+    return {**checksums.summary(runs, prepared, reads), "runs": runs}
+
+
 def run_reshard_plan_phase(settings: Settings) -> dict[str, Any]:
     """Time reshard planning at scale --repeats times (a fresh process each); report the median run."""
     runs = []
@@ -257,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if set(args.only.split(",")) & {"save", "load", "verify"}:
         check_space(work, nbytes, 6 + len(args.dcp_threads.split(",")))
+    if "checksums" in args.only.split(","):
+        check_space(work, nbytes, 3)
     started = time.perf_counter()
     try:
         run_io_phases(args, settings, results)
@@ -272,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             results["s3"] = run_s3_phase(settings, args.s3_size_mb)
         if "reshard-plan" in args.only.split(","):
             results["reshard_plan"] = run_reshard_plan_phase(settings)
+        if "checksums" in args.only.split(","):
+            results["checksums"] = run_checksums_phase(settings)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -37,6 +37,8 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", *_s3_table(results["s3"])]
     if "reshard_plan" in results:
         lines += ["", *_plan_table(results["reshard_plan"])]
+    if "checksums" in results:
+        lines += ["", *_checksums_table(results["checksums"], results["state"]["bytes"])]
     lines += ["", *_targets_table(results["targets"])]
     return "\n".join(lines)
 
@@ -175,6 +177,42 @@ def _plan_table(plan: dict[str, Any]) -> list[str]:
         f"  {'total (median run; all runs: ' + ', '.join(f'{x:.1f}' for x in plan.get('all_seconds', [])) + ')':<44}"
         f"{plan['seconds']:>9.2f} s",
     ]
+
+
+def _checksums_table(block: dict[str, Any], nbytes: int) -> list[str]:
+    if "error" in block:
+        return [f"CHECKSUMS: FAILED: {block['error']}"]
+    title = f"CHECKSUMS: block checksums (xxh3-64 per 1 MiB block) or none, {nbytes / 1e9:.2f} GB state"
+    lines = [f"{title:<70}{'median s':>10}{'min-max s':>12}{'GB/s':>7}"]
+    for tool, s in block["tools"].items():
+        if "median_s" not in s:
+            lines.append(f"  {tool:<68}FAILED: {'; '.join(s['errors'])[:100]}")
+            continue
+        mismatch = "  DATA MISMATCH: " + "; ".join(s["mismatches"][:2]) if s.get("mismatches") else ""
+        lines.append(f"  {tool:<68}{s['median_s']:>10.2f}{_spread(s):>12}{s['gb_per_s']:>7.2f}{mismatch}")
+    lines.append("  throughput with block checksums / without (median of per-repeat ratios; every repeat)")
+    for key, what in (("save", "save"), ("load", "cold load, whole tensors"), ("load_sharded", "cold load, 3 ranks' row blocks")):
+        value = block["ratios"].get(key)
+        every = ", ".join(f"{x:.3f}" for x in block["per_repeat"].get(key, []))
+        lines.append(f"    {what:<66}{'-' if value is None else f'{value:.3f}':>10}   ({every})")
+    hashing = block.get("block_hashing", {})
+    if "seconds" in hashing:
+        share = hashing.get("share_of_save")
+        lines.append(f"  {'block hashing alone, one thread, in memory':<68}{hashing['seconds']:>10.2f}"
+                     f"{'':>12}{hashing['gb_per_s']:>7.2f}"
+                     + ("" if share is None else f"   ({100 * share:.1f} % of the median save)"))
+    partial = block.get("partial", {})
+    if "error" in partial:
+        lines.append(f"  partial loads: FAILED: {partial['error']}")
+        return lines
+    lines.append(f"  {'partial loads, each rank alone: payload bytes read / bytes needed':<68}{'checked':>10}"
+                 f"{'worst rank':>12}{'no checks':>11}{'blocks touched':>16}")
+    for name, variants in partial.items():
+        checked, unchecked = variants.get("checked", {}), variants.get("unchecked", {})
+        what = f"rank r of {checked.get('ranks', '?')}, {name.split(' of ')[0]} ({checked.get('needed_bytes', 0) / 1e9:.2f} GB needed in all)"
+        lines.append(f"    {what:<66}{checked.get('amplification', 0):>10.3f}{checked.get('worst_rank', 0):>12.3f}"
+                     f"{unchecked.get('amplification', 0):>11.3f}{checked.get('block_bound', 0):>16.3f}")
+    return lines
 
 
 def _targets_table(rows: list[dict[str, Any]]) -> list[str]:

@@ -4,7 +4,7 @@
 hand, ``python -m benchmarks.worker '<request JSON>'`` runs one and prints its figures. A
 fresh process per operation keeps peak-memory figures honest (no allocator caches or page
 mappings left by an earlier tool) and lets every operation start from the same state. The
-request names the ``kind`` (save, load, verify, write-limit, read-limit, scale), the
+request names the ``kind`` (save, load, verify, write-limit, read-limit, scale, checksums...), the
 ``tool``, the ``directory`` and the state ``size_mib``; the figures have ``seconds``,
 ``rss_before``, ``rss_peak`` and ``state_bytes``.
 """
@@ -147,6 +147,12 @@ def run_export(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, An
     return exports.run(request)
 
 
+def run_checksums(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
+    from . import checksums
+
+    return checksums.run(request, specs)
+
+
 def run_reshard(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
     from . import reshards
 
@@ -172,6 +178,10 @@ RUNNERS = {
     "export": run_export,
     "async": run_async,
     "s3": run_s3,
+    "checksums": run_checksums,
+    "checksums-save": run_checksums,
+    "checksums-prepare": run_checksums,
+    "checksums-reads": run_checksums,
 }
 
 
