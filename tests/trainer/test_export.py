@@ -15,7 +15,7 @@ import ckptkit
 from ckptkit.io.checksum import checksum_of
 from ckptkit.errors import CheckpointExistsError, LayoutError
 from ckptkit.exports.run import REPORT_NAME, export
-from ckptkit.manifest import Topology
+from ckptkit.manifest import Topology, seal
 from ckptkit.trainer.config import ModelConfig
 from ckptkit.trainer.data import Tokenizer
 from ckptkit.trainer.engine import module_params
@@ -116,7 +116,7 @@ def test_export_refuses_bad_input_before_writing(source: Path, tmp_path: Path, r
     doc = json.loads((broken / "manifest.json").read_text())
     for name in ("model/layers.1.attn.q.weight", "model/norm.weight"):
         del doc["tensors"][name]
-    (broken / "manifest.json").write_text(json.dumps(doc))
+    (broken / "manifest.json").write_bytes(seal(doc))  # a consistent manifest that lacks them
     with pytest.raises(LayoutError, match=r"2 tensor\(s\) the model config needs are missing: model/layers.1.attn.q.weight, model/norm.weight"):
         export(broken, tmp_path / "y")
     assert not (tmp_path / "y").exists()
