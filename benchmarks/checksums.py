@@ -4,10 +4,12 @@ same operation with them patched out, and the bytes a partial load reads against
 Each repeat runs, in rotated order, each in a fresh worker process (see `benchmarks.phases`):
 
 - ``save`` / ``save, no block hashing``: ``ckptkit.save`` of the benchmark state, durable, as the
-  save phase times it. Without block hashing, the worker replaces ``ckptkit.io.checksum.BlockHasher``
-  (what ``FileHasher`` feeds every payload byte to) with a stand-in that only counts the bytes and
-  gives zero digests of the right count: the manifest has the same shape, nothing is hashed
-  block by block. The whole-file xxh3-128 checksum is computed in both.
+  save phase times it. Without block hashing (the checksums as they were before blocks), the
+  worker replaces ``ckptkit.io.checksum.BlockHasher`` (what ``FileHasher`` feeds every payload
+  byte to) with a stand-in that hashes every byte once with a whole-file xxh3-128 and gives zero
+  digests of the right count: the manifest has the same shape, nothing is hashed block by block.
+  As shipped, each byte is hashed once too, block by block (the file checksum is derived from the
+  block digests).
 - ``load`` / ``load, no block checks``: a cold ``ckptkit.load`` of whole tensors from a checkpoint
   written once, untimed, as shipped.
 - ``load sharded`` / ``load sharded, no block checks``: the same checkpoint loaded cold as 3 ranks
@@ -15,8 +17,9 @@ Each repeat runs, in rotated order, each in a fresh worker process (see `benchma
   dim 0), each rank's blocks one ``ckptkit.open(path).load(target)`` of ``ShardedTensor``
   targets, the 3 ranks one after the other in the one process (every byte of the state once).
   Without block checks, the worker's ``Reader`` gets the manifest with the files' block checksums
-  removed (so it reads exactly the ranges its targets need: no end blocks, no header blocks, and
-  hashes nothing) and the whole-file check a checksum-less file would get is a no-op.
+  removed (so it reads exactly the ranges its targets need: no end blocks, no header blocks), and
+  a file read whole is hashed whole (xxh3-128), as loads checked files before blocks; partial
+  reads hash nothing (they were not checked before blocks).
 
 Throughput ratios (with / without) are paired per repeat. Untimed, once: the bytes read from the
 payload files by partial loads (rank r of 4 loading its row block of every tensor, its column
@@ -63,14 +66,19 @@ def save_dir(work: str, tool: str) -> str:
 
 
 class UnhashedBlocks:
-    """Stands in for ``ckptkit.io.checksum.BlockHasher``: counts the bytes and hashes none; its
-    digests are zeros, one per block, so that the manifest entry is well-formed."""
+    """Stands in for ``ckptkit.io.checksum.BlockHasher`` as the checksums were before blocks: every
+    byte goes through one whole-file xxh3-128 (the file checksum then), none is hashed block by
+    block; its digests are zeros, one per block, so that the manifest entry is well-formed."""
 
     def __init__(self, block: int) -> None:
+        import xxhash
+
         self.block = block
         self.nbytes = 0
+        self._whole = xxhash.xxh3_128()
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._whole.update(data)
         self.nbytes += memoryview(data).nbytes
 
     def finish(self) -> bytes:
@@ -99,7 +107,20 @@ def unchecked_reader() -> type:
             files = tuple(f.model_copy(update={"blocks": None}) for f in manifest.files)
             super().__init__(loc, manifest.model_copy(update={"files": files}), **kwargs)
 
-    read._whole_check = lambda reader, file, span: (lambda: None)  # type: ignore[assignment]
+    def whole_file_hash(reader: Any, file: int, span: Any) -> Callable[[], None]:
+        """As before blocks: a file read whole is hashed whole (xxh3-128; its digest is not compared,
+        the checksum in the manifest being now of another kind)."""
+        import xxhash
+
+        def check() -> None:
+            hasher = xxhash.xxh3_128(reader.headers[file][1])
+            for _, view in span.segments:
+                hasher.update(view)
+            hasher.digest()
+
+        return check
+
+    read._whole_check = whole_file_hash  # type: ignore[assignment]
     return UncheckedReader
 
 

@@ -4,6 +4,8 @@ import math
 from pathlib import Path
 
 import numpy as np
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -72,13 +74,14 @@ def test_load_reads_only_the_blocks_its_boxes_touch(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_flipped_byte_in_a_box_read_in_part_is_caught(tmp_path: Path) -> None:
-    g = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)  # 256 KiB: one block
-    ckptkit.save({"model": {"w": g}}, tmp_path / "ck", step=1)
+    g = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)  # 256 KiB: one block of 1 MiB
+    with mock.patch.object(checksum, "MIN_BLOCK", 1 << 20):
+        ckptkit.save({"model": {"w": g}}, tmp_path / "ck", step=1)
     payload = tmp_path / "ck" / "rank00000.safetensors"
     data = bytearray(payload.read_bytes())
     data[-5] ^= 0x10  # in the last row
     payload.write_bytes(bytes(data))
-    with pytest.raises(IntegrityError, match=r"rank00000.safetensors: block 0 .* does not match its checksum"):
+    with pytest.raises(IntegrityError, match=r"rank00000.safetensors: block [0-9]+ .* does not match its checksum"):
         ckptkit.load(tmp_path / "ck", {"model": {"w": ShardedTensor(torch.zeros(8, 1024), (64, 1024), (56, 0))}})
     first_rows = ShardedTensor(torch.zeros(8, 1024), (64, 1024), (0, 0))
     with pytest.raises(IntegrityError, match="does not match its checksum"):  # the flip shares the rows' block

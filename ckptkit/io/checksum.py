@@ -14,6 +14,7 @@ from typing import Protocol
 import xxhash
 
 from ..errors import ManifestError
+from ..manifest.model import file_checksum_of_blocks
 
 ALGORITHM = "xxh3-128"
 
@@ -61,12 +62,15 @@ def checksum_of(data: bytes | bytearray | memoryview, algorithm: str = ALGORITHM
 # --- block checksums: what lets a partial read check exactly what it returns --------------------
 
 BLOCK_ALGORITHM = "xxh3-64"
-MIN_BLOCK = 1 << 20
-MAX_BLOCKS = 4096  # per file: past 4 GiB, blocks grow (powers of two) so a manifest entry stays small
+# 128 KiB: a partial read reads at most one block beyond each end of a range, so smaller blocks
+# read less that is not needed (a rank's quarter of 1-16 MiB tensors: 1.07x at 128 KiB, 1.36x at
+# 1 MiB); 4,096 digests at most per file keep a manifest entry under 44 KB.
+MIN_BLOCK = 128 << 10
+MAX_BLOCKS = 4096  # per file: past 512 MiB, blocks grow (powers of two) so a manifest entry stays small
 
 
 def block_size_for(size: int) -> int:
-    """The block size of a file of `size` bytes: 1 MiB, doubled until the file has at most MAX_BLOCKS blocks."""
+    """The block size of a file of `size` bytes: 128 KiB, doubled until the file has at most MAX_BLOCKS blocks."""
     block = MIN_BLOCK
     while size > block * MAX_BLOCKS:
         block *= 2
@@ -104,14 +108,24 @@ class BlockHasher:
 
 
 class FileHasher:
-    """The whole-file checksum and (unless `blocks` is false: a file no ckptkit reader reads, such
-    as an export's) the block digests of a file being written, fed in order."""
+    """The checksums of a file being written, fed in order: its block digests (unless `blocks` is
+    false: a file no ckptkit reader reads, such as an export's) and its file checksum: derived
+    from the block digests (`file_checksum_of_blocks`, every byte hashed once), or with `whole`
+    (or without blocks) the xxh3-128 of the whole file, which common tools can check."""
 
-    def __init__(self, size_hint: int, *, blocks: bool = True) -> None:
-        self.whole = Hasher()
+    def __init__(self, size_hint: int, *, blocks: bool = True, whole: bool = False) -> None:
+        self.whole = Hasher() if whole or not blocks else None
         self.blocks = BlockHasher(block_size_for(size_hint)) if blocks else None
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
-        self.whole.update(data)
         if self.blocks is not None:
             self.blocks.update(data)
+        if self.whole is not None:
+            self.whole.update(data)
+
+    def digest(self) -> str:
+        """The file checksum (call once, when every byte was fed)."""
+        if self.whole is not None:
+            return self.whole.digest()
+        assert self.blocks is not None
+        return file_checksum_of_blocks(self.blocks.finish())

@@ -1,8 +1,9 @@
 """From the byte segments a read wants to the storage reads that fill them, with the blocks each
 read checks (pure: no I/O).
 
-A segment is (file offset, destination bytes). Segments of one file that touch are merged into a
-range, so that neighbouring tensors read in one call share their boundary blocks. A range is cut
+A segment is (file offset, destination bytes). Segments of one file that touch, or whose end
+blocks are the same or neighbours, are merged into a range, so that the reads of one call share
+their boundary blocks. A range is cut
 into pieces of about `piece` bytes at block boundaries; each piece lists its storage reads and
 the blocks it checks, each block as the views holding its bytes in order (the destination, and
 at the two ends of a range the bytes outside it: from a kept block, or read into scratch).
@@ -56,12 +57,20 @@ class Range:
         return out
 
 
-def merge(segments: list[Segment]) -> list[Range]:
-    """Sort a file's segments by offset and merge those that touch (overlapping ones stay apart)."""
+def merge(segments: list[Segment], block: int = 0, scratch: Callable[[int], memoryview] | None = None) -> list[Range]:
+    """Sort a file's segments by offset and merge those that touch (overlapping ones stay apart).
+
+    With `block` (the file's block size) and `scratch`, segments whose end blocks are the same
+    or neighbours are merged too, the bytes between them read into scratch: exactly the bytes
+    their end blocks would read outside them anyway, but read and checked once.
+    """
     out: list[Range] = []
     current: list[Segment] = []
     end = -1
     for offset, view in sorted(segments, key=lambda s: s[0]):
+        if current and offset > end and block and scratch is not None and offset // block <= (end - 1) // block + 1:
+            current.append((end, scratch(offset - end)))
+            end = offset
         if current and offset != end:
             out.append(Range(current[0][0], end, tuple(current)))
             current = []

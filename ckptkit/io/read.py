@@ -204,7 +204,7 @@ class Reader:
         checks: list[Callable[[], None]] = []
         for file, segs in sorted(segments.items()):
             entry = self.manifest.files[file]
-            for span in merge(segs):
+            for span in merge(segs, entry.blocks.size if entry.blocks is not None else 0, lambda n: arena.take(n).data):
                 work += pieces(file, span, entry.size, entry.blocks, self.piece, functools.partial(self._kept, file),
                                lambda n: arena.take(n).data)
                 if entry.blocks is None:

@@ -1,5 +1,5 @@
-"""The one writer: stream a payload file to storage while hashing it (whole-file checksum and
-block checksums), and the manifest entry of what was written."""
+"""The one writer: stream a payload file to storage while hashing it (block checksums, and the
+file checksum derived from them), and the manifest entry of what was written."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def write_stream(
             yield chunk
 
     written = storage.write(key, hashed())
-    return Written(path, written, hasher.whole.digest(), None if hasher.blocks is None else blocks_of(hasher.blocks))
+    return Written(path, written, hasher.digest(), None if hasher.blocks is None else blocks_of(hasher.blocks))
 
 
 def write_safetensors(
@@ -72,15 +72,16 @@ def write_safetensors(
 
 
 def hash_padded(data: memoryview, pad: int) -> tuple[str, BlockChecksums]:
-    """The checksums of a file holding `data` followed by `pad` zero bytes (a zarr chunk)."""
-    hasher = FileHasher(len(data) + pad)
+    """The checksums of a file holding `data` followed by `pad` zero bytes (a zarr chunk: its file
+    checksum is the xxh3-128 of the whole file, which the export report gives for every file)."""
+    hasher = FileHasher(len(data) + pad, whole=True)
     hasher.update(data)
     zeros = bytes(min(pad, 1 << 20))
     while pad > 0:
         hasher.update(memoryview(zeros)[: min(pad, len(zeros))])
         pad -= len(zeros)
     assert hasher.blocks is not None
-    return hasher.whole.digest(), blocks_of(hasher.blocks)
+    return hasher.digest(), blocks_of(hasher.blocks)
 
 
 __all__ = ["Written", "blocks_of", "hash_padded", "write_safetensors", "write_stream"]

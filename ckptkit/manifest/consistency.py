@@ -43,6 +43,8 @@ def manifest_findings(manifest: Manifest) -> list[Finding]:
         if blocks is not None and len(blocks.raw()) != 8 * -(-entry.size // blocks.size):
             findings.append(Finding("schema", entry.path, f"block checksums do not describe {-(-entry.size // blocks.size)} "
                                                           f"blocks of {blocks.size} bytes (base64 of 8 bytes each)"))
+        elif entry.checksum.startswith("xxh3-128-blocks:") and (blocks is None or entry.checksum != blocks.file_checksum()):
+            findings.append(Finding("checksum", entry.path, "file checksum does not match its block checksums"))
     for fqn, tensor in manifest.tensors.items():
         findings += _tensor_findings(fqn, tensor, len(manifest.files))
     if not findings:  # every spec is sound, so expanding the shards is bounded by the files
@@ -65,6 +67,10 @@ def _mapping_findings(manifest: Manifest) -> list[Finding]:
                 findings.append(Finding("mapping", fqn, f"two shards read key {s.key!r} of {manifest.files[s.file].path} "
                                                         f"(the other of {owner[s.file, s.key]})"))
             owner[s.file, s.key] = fqn
+            nbytes = s.box.volume * DTYPES[tensor.dtype][0]
+            if nbytes > manifest.files[s.file].size:  # a shape no file can hold (a load would allocate it first)
+                findings.append(Finding("mapping", fqn, f"a shard of {nbytes} bytes cannot be in "
+                                                        f"{manifest.files[s.file].path} ({manifest.files[s.file].size} bytes)"))
             if manifest.files[s.file].encoding == "raw":
                 raw.setdefault(s.file, []).append((fqn, s.box.volume * DTYPES[tensor.dtype][0], largest))
     for index, entry in enumerate(manifest.files):

@@ -87,6 +87,16 @@ class BlockChecksums(Model):
         """Every digest, concatenated."""
         return _decoded(self.digests)
 
+    def file_checksum(self) -> str:
+        """The checksum of the whole file these blocks make up: ``xxh3-128-blocks:<hex>``, the
+        xxh3-128 of the digests in order (every byte is hashed once, block by block)."""
+        return file_checksum_of_blocks(self.raw())
+
+
+def file_checksum_of_blocks(digests: bytes) -> str:
+    """The file checksum of a file whose block digests, concatenated, are `digests`."""
+    return "xxh3-128-blocks:" + xxhash.xxh3_128_hexdigest(digests)
+
 
 @functools.lru_cache(maxsize=1024)
 def _decoded(digests: str) -> bytes:

@@ -108,8 +108,26 @@ def test_every_reader_refuses_a_flipped_payload_byte(flipped: Path, tmp_path: Pa
         ckptkit.load(str(flipped), {"model": {"layers.1.attn.k.weight": k}})
     report = ckptkit.verify(str(flipped))
     assert [(f.code, f.where) for f in report.findings] == [("checksum", "rank00000.safetensors")]
-    assert "1 block(s) of 1048576 bytes do not match their checksums" in report.findings[0].message
+    assert "1 block(s) of 131072 bytes do not match their checksums" in report.findings[0].message
     for args in (("diff", str(flipped), str(flipped)), ("reshard", str(flipped), str(tmp_path / "r"), "--tp", "2")):
         done = _cli(*args)
         assert done.returncode == 1 and "does not match" in done.stderr and len(done.stderr.splitlines()) == 1, args
     assert not (tmp_path / "r").exists()
+
+
+def test_two_reads_of_one_call_read_the_block_they_share_once() -> None:
+    store = MemoryStorage()
+    a = torch.arange(3000, dtype=torch.float32)
+    with mock.patch.object(checksum, "MIN_BLOCK", 1000):
+        ckptkit.save({"a": a}, "ck", step=1, storage=store)
+    opened = ckptkit.open("ck", storage=store)
+    one = ShardedTensor(torch.empty(900), (3000,), (2000,))  # bytes [8000, 11600) of a's data
+    two = ShardedTensor(torch.empty(40), (3000,), (2950,))  # bytes [11800, 11960): 200 bytes further
+    opened._reader.header_of(0)  # the header (and its blocks) first, counted apart
+    before = opened._reader.bytes_read
+    opened.load({"a": [one, two]})
+    assert torch.equal(one.local, a[2000:2900]) and torch.equal(two.local, a[2950:2990])
+    start = opened._reader.headers[0][0].data_start
+    first, last = (start + 8000) // 1000, (start + 11960 - 1) // 1000
+    touched = min((last + 1) * 1000, opened.manifest.files[0].size) - first * 1000
+    assert opened._reader.bytes_read - before == touched  # every touched block once, nothing else
