@@ -47,7 +47,7 @@ SHARDED = "load sharded"
 SHARDED_UNCHECKED = "load sharded, no block checks"
 TOOLS = (SAVE, SAVE_UNHASHED, LOAD, LOAD_UNCHECKED, SHARDED, SHARDED_UNCHECKED)
 PAIRS = {"save": (SAVE, SAVE_UNHASHED), "load": (LOAD, LOAD_UNCHECKED), "load_sharded": (SHARDED, SHARDED_UNCHECKED)}
-SHARDED_RANKS = 3  # the timed sharded load: row blocks of 3 ranks (block edges fall inside 1 MiB blocks)
+SHARDED_RANKS = 3  # the timed sharded load: row blocks of 3 ranks (block edges fall inside blocks)
 # Partial loads counted: (name, ranks, dim to cut: 0 rows, -1 the last dim).
 PARTIAL = (("rows of 4", 4, 0), ("columns of 4", 4, -1), ("rows of 3", 3, 0))
 HASH_RUNS = 3

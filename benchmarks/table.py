@@ -182,7 +182,7 @@ def _plan_table(plan: dict[str, Any]) -> list[str]:
 def _checksums_table(block: dict[str, Any], nbytes: int) -> list[str]:
     if "error" in block:
         return [f"CHECKSUMS: FAILED: {block['error']}"]
-    title = f"CHECKSUMS: block checksums (xxh3-64 per 1 MiB block) or none, {nbytes / 1e9:.2f} GB state"
+    title = f"CHECKSUMS: block checksums (xxh3-64 per block) or none, {nbytes / 1e9:.2f} GB state"
     lines = [f"{title:<70}{'median s':>10}{'min-max s':>12}{'GB/s':>7}"]
     for tool, s in block["tools"].items():
         if "median_s" not in s:
