@@ -517,8 +517,11 @@ def mutate_manifest(rng: random.Random, name: str, base: Base, path: Path, signe
         if signed:  # only inside tensor and file entries: a tensor gone would be a legitimately smaller checkpoint
             members = [m for m in members if (m[0][0] == "tensors" and len(m[0]) >= 3) or (m[0][0] == "files" and len(m[0]) >= 3)]
         p, c, i = rng.choice(members)
+        value = c[i][1]
         del c[i]
-        neutral = p[-1] == "blocks"
+        # Neutral: block checksums (the file checksum still covers the file), or a file field
+        # holding its default value (the manifest means the same without it).
+        neutral = p[-1] == "blocks" or (p[0] == "files" and len(p) == 3 and _default_of_file_field(p[-1]) == value)
         detail, kind = "/".join(map(str, p)), "manifest.delete_key"
     elif name == "dup_key":
         members = [(p, c, i) for p, c, i, _ in _walk_json(doc) if isinstance(c, Obj)]
@@ -544,6 +547,17 @@ def mutate_manifest(rng: random.Random, name: str, base: Base, path: Path, signe
         kind += "+signed"
     path.write_text(dumps(doc))
     return Mutation(kind, detail, signed=signed, neutral=signed and neutral)
+
+
+def _default_of_file_field(name: Any) -> Any:
+    """The schema's default of a field of a manifest file entry (a sentinel when it has none)."""
+    from ckptkit.manifest import FileEntry
+
+    field_info = FileEntry.model_fields.get(name) if isinstance(name, str) else None
+    return field_info.default if field_info is not None and not field_info.is_required() else _NO_DEFAULT
+
+
+_NO_DEFAULT = object()
 
 
 def _shards(entry: Obj) -> list[Obj]:

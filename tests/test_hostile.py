@@ -182,6 +182,30 @@ def test_two_shards_naming_one_key_are_a_finding_for_every_reader(root: Path, ru
     assert run_ckptkit("inspect", str(root)).returncode == 1
 
 
+@pytest.mark.parametrize("alone", [False, True], ids=["sharing-a-file", "alone-in-its-file"])
+def test_a_tensor_emptied_by_the_manifest_is_found_in_its_file_by_every_reader(
+    root: Path, tmp_path: Path, run_ckptkit: Run, alone: bool
+) -> None:
+    """The manifest says a saved tensor is empty: no read needs its bytes, yet its file still holds
+    them under its key. Whole loads, export and verify read that file's header and refuse it, also
+    when no other tensor's read opens the file."""
+    if alone:
+        root = tmp_path / "alone"
+        ckptkit.save({"model": {"a": torch.ones(16), "b": torch.ones(3)}}, root / NAME, step=1, max_file_bytes=16)
+    doc = _manifest(root)
+    assert alone == (len({b["file"] for t in doc["tensors"].values() if "boxes" in t["shards"] for b in t["shards"]["boxes"]}) == 2)
+    doc["tensors"]["model/b"]["shape"] = [0]
+    doc["tensors"]["model/b"]["shards"]["boxes"][0]["lengths"] = [0]
+    _reseal(root, doc)
+    report = ckptkit.verify(root)
+    assert any(f.code == "header" and "'model/b' is not in the manifest" in f.message for f in report.findings), report.findings
+    with pytest.raises(IntegrityError, match="'model/b' is not in the manifest"):
+        ckptkit.load(root)
+    result = run_ckptkit("export", str(root), str(tmp_path / "out"), "--format", "zarr")
+    assert result.returncode == 1 and "'model/b' is not in the manifest" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_safetensors_file_marked_raw_is_a_finding(root: Path) -> None:
     doc = _manifest(root)
     doc["files"][1]["encoding"] = "raw"

@@ -7,6 +7,7 @@ offset 0: its "header" is empty and the shard's place follows from the manifest 
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 from .catalog import Location, read_manifest, resolve
 from ..manifest.consistency import manifest_findings
@@ -15,6 +16,7 @@ from ..storage import Storage
 from .checksum import hasher_for
 from ..manifest.dtypes import itemsize
 from ..manifest import FileEntry, Manifest
+from ..manifest.shards import KeyIndex
 from ..plan.load import Read
 from .safetensors import Header, HeaderEntry, header_length, parse_header
 
@@ -62,6 +64,23 @@ def read_header(loc: Location, manifest: Manifest, index: int) -> tuple[Header, 
         raise IntegrityError(f"{where}: header of {n} bytes runs past the end of the file")
     text = loc.storage.read(key, 8, n)
     return parse_header(text, where=where, file_size=size), first + text
+
+
+def header_problems(header: Header, file: int, index: KeyIndex, unchecked: Collection[str] = ()) -> list[str]:
+    """What a payload file's header holds that the manifest does not put there: a key of no
+    non-empty shard of that file (but for `unchecked`), or one of another dtype or shape."""
+    problems = []
+    for key, got in header.entries.items():
+        found = index.shard(file, key)
+        if found is None:
+            if key not in unchecked:
+                problems.append(f"tensor {key[:200]!r} is not in the manifest")
+            continue
+        fqn, box = found
+        dtype = index.tensors[fqn].dtype
+        if (got.dtype, got.shape) != (dtype, box.lengths):
+            problems.append(f"tensor {key!r} is {got.dtype}{list(got.shape)}, manifest says {dtype}{list(box.lengths)}")
+    return problems
 
 
 def header_entry(loc: Location, manifest: Manifest, header: Header, read: Read, dtype: str) -> HeaderEntry:

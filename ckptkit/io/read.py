@@ -26,7 +26,7 @@ import functools
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -38,7 +38,8 @@ from ..boxes import Box, byte_runs
 from ..manifest.dtypes import itemsize
 from ..errors import IntegrityError
 from ..manifest import BlockChecksums, Manifest
-from .payload import Headers, header_entry, read_header
+from .payload import Headers, header_entry, header_problems, read_header
+from ..manifest.shards import KeyIndex, spec_files
 from ..plan.load import Read, TargetPlan
 from .catalog import Location
 from .checksum import hasher_for
@@ -113,6 +114,7 @@ class Reader:
         self._header_locks: dict[int, threading.Lock] = {}
         self._blocks: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # checked blocks, least recent first
         self._cached = 0
+        self._keys: KeyIndex | None = None
 
     def _arena(self) -> _Arena:
         arena: _Arena | None = getattr(self._local, "arena", None)
@@ -126,8 +128,9 @@ class Reader:
         """The checked header of payload file `file` (and its raw bytes), read once.
 
         Raises:
-            IntegrityError: the file is missing, of another size, its header is malformed, or the
-                blocks holding the header do not match their checksums.
+            IntegrityError: the file is missing, of another size, its header is malformed or holds
+                other keys than the manifest puts in the file, or the blocks holding the header do
+                not match their checksums.
         """
         found = self.headers.get(file)
         if found is not None:
@@ -138,11 +141,30 @@ class Reader:
             found = self.headers.get(file)
             if found is None:
                 found = read_header(self.loc, self.manifest, file)
+                if self.manifest.files[file].encoding != "raw":  # a raw file's shard is checked by the manifest
+                    problems = header_problems(found[0], file, self._key_index())
+                    if problems:
+                        raise IntegrityError(f"{self._where(file)}: " + "; ".join(problems[:5]) +
+                                             (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
                 blocks = self.manifest.files[file].blocks
                 if blocks is not None and found[1]:
                     self._check_prefix(file, blocks, found[1])
                 self.headers[file] = found
         return found
+
+    def _key_index(self) -> KeyIndex:
+        """Where the manifest puts each key (indexed once, on the first header read)."""
+        with self._lock:
+            if self._keys is None:
+                self._keys = KeyIndex(self.manifest.tensors)
+            return self._keys
+
+    def open_files_of(self, fqns: Iterable[str]) -> None:
+        """Read and check the header of every file the shard specs of `fqns` name, even a file
+        holding only empty shards (which no read opens): a whole read then checks every file that
+        holds a part of the tensors, whatever the manifest says of their shapes."""
+        for file in sorted({f for fqn in fqns for f in spec_files(self.manifest.tensors[fqn])}):
+            self.header_of(file)
 
     def _check_prefix(self, file: int, blocks: BlockChecksums, prefix: bytes) -> None:
         end = min(self.manifest.files[file].size, -(-len(prefix) // blocks.size) * blocks.size)
@@ -306,6 +328,7 @@ class Reader:
         from ..plan.load import plan_load
 
         entry = self.manifest.tensors[fqn]
+        self.open_files_of([fqn])
         out = np.empty(byte_shape(entry.shape, itemsize(entry.dtype)), np.uint8)
         self.fill(plan_load(self.manifest, [(fqn, Box((0,) * len(entry.shape), entry.shape))]).targets, [out], pool=pool)
         return out

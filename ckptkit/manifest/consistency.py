@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..boxes import tiling_problems
 from .dtypes import DTYPES
 from ..errors import StorageError
-from .model import GridShards, Manifest, TensorEntry
-from .shards import grid_cell_count, grid_file, iter_shards
+from .model import BoxShards, GridShards, Manifest, TensorEntry
+from .shards import grid_cell_count, grid_cells, grid_file, iter_shards
 from ..storage import check_key
 
 
@@ -53,34 +55,66 @@ def manifest_findings(manifest: Manifest) -> list[Finding]:
 
 
 def _mapping_findings(manifest: Manifest) -> list[Finding]:
-    """Each shard's bytes are its own: no two shards name the same key of the same file, and a
-    raw file holds exactly one shard, of the file's size (or, for a zarr chunk at the edge of
-    its array, of the size of the array's largest chunk: the padding the zarr form writes)."""
-    findings = []
+    """Each shard's bytes are its own: no two shards name the same key of the same file, no shard
+    is larger than its file, and a raw file holds exactly one shard, of the file's size (or, for a
+    zarr chunk at the edge of its array, of the size of the array's largest chunk: the padding the
+    zarr form writes). Grids are checked cell by cell as arrays, never expanded into objects."""
+    findings: list[Finding] = []
+    sizes = np.fromiter((f.size for f in manifest.files), dtype=np.int64, count=len(manifest.files))
+    raw_files = {i for i, f in enumerate(manifest.files) if f.encoding == "raw"}
+    spec_count: dict[str, int] = {}
+    for tensor in manifest.tensors.values():
+        spec = tensor.shards
+        for key in {spec.key} if isinstance(spec, GridShards) else {b.key for b in spec.boxes}:
+            spec_count[key] = spec_count.get(key, 0) + 1
     owner: dict[tuple[int, str], str] = {}
     raw: dict[int, list[tuple[str, int, int]]] = {}
     for fqn, tensor in manifest.tensors.items():
-        shards = list(iter_shards(tensor))
-        largest = max((s.box.volume for s in shards), default=0) * DTYPES[tensor.dtype][0]
-        for s in shards:
-            if (s.file, s.key) in owner:
-                findings.append(Finding("mapping", fqn, f"two shards read key {s.key!r} of {manifest.files[s.file].path} "
-                                                        f"(the other of {owner[s.file, s.key]})"))
-            owner[s.file, s.key] = fqn
-            nbytes = s.box.volume * DTYPES[tensor.dtype][0]
-            if nbytes > manifest.files[s.file].size:  # a shape no file can hold (a load would allocate it first)
-                findings.append(Finding("mapping", fqn, f"a shard of {nbytes} bytes cannot be in "
-                                                        f"{manifest.files[s.file].path} ({manifest.files[s.file].size} bytes)"))
-            if manifest.files[s.file].encoding == "raw":
-                raw.setdefault(s.file, []).append((fqn, s.box.volume * DTYPES[tensor.dtype][0], largest))
-    for index, entry in enumerate(manifest.files):
-        if entry.encoding != "raw" or entry.role != "tensors":
+        item = DTYPES[tensor.dtype][0]
+        spec = tensor.shards
+        if isinstance(spec, GridShards):
+            files, volumes = grid_cells(tensor.shape, spec)
+            held = volumes > 0 if tensor.shape else np.ones(len(volumes), dtype=bool)
+            files, nbytes = files[held], volumes[held] * item
+            large = np.flatnonzero(nbytes > sizes[files])
+            if len(large):
+                f = int(files[large[0]])
+                findings.append(Finding("mapping", fqn, f"a shard of {int(nbytes[large[0]])} bytes cannot be in "
+                                                        f"{manifest.files[f].path} ({manifest.files[f].size} bytes)"))
+            unique, counts = np.unique(files, return_counts=True)
+            if len(unique) != len(files):
+                twice = manifest.files[int(unique[np.argmax(counts > 1)])].path
+                findings.append(Finding("mapping", fqn, f"two shards read key {spec.key!r} of {twice} (both of {fqn})"))
+            if spec_count[spec.key] > 1 or raw_files:  # rare: list the cells that can meet another spec
+                cells = list(zip(files.tolist(), nbytes.tolist()))
+            else:
+                continue
+            largest = int(nbytes.max(initial=0))
+            keyed = [(f, spec.key, n) for f, n in cells]
+        else:
+            keyed = [(s.file, s.key, s.box.volume * item) for s in iter_shards(tensor)]
+            largest = max((n for _, _, n in keyed), default=0)
+            for f, _, n in keyed:
+                if n > manifest.files[f].size:  # a shape no file can hold (a load would allocate it first)
+                    findings.append(Finding("mapping", fqn, f"a shard of {n} bytes cannot be in "
+                                                            f"{manifest.files[f].path} ({manifest.files[f].size} bytes)"))
+        for f, key, n in keyed:
+            if spec_count[key] > 1 or isinstance(spec, BoxShards):
+                if (f, key) in owner:
+                    findings.append(Finding("mapping", fqn, f"two shards read key {key!r} of {manifest.files[f].path} "
+                                                            f"(the other of {owner[f, key]})"))
+                owner[f, key] = fqn
+            if f in raw_files:
+                raw.setdefault(f, []).append((fqn, n, largest))
+    for index in sorted(raw_files):
+        entry = manifest.files[index]
+        if entry.role != "tensors":
             continue
-        held = raw.get(index, [])
-        if len(held) != 1:
-            findings.append(Finding("mapping", entry.path, f"a raw file holds exactly one shard, this one is named by {len(held)}"))
-        elif entry.size not in held[0][1:]:
-            findings.append(Finding("mapping", entry.path, f"raw file of {entry.size} bytes holds a shard of {held[0][1]} bytes"))
+        named = raw.get(index, [])
+        if len(named) != 1:
+            findings.append(Finding("mapping", entry.path, f"a raw file holds exactly one shard, this one is named by {len(named)}"))
+        elif entry.size not in named[0][1:]:
+            findings.append(Finding("mapping", entry.path, f"raw file of {entry.size} bytes holds a shard of {named[0][1]} bytes"))
     return findings
 
 

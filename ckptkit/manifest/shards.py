@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,122 @@ def iter_shards(entry: TensorEntry) -> Iterator[Shard]:
         box = _cell_box(cuts, idx)
         if box.volume or not box.ndim:
             yield Shard(box, grid_file(spec, cell), spec.key)
+
+
+# The keys of one payload file's header: key -> (dtype, the shard's shape, tensor name); by file index.
+Keys = dict[str, tuple[str, tuple[int, ...], str]]
+FileKeys = dict[int, Keys]
+
+
+def file_keys(tensors: Mapping[str, TensorEntry], skip: Collection[str] = ()) -> FileKeys:
+    """The keys each payload file must hold for the non-empty shards of `tensors` (those not in
+    `skip`), in one pass over every shard. An empty shard has no bytes and no key (``save``
+    writes none)."""
+    out: FileKeys = {}
+    for fqn, tensor in tensors.items():
+        if fqn in skip:
+            continue
+        for shard in iter_shards(tensor):
+            out.setdefault(shard.file, {})[shard.key] = (tensor.dtype, shard.box.lengths, fqn)
+    return out
+
+
+def spec_files(entry: TensorEntry) -> set[int]:
+    """The files a tensor's shard spec names, empty shards included (a sound spec: a grid's cells
+    are bounded by the tensor's size)."""
+    spec = entry.shards
+    if isinstance(spec, BoxShards):
+        return {b.file for b in spec.boxes}
+    return {grid_file(spec, cell) for cell in range(grid_cell_count(entry.shape, spec))}
+
+
+def grid_cells(shape: Sequence[int], spec: GridShards) -> tuple[np.ndarray, np.ndarray]:
+    """The file index and the element count of every cell of a grid, row-major, as arrays (no
+    Python object per cell: a grid over thousands of ranks costs microseconds)."""
+    lengths = [np.diff(np.asarray(c, dtype=np.int64)) for c in _cuts_array(shape, spec)]
+    volumes = functools.reduce(np.multiply.outer, lengths, np.ones((), dtype=np.int64)).reshape(-1)
+    if isinstance(spec.files, FileRange):
+        files = spec.files.start + spec.files.step * np.arange(len(volumes), dtype=np.int64)
+    else:
+        files = np.asarray(spec.files, dtype=np.int64).reshape(-1)
+    return files, volumes
+
+
+def shard_count(entry: TensorEntry) -> int:
+    """The number of non-empty shards of a tensor (what `iter_shards` yields), grids counted as arrays."""
+    spec = entry.shards
+    if isinstance(spec, BoxShards):
+        return sum(1 for b in spec.boxes if not b.lengths or 0 not in b.lengths)
+    _, volumes = grid_cells(entry.shape, spec)
+    return len(volumes) if not entry.shape else int(np.count_nonzero(volumes))
+
+
+def _cuts_array(shape: Sequence[int], spec: GridShards) -> list[np.ndarray]:
+    """The cut positions of every dim of a grid, as arrays."""
+    out = []
+    for size, c in zip(shape, spec.cuts):
+        if isinstance(c, int):
+            step = -(-size // c) if c else 0
+            out.append(np.minimum(np.arange(c + 1, dtype=np.int64) * step, size))
+        else:
+            out.append(np.asarray(c, dtype=np.int64))
+    return out
+
+
+class KeyIndex:
+    """The shard a payload file holds under a key, found without expanding grids: what a reader
+    checks each key of a header against. Built in one pass over the tensors' specs (a grid is one
+    entry, a list of boxes is indexed on first use)."""
+
+    def __init__(self, tensors: Mapping[str, TensorEntry]) -> None:
+        self.tensors = tensors
+        self._owners: dict[str, list[str]] = {}
+        for fqn, entry in tensors.items():
+            spec = entry.shards
+            for key in {spec.key} if isinstance(spec, GridShards) else {b.key for b in spec.boxes}:
+                self._owners.setdefault(key, []).append(fqn)
+        self._boxes: dict[str, dict[tuple[int, str], Box]] = {}
+        self._cells: dict[str, dict[int, int]] = {}
+
+    def shard(self, file: int, key: str) -> tuple[str, Box] | None:
+        """(tensor, box) of the non-empty shard stored in `file` under `key`, or None."""
+        for fqn in self._owners.get(key, ()):
+            box = self._box(fqn, file, key)
+            if box is not None and (box.volume or not box.ndim):
+                return fqn, box
+        return None
+
+    def _box(self, fqn: str, file: int, key: str) -> Box | None:
+        entry = self.tensors[fqn]
+        spec = entry.shards
+        if isinstance(spec, BoxShards):
+            table = self._boxes.get(fqn)
+            if table is None:
+                table = self._boxes[fqn] = {(b.file, b.key): Box(tuple(b.offsets), tuple(b.lengths)) for b in spec.boxes}
+            return table.get((file, key))
+        counts = [c if isinstance(c, int) else len(c) - 1 for c in spec.cuts]
+        cells = math.prod(counts)
+        if isinstance(spec.files, FileRange):
+            start, step = spec.files.start, spec.files.step
+            cell = 0 if step == 0 and file == start else (file - start) // step if step and (file - start) % step == 0 else -1
+        else:
+            where = self._cells.get(fqn)
+            if where is None:
+                where = self._cells[fqn] = {f: i for i, f in reversed(list(enumerate(spec.files)))}
+            cell = where.get(file, -1)
+        if not 0 <= cell < cells:
+            return None
+        idx = np.unravel_index(cell, counts) if counts else ()
+        offsets, lengths = [], []
+        for size, c, i in zip(entry.shape, spec.cuts, idx):
+            if isinstance(c, int):
+                step = -(-size // c)
+                lo, hi = min(int(i) * step, size), min((int(i) + 1) * step, size)
+            else:
+                lo, hi = c[int(i)], c[int(i) + 1]
+            offsets.append(lo)
+            lengths.append(hi - lo)
+        return Box(tuple(offsets), tuple(lengths))
 
 
 def _cell_box(cuts: list[list[int]], idx: Sequence[int]) -> Box:

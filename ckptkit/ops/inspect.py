@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from ..io.payload import open_checkpoint
 from ..manifest.dtypes import itemsize
 from ..manifest import CheckpointInfo, Producer, Topology
-from ..manifest.shards import iter_shards
+from ..manifest.shards import shard_count
 
 
 class InspectReport(BaseModel):
@@ -93,7 +93,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectReport:
         by_kind[t.kind] += nbytes
         by_dtype[t.dtype] += nbytes
         count_kind[t.kind] += 1
-        shards += sum(1 for _ in iter_shards(t))
+        shards += shard_count(t)
         if nbytes > largest[0] or largest[1] is None:
             largest = (nbytes, fqn)
     return InspectReport(

@@ -49,6 +49,8 @@ class Checkpoint:
             leaves, _ = flatten(target, is_leaf)
             pieces = {fqn: leaf_shards(leaf) for fqn, leaf in leaves.items()}
         with still_committed(self.location):
+            if target is None:  # every payload file, those of empty tensors included
+                self._reader.open_files_of(manifest.tensors)
             fill(self._reader, pieces)
         return unflatten({**manifest.objects, **leaves})
 

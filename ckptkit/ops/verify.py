@@ -9,9 +9,8 @@ from __future__ import annotations
 import math
 import os
 import queue
-from collections.abc import Callable
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -24,7 +23,8 @@ from ..manifest.dtypes import itemsize
 from ..errors import CkptkitError, IntegrityError, ManifestError, StorageError
 from ..manifest import MANIFEST_NAME, FileEntry, GridShards, Manifest, TensorEntry, parse_manifest
 from ..io.safetensors import header_length, parse_header
-from ..manifest.shards import iter_shards
+from ..manifest.shards import KeyIndex, Keys, file_keys
+from ..io.payload import header_problems
 from ..storage import Storage
 
 CHUNK = 8 << 20
@@ -81,12 +81,13 @@ def verify(
     files = [(i, e) for i, e in enumerate(manifest.files) if e.path not in bad_paths]
     # A tensor whose spec is unsound is not expanded (a grid of 10^9 cells would be).
     unsound = {f.where for f in findings if f.code in ("schema", "tiling")}
-    expected = _expected_keys(manifest, skip=unsound)
+    expected = file_keys(manifest.tensors, skip=unsound)
+    keys = KeyIndex({fqn: t for fqn, t in manifest.tensors.items() if fqn not in unsound})
     # The keys of an unsound tensor are not checked against headers (it is reported already).
     unchecked = {k for fqn in unsound if fqn in manifest.tensors for k in _spec_keys(manifest.tensors[fqn])}
     present = []
     for index, entry in files:
-        problem = _file_findings(loc, manifest, index, expected.get(index, {}), unchecked)
+        problem = _file_findings(loc, manifest, index, expected.get(index, {}), keys, unchecked)
         findings += problem
         if not problem:
             present.append(index)
@@ -113,28 +114,15 @@ def _manifest(loc: Location, findings: list[Finding]) -> Manifest | None:
         return None
 
 
-Expected = dict[str, tuple[str, tuple[int, ...], str]]
-
-
-def _expected_keys(manifest: Manifest, skip: set[str]) -> dict[int, Expected]:
-    """Return, per file index, the keys its header must hold: key -> (dtype, shape, tensor), in one
-    pass over the tensors not in `skip`."""
-    out: dict[int, Expected] = {}
-    for fqn, tensor in manifest.tensors.items():
-        if fqn in skip:
-            continue
-        for shard in iter_shards(tensor):
-            out.setdefault(shard.file, {})[shard.key] = (tensor.dtype, shard.box.lengths, fqn)
-    return out
-
-
 def _spec_keys(tensor: TensorEntry) -> set[str]:
     """The payload keys a tensor's shard spec names, without expanding a grid."""
     spec = tensor.shards
     return {spec.key} if isinstance(spec, GridShards) else {b.key for b in spec.boxes}
 
 
-def _file_findings(loc: Location, manifest: Manifest, index: int, expected: Expected, unchecked: set[str]) -> list[Finding]:
+def _file_findings(
+    loc: Location, manifest: Manifest, index: int, expected: Keys, keys: KeyIndex, unchecked: set[str]
+) -> list[Finding]:
     entry = manifest.files[index]
     key = loc.key(entry.path)
     try:
@@ -156,21 +144,11 @@ def _file_findings(loc: Location, manifest: Manifest, index: int, expected: Expe
         header = parse_header(loc.storage.read(key, 8, n), where=entry.path, file_size=size)
     except (IntegrityError, StorageError) as exc:
         return [Finding("header", entry.path, str(exc).removeprefix(f"{entry.path}: "))]
-    found = []
-    for key_name, (dtype, lengths, fqn) in expected.items():
-        got = header.entries.get(key_name)
-        if got is None:
-            found.append(Finding("header", entry.path, f"tensor {key_name!r} (of {fqn}) is missing"))
-        elif (got.dtype, got.shape) != (dtype, lengths):
-            found.append(
-                Finding("header", entry.path, f"tensor {key_name!r} is {got.dtype}{list(got.shape)}, manifest says {dtype}{list(lengths)}")
-            )
-    for extra in sorted(set(header.entries) - set(expected) - unchecked):
-        found.append(Finding("header", entry.path, f"tensor {extra!r} is not in the manifest"))
-    return found
+    missing = [f"tensor {k!r} (of {fqn}) is missing" for k, (_, _, fqn) in expected.items() if k not in header.entries]
+    return [Finding("header", entry.path, p) for p in missing + header_problems(header, index, keys, unchecked)]
 
 
-def _raw_findings(path: str, size: int, expected: Expected) -> list[Finding]:
+def _raw_findings(path: str, size: int, expected: Keys) -> list[Finding]:
     """A raw file holds the bytes of exactly one shard (then possibly padding)."""
     if len(expected) != 1:
         return [Finding("header", path, f"a raw file holds one shard; the manifest puts {len(expected)} here")]
