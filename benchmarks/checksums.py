@@ -1,7 +1,8 @@
 """The cost of block checksums (manifest 1.2): save and cold load with them, as shipped, against the
 same operation with them patched out, and the bytes a partial load reads against what it needs.
 
-Each repeat runs, in rotated order, each in a fresh worker process (see `benchmarks.phases`):
+The saves run first, their repeats in rotated order, then the loads likewise (so that each run
+follows one of its kind), each in a fresh worker process (see `benchmarks.phases`):
 
 - ``save`` / ``save, no block hashing``: ``ckptkit.save`` of the benchmark state, durable, as the
   save phase times it. Without block hashing (the checksums as they were before blocks), the
