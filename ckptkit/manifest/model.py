@@ -296,8 +296,9 @@ def _sealed(text: str, body: dict[str, Any]) -> bytes:
 
 
 def _version(text: str) -> tuple[int, int]:
-    major, _, minor = text.partition(".")
-    return int(major), int(minor)
+    """(major, minor) of a ``MAJOR.MINOR`` schema version; ValueError if it is not one."""
+    major, minor = (int(p) for p in text.split("."))
+    return major, minor
 
 
 def content_checksum(body: dict[str, Any]) -> str:
@@ -352,7 +353,7 @@ def check_version(raw: dict[str, Any], *, source: str) -> tuple[int, int]:
         raise ManifestError(f"{source}: format is {fmt!r}, expected {FORMAT!r}")
     version = raw.get("schema_version")
     try:
-        major, minor = (int(p) for p in str(version).split("."))
+        major, minor = _version(str(version))
     except ValueError:
         raise ManifestError(f"{source}: schema_version {version!r} is not MAJOR.MINOR") from None
     if major > SCHEMA_MAJOR:

@@ -6,7 +6,6 @@ a few threads read ahead (reads release the GIL) while the calling thread hashes
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 from collections import deque
@@ -19,7 +18,6 @@ from pydantic import BaseModel, ConfigDict
 from ..io.catalog import Location, manifest_bytes, removed, removed_error, resolve
 from ..io.checksum import BlockHasher, Hasher, hasher_for
 from ..manifest.consistency import Finding, manifest_findings
-from ..manifest.dtypes import itemsize
 from ..errors import CkptkitError, IntegrityError, ManifestError, StorageError
 from ..manifest import MANIFEST_NAME, FileEntry, GridShards, Manifest, TensorEntry, parse_manifest
 from ..io.safetensors import header_length, parse_header
@@ -135,8 +133,8 @@ def _file_findings(
         return [Finding("size", entry.path, f"{size} bytes, manifest says {entry.size}")]
     if entry.role != "tensors":
         return []
-    if entry.encoding == "raw":
-        return _raw_findings(entry.path, size, expected)
+    if entry.encoding == "raw":  # no header: its one shard's size is a manifest check (`_mapping_findings`)
+        return []
     try:
         n = header_length(loc.storage.read(key, 0, 8), where=entry.path)
         if 8 + n > size:
@@ -146,17 +144,6 @@ def _file_findings(
         return [Finding("header", entry.path, str(exc).removeprefix(f"{entry.path}: "))]
     missing = [f"tensor {k!r} (of {fqn}) is missing" for k, (_, _, fqn) in expected.items() if k not in header.entries]
     return [Finding("header", entry.path, p) for p in missing + header_problems(header, index, keys, unchecked)]
-
-
-def _raw_findings(path: str, size: int, expected: Keys) -> list[Finding]:
-    """A raw file holds the bytes of exactly one shard (then possibly padding)."""
-    if len(expected) != 1:
-        return [Finding("header", path, f"a raw file holds one shard; the manifest puts {len(expected)} here")]
-    ((dtype, lengths, fqn),) = expected.values()
-    nbytes = math.prod(lengths) * itemsize(dtype)
-    if nbytes > size:
-        return [Finding("size", path, f"{size} bytes, too short for {dtype}{list(lengths)} (of {fqn})")]
-    return []
 
 
 def _stray_findings(loc: Location, manifest: Manifest) -> list[Finding]:
