@@ -24,6 +24,7 @@ class LocalStorage:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
+        self._real_root = os.path.realpath(self.root)  # resolved once: a root moved later fails the checks below
 
     def __repr__(self) -> str:
         return f"LocalStorage({self.root!r})"
@@ -48,8 +49,7 @@ class LocalStorage:
         parts = key.split("/")
         path = os.path.join(self.root, *parts)
         real = os.path.realpath(path)
-        real_root = os.path.realpath(self.root)
-        if not _within(real, real_root):
+        if not _within(real, self._real_root):
             raise StorageError(f"{key}: resolves outside the storage root {self.root} (symlink?)")
         if len(parts) > 1:
             top = os.path.realpath(os.path.join(self.root, parts[0]))
