@@ -521,7 +521,7 @@ def mutate_manifest(rng: random.Random, name: str, base: Base, path: Path, signe
         del c[i]
         # Neutral: block checksums (the file checksum still covers the file), or a file field
         # holding its default value (the manifest means the same without it).
-        neutral = p[-1] == "blocks" or (p[0] == "files" and len(p) == 3 and _default_of_file_field(p[-1]) == value)
+        neutral = p[-1] == "blocks" or (p[0] == "files" and _default_of_file_field(p[2:]) == value)
         detail, kind = "/".join(map(str, p)), "manifest.delete_key"
     elif name == "dup_key":
         members = [(p, c, i) for p, c, i, _ in _walk_json(doc) if isinstance(c, Obj)]
@@ -549,11 +549,13 @@ def mutate_manifest(rng: random.Random, name: str, base: Base, path: Path, signe
     return Mutation(kind, detail, signed=signed, neutral=signed and neutral)
 
 
-def _default_of_file_field(name: Any) -> Any:
-    """The schema's default of a field of a manifest file entry (a sentinel when it has none)."""
-    from ckptkit.manifest import FileEntry
+def _default_of_file_field(path: tuple[Any, ...]) -> Any:
+    """The schema's default of a member of a manifest file entry, by its path inside the entry
+    (`("role",)`, `("blocks", "algorithm")`); a sentinel when it has none."""
+    from ckptkit.manifest import BlockChecksums, FileEntry
 
-    field_info = FileEntry.model_fields.get(name) if isinstance(name, str) else None
+    model = {(): FileEntry, ("blocks",): BlockChecksums}.get(tuple(path[:-1]))
+    field_info = model.model_fields.get(path[-1]) if model is not None and isinstance(path[-1], str) else None
     return field_info.default if field_info is not None and not field_info.is_required() else _NO_DEFAULT
 
 

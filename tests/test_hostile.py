@@ -168,6 +168,28 @@ def test_a_huge_grid_count_is_a_finding_not_a_memory_bomb(root: Path) -> None:
             call()
 
 
+@pytest.mark.parametrize("edit", ["shape", "size"])
+def test_a_size_beyond_any_tensor_or_file_is_a_finding(root: Path, run_ckptkit: Run, edit: str) -> None:
+    """A re-signed manifest with a dimension or a file size of 2^63 and more: a finding for every
+    reader, never an overflow in the checks (found by the fuzz test)."""
+    doc = _manifest(root)
+    if edit == "shape":
+        doc["tensors"]["model/w"]["shape"] = [8, 2**63]
+        where = "model/w"
+    else:
+        doc["files"][1]["size"] = 2**64
+        where = doc["files"][1]["path"]
+    _reseal(root, doc)
+    report = ckptkit.verify(root)
+    assert any(f.code == "schema" and f.where == where and "limit 2^62 bytes" in f.message for f in report.findings), report.findings
+    with pytest.raises(ManifestError, match="limit 2\\^62 bytes"):
+        ckptkit.load(root)
+    for command in ("inspect", "diff"):
+        args = [str(root)] * (2 if command == "diff" else 1)
+        result = run_ckptkit(command, *args)
+        assert result.returncode == 1 and "limit 2^62 bytes" in result.stderr, result.stderr
+
+
 def test_two_shards_naming_one_key_are_a_finding_for_every_reader(root: Path, run_ckptkit: Run) -> None:
     doc = _manifest(root)
     doc["tensors"]["model/w"]["shards"] = {"layout": "boxes", "boxes": [

@@ -5,6 +5,7 @@ Every finding is collected; callers raise once or report them all.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,11 @@ from ..errors import StorageError
 from .model import BoxShards, GridShards, Manifest, TensorEntry
 from .shards import grid_cell_count, grid_cells, grid_file, iter_shards
 from ..storage import check_key
+
+
+# No file or tensor is this large (4 EiB): a manifest saying otherwise is damaged, and every size
+# below it fits the 64-bit arithmetic of the checks.
+SIZE_LIMIT = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +47,9 @@ def manifest_findings(manifest: Manifest) -> list[Finding]:
         if entry.path in seen:
             findings.append(Finding("path", entry.path, "listed twice in files"))
         seen.add(entry.path)
+        if entry.size >= SIZE_LIMIT:
+            findings.append(Finding("schema", entry.path, f"size {entry.size} is beyond any file (limit 2^62 bytes)"))
+            continue
         blocks = entry.blocks
         if blocks is not None and len(blocks.raw()) != 8 * -(-entry.size // blocks.size):
             findings.append(Finding("schema", entry.path, f"block checksums do not describe {-(-entry.size // blocks.size)} "
@@ -123,6 +132,8 @@ def _tensor_findings(fqn: str, tensor: TensorEntry, n_files: int) -> list[Findin
         return [Finding("schema", fqn, f"unknown dtype {tensor.dtype!r}")]
     if any(d < 0 for d in tensor.shape):
         return [Finding("schema", fqn, f"negative size in shape {list(tensor.shape)}")]
+    if math.prod(tensor.shape) * DTYPES[tensor.dtype][0] >= SIZE_LIMIT:
+        return [Finding("schema", fqn, f"shape {list(tensor.shape)} is beyond any tensor (limit 2^62 bytes)")]
     spec = tensor.shards
     if isinstance(spec, GridShards):
         # Rising cuts from 0 to the size tile the tensor by construction: no need to expand cells.
