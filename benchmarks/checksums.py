@@ -35,7 +35,7 @@ import shutil
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .state import TensorSpec
@@ -295,9 +295,9 @@ def counting_storage(root: str) -> Any:
             self._count(key, len(data))
             return data
 
-        def readinto(self, key: str, offset: int, buffer: memoryview) -> None:
-            super().readinto(key, offset, buffer)
-            self._count(key, buffer.nbytes)
+        def readv(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:  # readinto calls it too
+            super().readv(key, offset, buffers)
+            self._count(key, sum(b.nbytes for b in buffers))
 
     return Counting(root)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ckptkit.storage import MemoryStorage
 from ckptkit.storage.base import Buffer
@@ -33,9 +33,9 @@ class CountingStorage(MemoryStorage):
         super().__init__()
         self.bytes_read: dict[str, int] = {}
 
-    def readinto(self, key: str, offset: int, buffer: memoryview) -> None:
-        super().readinto(key, offset, buffer)
-        self.bytes_read[key] = self.bytes_read.get(key, 0) + buffer.nbytes
+    def readv(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:  # readinto calls it too
+        super().readv(key, offset, buffers)
+        self.bytes_read[key] = self.bytes_read.get(key, 0) + sum(b.nbytes for b in buffers)
 
     def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         data = super().read(key, offset, length)

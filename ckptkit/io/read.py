@@ -254,8 +254,8 @@ class Reader:
         for dest, kept in piece.copies:
             dest[:] = kept
         key = self.loc.key(self.manifest.files[piece.file].path)
-        for offset, view in piece.reads:
-            self.loc.storage.readinto(key, offset, view)
+        for offset, views in _consecutive(piece.reads):  # a range and the end-block bytes around it: one request
+            self.loc.storage.readv(key, offset, views)
         blocks = self.manifest.files[piece.file].blocks
         for index, parts in piece.blocks:
             assert blocks is not None
@@ -332,6 +332,19 @@ class Reader:
         out = np.empty(byte_shape(entry.shape, itemsize(entry.dtype)), np.uint8)
         self.fill(plan_load(self.manifest, [(fqn, Box((0,) * len(entry.shape), entry.shape))]).targets, [out], pool=pool)
         return out
+
+
+def _consecutive(reads: list[Segment]) -> list[tuple[int, list[memoryview]]]:
+    """Group reads whose bytes follow one another in the file: (offset, their views in order)."""
+    out: list[tuple[int, list[memoryview]]] = []
+    end = -1
+    for offset, view in sorted(reads, key=lambda r: r[0]):
+        if out and offset == end:
+            out[-1][1].append(view)
+        else:
+            out.append((offset, [view]))
+        end = offset + len(view)
+    return out
 
 
 _WARNED: set[str] = set()

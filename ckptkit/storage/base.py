@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -53,6 +53,11 @@ class Storage(Protocol):
     def readinto(self, key: str, offset: int, buffer: memoryview) -> None:
         """Fill `buffer` with the bytes at `offset`; fail if the value is shorter."""
 
+    def readv(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill `buffers`, in order, with the consecutive bytes from `offset`, in one request (one
+        open and vectored reads; one ranged GET); fail if the value is shorter. ``readinto`` is
+        ``readv`` of one buffer: a wrapper counting reads overrides this one."""
+
     def write(self, key: str, chunks: Iterable[Buffer]) -> int:
         """Store the concatenated chunks under `key` atomically and durably; return the size.
 
@@ -85,6 +90,11 @@ class Storage(Protocol):
         Raises:
             CheckpointExistsError: `key` exists (another writer got there first).
         """
+
+
+def byte_view(buffer: memoryview) -> memoryview:
+    """`buffer` as a flat view of bytes (format ``B``, one dim)."""
+    return buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
 
 
 def check_key(key: str) -> str:

@@ -7,13 +7,14 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ..errors import CheckpointExistsError, StorageError
-from .base import Buffer, Capabilities, check_key
+from .base import Buffer, Capabilities, byte_view, check_key
 
 # A long write starts the write-back of every WRITEBACK_BYTES it has written (see _start_writeback).
 WRITEBACK_BYTES = 64 << 20
+IOV_MAX = 1024  # buffers per preadv call (the Linux limit)
 
 
 class LocalStorage:
@@ -79,10 +80,13 @@ class LocalStorage:
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def readinto(self, key: str, offset: int, buffer: memoryview) -> None:
+        self.readv(key, offset, [buffer])
+
+    def readv(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
         path = self.path(key)
         fd, _ = open_regular(path)
         try:
-            _pread_full(fd, buffer, offset, path)
+            _preadv_full(fd, [byte_view(b) for b in buffers], offset, path)
         finally:
             os.close(fd)
 
@@ -242,17 +246,24 @@ def _write_full(fd: int, view: memoryview) -> int:
     return done
 
 
-def _pread_full(fd: int, buffer: memoryview, offset: int, path: str) -> None:
-    view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+def _preadv_full(fd: int, views: list[memoryview], offset: int, path: str) -> None:
+    """Fill `views` in order from `offset`, however many calls the kernel needs."""
+    want = sum(len(v) for v in views)
     done = 0
-    while done < len(view):
+    views = [v for v in views if len(v)]
+    while views:
         try:
-            n = os.preadv(fd, [view[done:]], offset + done)
+            n = os.preadv(fd, views[:IOV_MAX], offset + done)
         except OSError as exc:
             raise StorageError(f"{path}: cannot read ({exc.strerror or exc})") from exc
         if n == 0:
-            raise StorageError(f"{path}: short read, wanted {len(view)} bytes at {offset}, got {done}")
+            raise StorageError(f"{path}: short read, wanted {want} bytes at {offset}, got {done}")
         done += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 def _makedirs(path: str) -> None:

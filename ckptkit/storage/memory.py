@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ..errors import StorageError
-from .base import Buffer, Capabilities, check_key
+from .base import Buffer, Capabilities, byte_view, check_key
 
 
 class MemoryStorage:
@@ -41,11 +41,17 @@ class MemoryStorage:
         return data[offset:end]
 
     def readinto(self, key: str, offset: int, buffer: memoryview) -> None:
-        view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+        self.readv(key, offset, [buffer])
+
+    def readv(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        views = [byte_view(b) for b in buffers]
         data = self._get(key)
-        if offset + len(view) > len(data):
-            raise StorageError(f"{key}: short read, wanted {len(view)} bytes at {offset}, have {len(data)}")
-        view[:] = data[offset : offset + len(view)]
+        want = sum(len(v) for v in views)
+        if offset + want > len(data):
+            raise StorageError(f"{key}: short read, wanted {want} bytes at {offset}, have {len(data)}")
+        for view in views:
+            view[:] = data[offset : offset + len(view)]
+            offset += len(view)
 
     def write(self, key: str, chunks: Iterable[Buffer]) -> int:
         check_key(key)

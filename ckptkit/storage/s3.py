@@ -18,12 +18,12 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ..errors import CheckpointExistsError, StorageError
-from .base import Buffer, Capabilities, check_key
+from .base import Buffer, Capabilities, byte_view, check_key
 
 PART_SIZE = 8 << 20
 CONCURRENCY = 5
@@ -90,19 +90,23 @@ class S3Storage:
         return bytes(buf)
 
     def readinto(self, key: str, offset: int, buffer: memoryview) -> None:
-        view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
-        if not len(view):
+        self.readv(key, offset, [buffer])
+
+    def readv(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        views = [v for v in (byte_view(b) for b in buffers) if len(v)]
+        want = sum(len(v) for v in views)
+        if not want:
             return
         where = f"{self.root}/{key}"
-        ranged = f"bytes={offset}-{offset + len(view) - 1}"
+        ranged = f"bytes={offset}-{offset + want - 1}"
         for attempt in range(READ_ATTEMPTS):
             response = self._call("get_object", where, Bucket=self.bucket, Key=self._key(key), Range=ranged)
             got = 0
             try:
                 for chunk in response["Body"].iter_chunks(1 << 20):
-                    if got + len(chunk) > len(view):
-                        raise StorageError(f"{where}: the server sent more than the {len(view)} bytes asked")
-                    view[got : got + len(chunk)] = chunk
+                    if got + len(chunk) > want:
+                        raise StorageError(f"{where}: the server sent more than the {want} bytes asked")
+                    _scatter(views, got, memoryview(chunk))
                     got += len(chunk)
             except StorageError:
                 raise
@@ -113,13 +117,13 @@ class S3Storage:
                 continue
             finally:
                 response["Body"].close()
-            if got == len(view):
+            if got == want:
                 return
             total = _total_size(response)
-            if total is not None and offset + len(view) > total:
-                raise StorageError(f"{where}: short read, wanted {len(view)} bytes at {offset}, have {total}")
+            if total is not None and offset + want > total:
+                raise StorageError(f"{where}: short read, wanted {want} bytes at {offset}, have {total}")
             if attempt + 1 == READ_ATTEMPTS:
-                raise StorageError(f"{where}: short read, wanted {len(view)} bytes at {offset}, got {got}")
+                raise StorageError(f"{where}: short read, wanted {want} bytes at {offset}, got {got}")
             _backoff(attempt)  # a truncated body: read the range again
 
     def size(self, key: str) -> int:
@@ -304,6 +308,20 @@ def _env_int(name: str, default: int) -> int:
     if value < 1:
         raise StorageError(f"{name}={text!r} must be at least 1")
     return value
+
+
+def _scatter(views: list[memoryview], at: int, chunk: memoryview) -> None:
+    """Copy `chunk`, the bytes from position `at` of the concatenated `views`, into them."""
+    for view in views:
+        if at >= len(view):
+            at -= len(view)
+            continue
+        n = min(len(view) - at, len(chunk))
+        view[at : at + n] = chunk[:n]
+        chunk = chunk[n:]
+        at = 0
+        if not len(chunk):
+            return
 
 
 def _backoff(attempt: int) -> None:

@@ -36,6 +36,16 @@ def test_readinto_fills_the_buffer_from_an_offset(storage: Storage) -> None:
     assert bytes(buf) == bytes(range(90, 100))
 
 
+def test_readv_fills_buffers_in_order_from_one_offset(storage: Storage) -> None:
+    storage.write("k", [bytes(range(256)) * 4])
+    bufs = [bytearray(3), bytearray(0), bytearray(300), bytearray(5)]
+    storage.readv("k", 250, [memoryview(b) for b in bufs])
+    data = bytes(range(256)) * 4
+    assert [bytes(b) for b in bufs] == [data[250:253], b"", data[253:553], data[553:558]]
+    with pytest.raises(StorageError):
+        storage.readv("k", 1020, [memoryview(bytearray(2)), memoryview(bytearray(3))])
+
+
 def test_reading_past_the_end_is_an_error(storage: Storage) -> None:
     storage.write("k", [b"abc"])
     with pytest.raises(StorageError):
