@@ -29,6 +29,7 @@ schemas: $(STAMP)
 
 fixtures: $(STAMP)
 	$(PY) fixtures/make_fixtures.py
+	$(PY) fixtures/make_dcp.py
 
 lint: $(STAMP)
 	$(PY) -m mypy

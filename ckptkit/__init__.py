@@ -37,6 +37,7 @@ from .state.sharded import ShardedTensor
 from .storage import Storage, open_storage
 
 if TYPE_CHECKING:
+    from .ops.convert import ConvertReport, convert, detect_format, list_converters
     from .ops.diff import DiffReport, diff
     from .exports.run import ExportReport, export
     from .ops.inspect import InspectReport, inspect
@@ -56,6 +57,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CkptkitError",
     "CodeVersion",
+    "ConvertReport",
     "DataProgress",
     "DataVersion",
     "DiffReport",
@@ -79,10 +81,13 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "code_version",
+    "convert",
+    "detect_format",
     "diff",
     "export",
     "inspect",
     "list_checkpoints",
+    "list_converters",
     "load",
     "open",
     "open_storage",
@@ -93,13 +98,14 @@ __all__ = [
 ]
 
 # Imported on first use (torch, threads or the report machinery): name -> module. The calls
-# that need no torch (verify, inspect, reshard, list_checkpoints) stay importable without it.
+# that need no torch (verify, inspect, reshard, convert, list_checkpoints) stay importable without it.
 _LAZY = {
     "save": "ops.save", "load": "ops.load", "open": "ops.load", "Checkpoint": "ops.load", "diff": "ops.diff",
     "DiffReport": "ops.diff", "export": "exports.run", "ExportReport": "exports.run", "CheckpointManager": "writer.manager",
     "SaveHandle": "writer.manager", "verify": "ops.verify", "VerifyReport": "ops.verify", "inspect": "ops.inspect",
     "InspectReport": "ops.inspect", "reshard": "ops.reshard", "ReshardReport": "ops.reshard", "ListingReport": "ops.listing",
-    "Layout": "layouts",
+    "Layout": "layouts", "convert": "ops.convert", "ConvertReport": "ops.convert", "detect_format": "ops.convert",
+    "list_converters": "ops.convert",
 }
 
 

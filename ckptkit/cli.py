@@ -6,6 +6,7 @@ for verify, no checkpoint at the path; 3 an internal error (a bug: please report
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -58,7 +59,7 @@ def _emit_json(model: Any) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckptkit")
 def cli() -> None:
-    """Checkpoints for sharded large-model training: list, inspect, verify, diff, reshard, export, layout, train, demo."""
+    """Checkpoints for sharded large-model training: list, inspect, verify, diff, reshard, export, convert, layout, train, demo."""
 
 
 @cli.command("ls")
@@ -311,6 +312,51 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
         f"{len(report.files)} file(s), {total / 1e6:.1f} MB "
         f"(step {report.step}; {len(report.skipped)} tensors not exported)"
     )
+
+
+@cli.command("convert")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--from", "source_format", default="auto", show_default=True,
+              help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp).")
+@click.option("--allow-skip", is_flag=True,
+              help="Convert what can be converted and list the rest as skipped (default: any such entry fails).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the convert report).")
+def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, as_json: bool) -> None:
+    """Convert another tool's checkpoint at SRC (a torch DCP directory) into a ckptkit checkpoint at DST.
+
+    Every tensor and value of SRC is converted or listed as skipped with a reason; an entry
+    that cannot be converted fails the conversion unless --allow-skip. Exit 0 when DST is
+    committed, 1 on a ckptkit error (unknown format, unsafe or damaged source, DST exists;
+    DST does not appear), 2 on bad usage.
+    """
+    names = ckptkit.list_converters()
+    if source_format != "auto" and source_format not in names:
+        _fail(f"--from: no converter for {source_format!r}; choose auto or one of: {', '.join(names) or 'none installed'}", 2)
+    if source_format == "auto":
+        source_format = ckptkit.detect_format(src)
+        click.echo(f"ckptkit: {src}: converting from {source_format} ({names[source_format]})", err=True)
+    show = not as_json and sys.stderr.isatty()
+    with contextlib.ExitStack() as stack:
+        bar: list[Any] = []
+
+        def progress(done: int, total: int) -> None:
+            if not bar:
+                bar.append(stack.enter_context(click.progressbar(length=total, label="converting", file=sys.stderr)))
+            bar[0].update(done - bar[0].pos)
+
+        report = ckptkit.convert(src, dst, source_format=source_format, allow_skip=allow_skip,
+                                 progress=progress if show else None)
+    if as_json:
+        _emit_json(report)
+        return
+    click.echo(
+        f"{report.destination}: committed step {report.step} from {report.format} {report.source}: "
+        f"{len(report.tensors)} tensors, {len(report.objects)} values, {report.files} file(s), "
+        f"{report.bytes_written / 1e6:.1f} MB in {report.seconds:.2f} s; {len(report.skipped)} skipped"
+    )
+    for skipped in report.skipped:
+        click.echo(f"skipped {skipped.source}: {skipped.reason}")
 
 
 @cli.command("train")

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from .exports.run import ExportReport
+from .ops.convert import ConvertReport
 from .ops.inspect import InspectReport
 from .layouts import layout_json_schema
 from .manifest import SCHEMA_MAJOR, manifest_json_schema
@@ -24,7 +25,7 @@ def all_schemas() -> dict[str, dict[str, Any]]:
     """Return relative file path -> JSON Schema for every published document."""
     out = {f"manifest/v{SCHEMA_MAJOR}.schema.json": manifest_json_schema(), "layout/v1.schema.json": layout_json_schema()}
     for name, model in (("verify", VerifyReport), ("inspect", InspectReport), ("ls", ListingReport), ("reshard", ReshardReport),
-                        ("export", ExportReport)):
+                        ("export", ExportReport), ("convert", ConvertReport)):
         schema = model.model_json_schema()
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         out[f"cli/{name}.v1.schema.json"] = schema

@@ -1,0 +1,335 @@
+"""Bring another tool's checkpoint in: the converter contract, finding converters, and the one
+writer every converter commits through (no torch).
+
+Converters live outside the core (the ``ckptkit_converters`` package, or any distribution):
+each registers an object satisfying `Converter` in the ``ckptkit.converters`` entry-point
+group, and the core finds it through importlib.metadata, never importing it by name.
+
+Call order: `detect_format` (for ``--from auto``) or a name from `list_converters`; then
+`convert`, which hands the work to the converter. A converter reads its source's metadata and
+plans (names, kinds, what it cannot convert; an entry it cannot convert fails the conversion
+before anything is written, unless ``allow_skip``), then calls `write_converted` with the
+tensors' specs and a function that returns one tensor's bytes at a time. `write_converted`
+refuses an existing destination, streams the payload files under a temporary name, writes the
+manifest last and commits, or discards everything on failure: the destination never appears
+half written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, JsonValue
+
+from .. import __version__
+from ..boxes import full_box
+from ..errors import CheckpointExistsError, IntegrityError, ManifestError
+from ..io.catalog import locate
+from ..io.commit import commit, discard, refuse_existing, staging
+from ..io.write import Written, write_safetensors
+from ..manifest import CheckpointInfo, Manifest, Producer, Topology, manifest_to_json
+from ..plan.save import ItemDesc, plan_files, tensor_entries
+from ..storage import Storage
+
+ENTRY_POINT_GROUP = "ckptkit.converters"
+# Payload files are cut at this size (a converted checkpoint is one rank's files).
+MAX_FILE_BYTES = 4 << 30
+
+Progress = Callable[[int, int], None]  # (bytes written so far, bytes in all)
+
+
+class _Report(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ConvertedTensor(_Report):
+    """A tensor brought across: the source's name for it, its ckptkit name (fqn), and what it is."""
+
+    source: str
+    name: str
+    kind: str
+    dtype: str
+    shape: list[int]
+    chunks: int  # pieces of the source it was assembled from
+
+
+class ConvertedObject(_Report):
+    """A non-tensor value brought across as JSON: the source's name and its ckptkit name."""
+
+    source: str
+    name: str
+
+
+class SkippedEntry(_Report):
+    """An entry of the source that was not converted, and why."""
+
+    source: str
+    reason: str
+
+
+class ConvertReport(_Report):
+    """What ``ckptkit convert --json`` prints: every entry of the source is in ``tensors``,
+    ``objects`` or ``skipped``."""
+
+    format: str
+    source: str
+    destination: str
+    step: int
+    tensors: list[ConvertedTensor]
+    objects: list[ConvertedObject]
+    skipped: list[SkippedEntry]
+    files: int
+    bytes_written: int
+    seconds: float
+
+
+@runtime_checkable
+class Converter(Protocol):
+    """What a converter registers in the ``ckptkit.converters`` entry-point group.
+
+    ``detect`` must be cheap (file names, a few small reads) and never raise for a path that
+    is not its format; ``convert`` commits ``dst`` through `write_converted` or raises a
+    ``CkptkitError`` leaving nothing at ``dst``.
+    """
+
+    name: str
+    description: str
+
+    def detect(self, path: str) -> bool: ...
+
+    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None) -> ConvertReport: ...
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_converter(name: str) -> Converter:
+    """Return the converter registered as `name`.
+
+    Raises:
+        ManifestError: no converter of that name, or it cannot be imported (its framework
+            dependency missing: the message says which extra to install).
+    """
+    eps = _entry_points()
+    if name not in eps:
+        raise ManifestError(f"no converter for {name!r}; available: {', '.join(sorted(eps)) or 'none (install ckptkit)'}")
+    try:
+        found = eps[name].load()
+    except ImportError as exc:
+        raise ManifestError(f"the {name} converter cannot be loaded ({exc}); install ckptkit[{name}]") from exc
+    if not isinstance(found, Converter) or found.name != name:
+        raise ManifestError(f"entry point {name!r} of {ENTRY_POINT_GROUP} is not a converter ({eps[name].value})")
+    return found
+
+
+def list_converters() -> dict[str, str]:
+    """Return the name and description of every converter that loads."""
+    out = {}
+    for name in sorted(_entry_points()):
+        try:
+            out[name] = load_converter(name).description
+        except ManifestError:
+            continue
+    return out
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    """Return the name of the one converter that recognises the files at `path`.
+
+    Raises:
+        ManifestError: none does (or several do: name one with ``--from``).
+    """
+    text = os.fspath(path)
+    if not os.path.isdir(text):
+        raise ManifestError(f"{text}: no such directory; a checkpoint to convert is a directory")
+    found = [name for name in list_converters() if load_converter(name).detect(text)]
+    if not found:
+        raise ManifestError(f"{text}: not a checkpoint any converter recognises (tried: {', '.join(list_converters())})")
+    if len(found) > 1:
+        raise ManifestError(f"{text}: looks like several formats ({', '.join(found)}); name one with --from")
+    return found[0]
+
+
+def convert(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], *, source_format: str = "auto", allow_skip: bool = False,
+    progress: Progress | None = None,
+) -> ConvertReport:
+    """Convert another tool's checkpoint at `src` into a committed ckptkit checkpoint at `dst`.
+
+    Args:
+        src: the source checkpoint (a local directory).
+        dst: the checkpoint directory to create (a local path or a storage URL).
+        source_format: a converter's name (see `list_converters`), or ``auto`` to detect it.
+        allow_skip: convert what can be converted and list the rest as skipped; by default an
+            entry that cannot be converted fails the conversion before anything is written.
+        progress: called with (bytes written, bytes in all) as tensors are written.
+
+    Raises:
+        ManifestError: unknown format, unreadable or refused source metadata, or entries that
+            cannot be converted (all are listed).
+        IntegrityError: source files missing, truncated or inconsistent with their metadata.
+        CheckpointExistsError: something exists at `dst`, or `dst` lies inside `src`.
+        StorageError: a read or write failed; nothing was committed.
+    """
+    name = detect_format(src) if source_format == "auto" else source_format
+    converter = load_converter(name)
+    src_text, dst_text = os.fspath(src), os.fspath(dst)
+    if "://" not in dst_text:
+        a, b = os.path.realpath(src_text), os.path.realpath(dst_text)
+        if b == a or b.startswith(a.rstrip("/") + "/"):
+            raise CheckpointExistsError(f"{dst_text}: the destination may not be or lie inside the source {src_text}")
+    return converter.convert(src_text, dst_text, allow_skip=allow_skip, progress=progress)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A tensor a converter writes: its ckptkit name, the source's name for it, dtype, shape, kind."""
+
+    name: str
+    source: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """What `write_converted` committed."""
+
+    destination: str
+    manifest: Manifest
+    files: int
+    bytes_written: int
+
+
+def refuse_skips(skipped: Sequence[SkippedEntry], *, allow_skip: bool, where: str) -> None:
+    """Fail, listing every entry that cannot be converted, unless `allow_skip`.
+
+    Raises:
+        ManifestError: there are some and `allow_skip` is False.
+    """
+    if skipped and not allow_skip:
+        shown = "; ".join(f"{s.source}: {s.reason}" for s in skipped[:10])
+        more = f"; and {len(skipped) - 10} more" if len(skipped) > 10 else ""
+        raise ManifestError(
+            f"{where}: {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} cannot be converted ({shown}{more}); "
+            f"pass --allow-skip to convert the rest"
+        )
+
+
+def name_problems(names: Sequence[str]) -> list[str]:
+    """Say which names cannot sit in one nested state: one is another's parent (``a/b`` and
+    ``a/b/c``: the first would be both a value and a dict), or one is empty."""
+    problems = [f"{n!r}: an empty name" for n in names if not n]
+    present = set(names)
+    for n in sorted(present):
+        parts = n.split("/")
+        for i in range(1, len(parts)):
+            parent = "/".join(parts[:i])
+            if parent in present:
+                problems.append(f"{parent!r} is both a value and the parent of {n!r}")
+                break
+    return problems
+
+
+def write_converted(
+    dst: str | os.PathLike[str],
+    tensors: Sequence[TensorSpec],
+    read: Callable[[TensorSpec], memoryview],
+    *,
+    objects: Mapping[str, JsonValue],
+    step: Callable[[], int],
+    info: CheckpointInfo | None = None,
+    max_file_bytes: int = MAX_FILE_BYTES,
+    progress: Progress | None = None,
+    storage: Storage | None = None,
+) -> Committed:
+    """Write `tensors` (whole, one rank's files) and `objects` as the committed checkpoint `dst`.
+
+    ``read(spec)`` returns one tensor's bytes (C order, little-endian) when its turn comes;
+    it is called once per tensor with elements, in file order, so a converter holds one tensor
+    at a time. ``step()`` is asked after the last tensor was read. The latest pointer of
+    `dst`'s root is left alone.
+
+    Raises:
+        ManifestError: names that cannot sit in one nested state (nothing is written).
+        CheckpointExistsError: something exists at `dst`.
+        IntegrityError: ``read`` returned the wrong number of bytes; nothing was committed.
+        StorageError: a write failed; nothing was committed.
+    """
+    problems = name_problems([t.name for t in tensors] + list(objects))
+    if problems:
+        raise ManifestError(f"{dst}: names collide: " + "; ".join(problems[:10]))
+    loc = locate(dst, storage)
+    specs = {t.name: t for t in tensors}
+    meta = {t.name: ItemDesc(t.name, t.dtype, t.shape, full_box(t.shape)) for t in tensors}
+    holders = {name: ({item.box: [0]} if item.box.volume else {}) for name, item in meta.items()}  # empty: no bytes
+    plan = plan_files(holders, meta, 1, max_file_bytes=max_file_bytes)
+    total = sum(item.nbytes for f in plan.all_files() for item, _ in f.items)
+    refuse_existing(loc)
+    stage = staging(loc, uuid.uuid4().hex[:12])
+    done = [0]
+
+    def bodies(items: Sequence[tuple[ItemDesc, str]]) -> Iterator[memoryview]:
+        for item, _ in items:
+            data = read(specs[item.fqn])
+            if data.nbytes != item.nbytes:
+                raise IntegrityError(f"{item.fqn}: the converter returned {data.nbytes} bytes, expected {item.nbytes}")
+            yield data
+            done[0] += item.nbytes
+            if progress is not None:
+                progress(done[0], total)
+
+    try:
+        written: list[Written] = []
+        for f in plan.all_files():
+            keyed = [(key, item.dtype, item.box.lengths) for item, key in f.items]
+            written.append(write_safetensors(loc.storage, stage.key(f.path), f.path, keyed, bodies(f.items)))
+        files = tuple(w.entry(stage.path(w.path)) for w in written)
+        index = {w.path: i for i, w in enumerate(written)}
+        manifest = Manifest(
+            checkpoint_id=uuid.uuid4().hex,
+            step=step(),
+            created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            producer=Producer(ckptkit=__version__, python=platform.python_version()),
+            topology=Topology(world_size=1),
+            files=files,
+            tensors=tensor_entries(plan, index, lambda fqn: specs[fqn].kind),
+            objects=dict(objects),
+            info=info or CheckpointInfo(),
+        )
+        commit(loc, stage, manifest_to_json(manifest), update_latest=False)
+    except BaseException:
+        discard(loc.storage, stage)
+        raise
+    return Committed(str(loc), manifest, len(files), sum(w.size for w in written))
+
+
+def report_of(
+    fmt: str, src: str, committed: Committed, tensors: Sequence[tuple[TensorSpec, int]], objects: Mapping[str, str],
+    skipped: Sequence[SkippedEntry], started: float,
+) -> ConvertReport:
+    """The convert report of a committed conversion: `tensors` as (spec, chunks), `objects` as
+    ckptkit name -> source name."""
+    return ConvertReport(
+        format=fmt,
+        source=src,
+        destination=committed.destination,
+        step=committed.manifest.step,
+        tensors=[ConvertedTensor(source=t.source, name=t.name, kind=t.kind, dtype=t.dtype, shape=list(t.shape), chunks=n)
+                 for t, n in tensors],
+        objects=[ConvertedObject(source=source, name=name) for name, source in objects.items()],
+        skipped=list(skipped),
+        files=committed.files,
+        bytes_written=committed.bytes_written,
+        seconds=round(time.perf_counter() - started, 3),
+    )

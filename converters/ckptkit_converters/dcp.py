@@ -1,0 +1,295 @@
+"""Convert a torch.distributed.checkpoint (DCP) directory into a ckptkit checkpoint.
+
+Reads ``.metadata`` (safely: see `dcp_metadata`) and the ``.distcp`` byte ranges it points to
+directly, one tensor at a time: each chunk (a box one rank saved) is a ``torch.save`` archive
+in a ``.distcp`` file, whose storage bytes are copied straight into the tensor being
+assembled; the whole tensor is then written and dropped. Neither torch nor its consolidation
+(``dcp_to_torch_save``) is used, so memory stays about one tensor (plus one chunk when a
+chunk is not a run of whole rows).
+
+Names: DCP flattens the saved state dict into keys joined by ``.`` (``model.layers.0.weight``,
+``optim.state.layers.0.weight.exp_avg``, ``optim.param_groups.0.lr``). A key's ckptkit name
+(`fqn_of`) is the key split at every ``.``, each part escaped as ckptkit escapes a name part
+(``~`` -> ``~0``, ``/`` -> ``~1``), joined by ``/``: ``model/layers/0/weight``. `dcp_key` is the
+exact inverse. Kinds: keys under a torch optimizer state dict (``<prefix>.state.…`` where
+``<prefix>.param_groups.<i>.…`` exists) and under ``optim``/``optimizer`` are ``optimizer``,
+under ``model`` ``param``, under ``rng`` ``rng``, under ``buffers`` ``buffer``, anything else
+``other``. Non-tensor values (DCP's BytesIO entries, each a ``torch.save`` of the value) are
+unpickled with builtins only and kept as JSON (tuples become lists). The manifest's step is
+the optimizer's ``step`` when every parameter's agrees, else 0.
+
+Everything else is skipped with a reason, and fails the conversion unless ``allow_skip``: a
+dtype ckptkit has no name for, a chunk stored with stream transforms (compression), a value
+that needs a class to unpickle or is not JSON, stored bytes the metadata lists under no entry.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import JsonValue
+
+from ckptkit.boxes import Box, tiling_problems
+from ckptkit.errors import IntegrityError, ManifestError
+from ckptkit.manifest.dtypes import itemsize
+from ckptkit.ops.convert import (
+    ConvertReport,
+    Progress,
+    SkippedEntry,
+    TensorSpec,
+    refuse_skips,
+    report_of,
+    write_converted,
+)
+from ckptkit.state.tree import escape, json_problems, unescape
+from ckptkit.storage.local import open_regular
+
+from .dcp_metadata import METADATA_NAME, DcpMetadata, StorageRef, TensorMeta, read_metadata
+from .torchsave import copy_tensor, open_archive, stored_tensor, stored_value
+
+NAME = "dcp"
+TOP_KINDS = {"model": "param", "optim": "optimizer", "optimizer": "optimizer", "rng": "rng", "buffers": "buffer"}
+# Files Megatron-Core's torch_dist format adds to a DCP directory: that is another converter's.
+MEGATRON_FILES = frozenset({"metadata.json", "common.pt"})
+_STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
+
+
+def fqn_of(key: str) -> str:
+    """The ckptkit name of DCP key `key`: split at every ``.``, parts escaped, joined by ``/``."""
+    return "/".join(escape(part) for part in key.split("."))
+
+
+def dcp_key(fqn: str) -> str:
+    """The DCP key of ckptkit name `fqn` (the inverse of `fqn_of`)."""
+    return ".".join(unescape(part) for part in fqn.split("/"))
+
+
+def optimizer_prefixes(keys: Iterator[str] | list[str]) -> set[str]:
+    """The prefixes under which a torch optimizer state dict was saved (those with
+    ``<prefix>.param_groups.<i>.…`` keys; ``""`` for one saved at the top)."""
+    out = set()
+    for key in keys:
+        parts = key.split(".")
+        for i in range(len(parts) - 1):
+            if parts[i] == "param_groups" and parts[i + 1].isdigit():
+                out.add(".".join(parts[:i]))
+    return out
+
+
+def kind_of(key: str, optimizers: set[str]) -> str:
+    """The ckptkit kind of the tensor saved under DCP key `key`."""
+    if any(key.startswith(f"{p}.state." if p else "state.") for p in optimizers):
+        return "optimizer"
+    return TOP_KINDS.get(key.split(".", 1)[0], "other")
+
+
+@dataclass
+class _Plan:
+    tensors: list[tuple[TensorSpec, TensorMeta]] = field(default_factory=list)
+    objects: dict[str, JsonValue] = field(default_factory=dict)
+    object_sources: dict[str, str] = field(default_factory=dict)
+    skipped: list[SkippedEntry] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+class DcpConverter:
+    """The ``dcp`` converter (registered in the ``ckptkit.converters`` entry-point group)."""
+
+    name = NAME
+    description = "torch.distributed.checkpoint directory (.metadata and .distcp files: FSDP2, DTensor, no_dist saves)"
+
+    def detect(self, path: str) -> bool:
+        """Whether `path` is a DCP directory: a ``.metadata`` and ``.distcp`` files (and not
+        Megatron's torch_dist format, which adds ``metadata.json`` and ``common.pt``)."""
+        names: set[str] = set()
+        distcp = False
+        try:
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    distcp = distcp or entry.name.endswith(".distcp")
+                    if entry.name == METADATA_NAME or entry.name in MEGATRON_FILES:
+                        names.add(entry.name)
+        except OSError:
+            return False
+        return distcp and METADATA_NAME in names and not MEGATRON_FILES <= names
+
+    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None) -> ConvertReport:
+        """Convert the DCP directory `src` into the committed ckptkit checkpoint `dst`.
+
+        Raises:
+            ManifestError: ``.metadata`` refused (a class outside the allowlist, named) or
+                malformed; entries that cannot be converted, without `allow_skip`.
+            IntegrityError: a ``.distcp`` file missing or truncated, chunks that do not tile
+                their tensor, a chunk unlike its metadata.
+            CheckpointExistsError, StorageError: as `ckptkit.ops.convert.write_converted`.
+        """
+        started = time.perf_counter()
+        if not os.path.isdir(src):
+            raise IntegrityError(f"{src}: no such directory")
+        md = read_metadata(src)
+        plan = plan_conversion(src, md)
+        if plan.problems:
+            raise IntegrityError(f"{src}: {len(plan.problems)} problem(s): " + "; ".join(plan.problems[:10]))
+        refuse_skips(plan.skipped, allow_skip=allow_skip, where=src)
+        steps: list[float] = []
+        metas = {spec.name: meta for spec, meta in plan.tensors}
+
+        def read(spec: TensorSpec) -> memoryview:
+            data = assemble(src, md, spec, metas[spec.name])
+            if spec.kind == "optimizer" and spec.name.endswith("/step") and not spec.shape and spec.dtype in _STEP_FORMATS:
+                steps.append(struct.unpack(_STEP_FORMATS[spec.dtype], data.tobytes())[0])
+            return data.data
+
+        committed = write_converted(dst, [spec for spec, _ in plan.tensors], read, objects=plan.objects,
+                                    step=lambda: _common_step(steps), progress=progress)
+        chunks = [(spec, sum(1 for c in meta.chunks if math.prod(c.sizes))) for spec, meta in plan.tensors]
+        return report_of(NAME, src, committed, chunks, plan.object_sources, plan.skipped, started)
+
+
+def plan_conversion(src: str, md: DcpMetadata) -> _Plan:
+    """Name every entry, check its chunks and storage, read the values; collect what is
+    skipped (with reasons) and every problem (missing or truncated files, chunks that do not
+    tile their tensor, chunks with no storage)."""
+    plan = _Plan()
+    sizes = _file_sizes(src, md, plan.problems)
+    for (stored_key, _), ref in md.storage.items():
+        size = sizes.get(ref.path)
+        if size is not None and ref.offset + ref.length > size:
+            plan.problems.append(f"{ref.path}: {stored_key} is stored at bytes {ref.offset}-{ref.offset + ref.length}, "
+                                 f"past the file's end at {size} (truncated?)")
+    optimizers = optimizer_prefixes(list(md.entries))
+    for key, meta in md.entries.items():
+        if meta is None:
+            _plan_value(src, md, key, plan, sizes)
+        else:
+            _plan_tensor(md, key, meta, kind_of(key, optimizers), plan)
+    chunk_keys = {(key, c.offsets) for key, meta in md.entries.items() if meta is not None for c in meta.chunks}
+    value_keys = {(key, None) for key, meta in md.entries.items() if meta is None}
+    for index in md.storage:
+        if index not in chunk_keys and index not in value_keys:
+            where = index[0] if index[1] is None else f"{index[0]} at {list(index[1])}"
+            plan.skipped.append(SkippedEntry(source=where, reason="stored bytes that the metadata lists under no entry"))
+    return plan
+
+
+def _file_sizes(src: str, md: DcpMetadata, problems: list[str]) -> dict[str, int]:
+    sizes = {}
+    for path in sorted({ref.path for ref in md.storage.values()}):
+        try:
+            fd, size = open_regular(os.path.join(src, path))
+        except OSError as exc:
+            problems.append(f"{path}: missing or unreadable ({exc}); a rank's file of the checkpoint?")
+            continue
+        os.close(fd)
+        sizes[path] = size
+    return sizes
+
+
+def _plan_tensor(md: DcpMetadata, key: str, meta: TensorMeta, kind: str, plan: _Plan) -> None:
+    dtype = meta.dtype.dtype
+    if dtype is None:
+        plan.skipped.append(SkippedEntry(source=key, reason=f"dtype torch.{meta.dtype.name} has no ckptkit equivalent"))
+        return
+    boxes = [Box(c.offsets, c.sizes) for c in meta.chunks]
+    plan.problems += [f"{key}: {p}" for p in tiling_problems(meta.shape, boxes)]
+    for chunk in meta.chunks:
+        ref = md.storage.get((key, chunk.offsets))
+        if ref is None:
+            plan.problems.append(f"{key}: the chunk at {list(chunk.offsets)} has no storage entry")
+        elif ref.transforms:
+            plan.skipped.append(SkippedEntry(
+                source=key, reason=f"stored with stream transforms {list(ref.transforms)}, which this converter does not read"))
+            return
+    plan.tensors.append((TensorSpec(name=fqn_of(key), source=key, dtype=dtype, shape=meta.shape, kind=kind), meta))
+
+
+def _plan_value(src: str, md: DcpMetadata, key: str, plan: _Plan, sizes: dict[str, int]) -> None:
+    ref = md.storage.get((key, None))
+    if ref is None:
+        plan.problems.append(f"{key}: the value has no storage entry")
+        return
+    if ref.path not in sizes or ref.offset + ref.length > sizes[ref.path]:
+        return  # already a problem
+    if ref.transforms:
+        plan.skipped.append(SkippedEntry(source=key, reason=f"stored with stream transforms {list(ref.transforms)}"))
+        return
+    try:
+        with _archive(src, ref, key) as archive:
+            value = stored_value(archive)
+    except ManifestError as exc:  # a class outside the builtins: skipped (and refused without allow_skip)
+        plan.skipped.append(SkippedEntry(source=key, reason=str(exc)))
+        return
+    converted, problem = _to_json(value, key)
+    if problem:
+        plan.skipped.append(SkippedEntry(source=key, reason=f"not a JSON value ({problem})"))
+        return
+    plan.objects[fqn_of(key)] = converted
+    plan.object_sources[fqn_of(key)] = key
+
+
+@contextmanager
+def _archive(src: str, ref: StorageRef, key: str) -> Iterator[Any]:
+    path = os.path.join(src, ref.path)
+    fd, _ = open_regular(path)
+    try:
+        yield open_archive(fd, ref.offset, ref.length, f"{path} ({key})")
+    finally:
+        os.close(fd)
+
+
+def _to_json(value: Any, key: str) -> tuple[JsonValue, str]:
+    """`value` with tuples as lists, and what keeps it from being JSON ("" when nothing)."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    converted = plain(value)
+    return converted, "; ".join(json_problems({key: converted})[:3])
+
+
+def assemble(src: str, md: DcpMetadata, spec: TensorSpec, meta: TensorMeta) -> np.ndarray[Any, Any]:
+    """Return tensor `spec` whole (flat bytes, C order) from its chunks.
+
+    Raises:
+        IntegrityError: a chunk's archive is unreadable or unlike its metadata (dtype, shape).
+        ManifestError: a chunk's pickle needs a class outside the tensor allowlist (named).
+    """
+    width = itemsize(spec.dtype)
+    buf = np.empty(math.prod(spec.shape) * width, dtype=np.uint8)
+    view = buf.reshape(*spec.shape, width)
+    for chunk in meta.chunks:
+        if not math.prod(chunk.sizes):
+            continue
+        ref = md.storage[(spec.source, chunk.offsets)]
+        with _archive(src, ref, spec.source) as archive:
+            stored = stored_tensor(archive)
+            if stored.dtype != spec.dtype or stored.shape != chunk.sizes:
+                raise IntegrityError(
+                    f"{archive.where}: the chunk at {list(chunk.offsets)} holds {stored.dtype}{list(stored.shape)}, "
+                    f"the metadata says {spec.dtype}{list(chunk.sizes)}")
+            copy_tensor(archive, stored, view[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))])
+    return buf
+
+
+def _common_step(steps: list[float]) -> int:
+    """The optimizer's step when every parameter's agrees (a whole number), else 0."""
+    if steps and all(s == steps[0] for s in steps) and steps[0] >= 0 and float(steps[0]).is_integer():
+        return int(steps[0])
+    return 0
+
+
+CONVERTER = DcpConverter()
+
+__all__ = ["CONVERTER", "NAME", "DcpConverter", "assemble", "dcp_key", "fqn_of", "kind_of", "optimizer_prefixes",
+           "plan_conversion"]

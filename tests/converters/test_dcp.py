@@ -1,0 +1,285 @@
+"""``ckptkit convert`` of torch DCP directories: every fixture (real FSDP2 and no_dist saves)
+comes across bitwise against torch's own consolidation, and damaged or hostile input is refused
+in one line, runs no code and leaves no destination."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import ckptkit
+from ckptkit.state.tree import split
+from ckptkit_converters.dcp import dcp_key, fqn_of, kind_of, optimizer_prefixes
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "fixtures"
+DCP_FIXTURES = ["dcp-fsdp2-fp32", "dcp-fsdp2-bf16", "dcp-nodist"]
+SCHEMA = REPO / "schemas" / "cli" / "convert.v1.schema.json"
+
+
+def _one_line_error(stderr: str) -> str:
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("ckptkit: error: ") and "Traceback" not in stderr
+    return lines[0]
+
+
+def _oracle(src: Path, tmp_path: Path) -> dict[str, Any]:
+    """torch's own consolidation of `src`, flattened to DCP keys."""
+    out = tmp_path / "oracle.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(src, out)
+    flat, _ = flatten_state_dict(torch.load(out, weights_only=True))
+    return flat
+
+
+def _converted(dst: Path) -> dict[str, Any]:
+    """Every tensor and value of the checkpoint at `dst`, keyed by its DCP key."""
+    nested = ckptkit.load(dst)
+    manifest = ckptkit.read_manifest(dst)
+    out = {}
+    for fqn in [*manifest.tensors, *manifest.objects]:
+        node = nested
+        for part in split(fqn):
+            node = node[part]
+        out[dcp_key(fqn)] = node
+    return out
+
+
+def _save_dcp(state: dict[str, Any], path: Path) -> Path:
+    """Save `state` with torch DCP in this process (no_dist)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=path, no_dist=True)
+    return path
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(FIXTURES / name, tmp_path / name))
+
+
+def _assert_nothing_written(tmp_path: Path, dst: Path) -> None:
+    assert not dst.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{dst.name}.tmp-")]
+
+
+# --- every fixture, bitwise -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", DCP_FIXTURES)
+def test_convert_exits_0_and_the_result_verifies(name: str, tmp_path: Path, run_ckptkit: Any) -> None:
+    dst = tmp_path / "out"
+    proc = run_ckptkit("convert", str(FIXTURES / name), str(dst))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [f"ckptkit: {FIXTURES / name}: converting from dcp "
+                                        f"({ckptkit.list_converters()['dcp']})"]
+    verified = run_ckptkit("verify", str(dst))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "sound" in verified.stdout
+
+
+@pytest.mark.parametrize("name", DCP_FIXTURES)
+def test_every_tensor_and_value_equals_torchs_consolidation(name: str, tmp_path: Path, run_ckptkit: Any) -> None:
+    dst = tmp_path / "out"
+    assert run_ckptkit("convert", "--from", "dcp", str(FIXTURES / name), str(dst)).returncode == 0
+    want, got = _oracle(FIXTURES / name, tmp_path), _converted(dst)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == (list(value) if isinstance(value, tuple) else value), key
+
+
+@pytest.mark.parametrize("name", DCP_FIXTURES)
+def test_the_report_accounts_for_every_entry_and_matches_its_schema(name: str, tmp_path: Path, run_ckptkit: Any) -> None:
+    import jsonschema
+
+    proc = run_ckptkit("convert", "--json", str(FIXTURES / name), str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    jsonschema.validate(report, json.loads(SCHEMA.read_text(encoding="utf-8")))
+    assert report["skipped"] == []
+    sources = [t["source"] for t in report["tensors"]] + [o["source"] for o in report["objects"]]
+    assert sorted(sources) == sorted(_oracle(FIXTURES / name, tmp_path))
+    assert all(t["name"] == fqn_of(t["source"]) for t in report["tensors"])
+
+
+def test_fsdp2_fixtures_hold_uneven_and_empty_chunks_and_nonzero_moments(tmp_path: Path, run_ckptkit: Any) -> None:
+    dst = tmp_path / "out"
+    proc = run_ckptkit("convert", "--json", str(FIXTURES / "dcp-fsdp2-bf16"), str(dst))
+    chunks = {t["source"]: t["chunks"] for t in json.loads(proc.stdout)["tensors"]}
+    assert chunks["model.embed.weight"] == 2 and chunks["model.head.weight"] == 1  # 6 + 5 rows; 1 + 0 rows
+    assert chunks["dtensor.cols"] == 2 and chunks["dtensor.replicated"] == 1  # 4 + 3 columns; saved once
+    moment = ckptkit.load(dst)["optim"]["state"]["embed"]["weight"]["exp_avg"]
+    assert moment.dtype == torch.bfloat16 and moment.abs().sum() > 0
+
+
+def test_kinds_and_step_come_from_the_saved_structure(tmp_path: Path, run_ckptkit: Any) -> None:
+    dst = tmp_path / "out"
+    assert run_ckptkit("convert", str(FIXTURES / "dcp-nodist"), str(dst)).returncode == 0
+    manifest = ckptkit.read_manifest(dst)
+    assert manifest.step == 2  # every parameter's AdamW step
+    assert manifest.tensors["model/layers/0/weight"].kind == "param"
+    assert manifest.tensors["optim/state/layers/0/weight/exp_avg_sq"].kind == "optimizer"
+    assert manifest.tensors["counters/tokens"].kind == "other"
+    assert manifest.objects["extra/betas"] == [0.9, 0.95]
+
+
+def test_names_split_at_dots_and_map_back_exactly() -> None:
+    assert fqn_of("model.layers.0.weight") == "model/layers/0/weight"
+    for key in ["model.layers.0.weight", "a/b.c~d", "x..y", "plain"]:
+        assert dcp_key(fqn_of(key)) == key
+    assert fqn_of("a/b.c~d") == "a~1b/c~0d"
+
+
+def test_optimizer_state_is_recognised_under_any_prefix() -> None:
+    keys = ["app.opt.state.w.exp_avg", "app.opt.param_groups.0.lr", "state.v.step", "param_groups.0.lr", "app.model.w"]
+    prefixes = optimizer_prefixes(keys)
+    assert prefixes == {"app.opt", ""}
+    assert [kind_of(k, prefixes) for k in keys] == ["optimizer", "other", "optimizer", "other", "other"]
+
+
+def test_exported_to_dcp_and_converted_back_keeps_names_and_bytes(tmp_path: Path, run_ckptkit: Any) -> None:
+    first, exported, back = tmp_path / "first", tmp_path / "exported", tmp_path / "back"
+    assert run_ckptkit("convert", str(FIXTURES / "dcp-fsdp2-fp32"), str(first)).returncode == 0
+    assert run_ckptkit("export", "--format", "dcp", "--include-optimizer", str(first), str(exported)).returncode == 0
+    assert run_ckptkit("convert", str(exported), str(back)).returncode == 0
+    a, b = _converted(first), _converted(back)
+    exported_kinds = {"param", "optimizer"}  # what the export carries (no values, no other tensors)
+    kinds = {dcp_key(fqn): t.kind for fqn, t in ckptkit.read_manifest(first).tensors.items()}
+    assert sorted(b) == sorted(k for k, kind in kinds.items() if kind in exported_kinds)
+    for key, tensor in b.items():
+        assert torch.equal(tensor, a[key]), key
+
+
+# --- usage ------------------------------------------------------------------------------------
+
+
+def test_auto_on_a_directory_that_is_no_checkpoint_fails_in_one_line(tmp_path: Path, run_ckptkit: Any) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "notes.txt").write_text("hello")
+    proc = run_ckptkit("convert", str(tmp_path / "src"), str(tmp_path / "out"))
+    assert proc.returncode == 1
+    assert "not a checkpoint any converter recognises (tried: dcp)" in _one_line_error(proc.stderr)
+    _assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_unknown_source_format_is_bad_usage(tmp_path: Path, run_ckptkit: Any) -> None:
+    proc = run_ckptkit("convert", "--from", "nope", str(FIXTURES / "dcp-nodist"), str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert "choose auto or one of: dcp" in _one_line_error(proc.stderr)
+
+
+def test_an_existing_destination_is_refused(tmp_path: Path, run_ckptkit: Any) -> None:
+    (tmp_path / "out").mkdir()
+    proc = run_ckptkit("convert", str(FIXTURES / "dcp-nodist"), str(tmp_path / "out"))
+    assert proc.returncode == 1
+    assert "already exists" in proc.stderr.splitlines()[-1]
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+# --- damaged input ----------------------------------------------------------------------------
+
+
+def test_a_truncated_distcp_file_fails_in_one_line_and_leaves_no_destination(tmp_path: Path, run_ckptkit: Any) -> None:
+    src = _copy("dcp-fsdp2-fp32", tmp_path)
+    part = src / "__1_0.distcp"
+    os.truncate(part, part.stat().st_size // 2)
+    proc = run_ckptkit("convert", "--from", "dcp", str(src), str(tmp_path / "out"))
+    assert proc.returncode == 1
+    assert "__1_0.distcp" in _one_line_error(proc.stderr) and "truncated" in proc.stderr
+    _assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_a_missing_distcp_file_fails_in_one_line_and_leaves_no_destination(tmp_path: Path, run_ckptkit: Any) -> None:
+    src = _copy("dcp-fsdp2-bf16", tmp_path)
+    (src / "__0_0.distcp").unlink()
+    proc = run_ckptkit("convert", "--from", "dcp", str(src), str(tmp_path / "out"))
+    assert proc.returncode == 1
+    assert "__0_0.distcp: missing" in _one_line_error(proc.stderr)
+    _assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_a_chunk_damaged_after_others_were_written_leaves_no_destination(tmp_path: Path, run_ckptkit: Any) -> None:
+    src = _copy("dcp-fsdp2-fp32", tmp_path)
+    part = src / "__1_0.distcp"
+    data = bytearray(part.read_bytes())
+    data[-4096:] = bytes(4096)  # the last chunks' archives: zeros, same size
+    part.write_bytes(bytes(data))
+    proc = run_ckptkit("convert", "--from", "dcp", str(src), str(tmp_path / "out"))
+    assert proc.returncode == 1
+    assert "__1_0.distcp" in _one_line_error(proc.stderr)
+    _assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+# --- hostile input: no code runs --------------------------------------------------------------
+
+
+class _Payload:
+    """Pickles as a call of `target` with `args` (what a hostile file would hold)."""
+
+    def __init__(self, target: Any, *args: Any) -> None:
+        self.target, self.args = target, args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.target, self.args
+
+
+@pytest.mark.parametrize("via", ["os.system", "builtins.exec"])
+def test_a_crafted_metadata_pickle_is_refused_and_runs_nothing(via: str, tmp_path: Path, run_ckptkit: Any) -> None:
+    src = _copy("dcp-nodist", tmp_path)
+    marker = tmp_path / "pwned"
+    payload = (_Payload(os.system, f"touch {marker}") if via == "os.system"
+               else _Payload(exec, f"open({str(marker)!r}, 'w').close()"))
+    (src / ".metadata").write_bytes(pickle.dumps(payload))
+    proc = run_ckptkit("convert", "--from", "dcp", str(src), str(tmp_path / "out"))
+    assert proc.returncode == 1
+    line = _one_line_error(proc.stderr)
+    assert f"refused to unpickle {'posix.system' if via == 'os.system' else 'builtins.exec'}" in line
+    assert not marker.exists()
+    _assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_a_hostile_value_saved_by_dcp_is_refused_or_skipped_and_runs_nothing(tmp_path: Path, run_ckptkit: Any) -> None:
+    marker = tmp_path / "pwned"
+    src = _save_dcp({"model": {"w": torch.arange(6.0).view(2, 3)}, "extra": {"evil": _Payload(os.system, f"touch {marker}")}},
+                    tmp_path / "src")
+    refused = run_ckptkit("convert", str(src), str(tmp_path / "out"))
+    assert refused.returncode == 1
+    assert "extra.evil" in refused.stderr and "refused to unpickle posix.system" in refused.stderr
+    assert "--allow-skip" in refused.stderr.splitlines()[-1]
+    _assert_nothing_written(tmp_path, tmp_path / "out")
+    allowed = run_ckptkit("convert", "--allow-skip", "--json", str(src), str(tmp_path / "out"))
+    assert allowed.returncode == 0, allowed.stderr
+    skipped = json.loads(allowed.stdout)["skipped"]
+    assert [s["source"] for s in skipped] == ["extra.evil"] and "posix.system" in skipped[0]["reason"]
+    assert not marker.exists()
+    assert torch.equal(ckptkit.load(tmp_path / "out")["model"]["w"], torch.arange(6.0).view(2, 3))
+
+
+def test_entries_ckptkit_cannot_hold_are_skipped_only_when_allowed(tmp_path: Path, run_ckptkit: Any) -> None:
+    src = _save_dcp({"model": {"w": torch.ones(3), "z": torch.zeros(2, dtype=torch.complex64)},
+                     "extra": {"inf": float("inf"), "ok": 1}}, tmp_path / "src")
+    refused = run_ckptkit("convert", str(src), str(tmp_path / "out"))
+    assert refused.returncode == 1 and "2 entries cannot be converted" in refused.stderr
+    allowed = run_ckptkit("convert", "--allow-skip", "--json", str(src), str(tmp_path / "out"))
+    assert allowed.returncode == 0, allowed.stderr
+    report = json.loads(allowed.stdout)
+    reasons = {s["source"]: s["reason"] for s in report["skipped"]}
+    assert sorted(reasons) == ["extra.inf", "model.z"]
+    assert "torch.complex64" in reasons["model.z"] and "not a finite number" in reasons["extra.inf"]
+    assert ckptkit.read_manifest(tmp_path / "out").objects == {"extra/ok": 1}
