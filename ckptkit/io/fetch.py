@@ -12,6 +12,7 @@ at the two ends of a range the bytes outside it: from a kept block, or read into
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,13 +44,19 @@ class Range:
     end: int
     segments: tuple[Segment, ...]
 
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        """The file offsets of the segments, in order (for bisection)."""
+        return [offset for offset, _ in self.segments]
+
     def slices(self, lo: int, hi: int) -> list[Segment]:
         """The parts of the segments that hold the bytes [lo, hi) of the file."""
-        starts = [offset for offset, _ in self.segments]
-        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
         out = []
         while i < len(self.segments) and lo < hi:
             offset, view = self.segments[i]
+            if offset >= hi:  # segments are in order: none further holds a byte of [lo, hi)
+                break
             a, z = max(lo, offset), min(hi, offset + len(view))
             if a < z:
                 out.append((a, view[a - offset : z - offset]))
