@@ -87,6 +87,19 @@ def test_the_familys_layout_is_recorded_and_reshards_without_one(family: str, la
     assert all(torch.equal(got[key], want[key]) for key in got)
 
 
+@pytest.mark.parametrize(("family", "dtype"), [("llama", torch.float32), ("llama", torch.bfloat16), ("qwen2", torch.float32),
+                                            ("gpt2", torch.float32)])
+def test_export_hf_gives_back_the_original_model(family: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    src, want = _saved(family, tmp_path, dtype)
+    dst, out = tmp_path / "out", tmp_path / "exported"
+    CONVERTER.convert(str(src), str(dst))
+    ckptkit.export(dst, out, format="hf", dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype])
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
+    got = model.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == dtype and torch.equal(got[k], want[k]) for k in want)
+
+
 def test_configs_and_tokenizer_files_are_carried(tmp_path: Path) -> None:
     src, _ = _saved("llama", tmp_path)
     (src / "tokenizer.json").write_text('{"model": {"vocab": {}}}', encoding="utf-8")
