@@ -318,7 +318,7 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
 @click.argument("src")
 @click.argument("dst")
 @click.option("--from", "source_format", default="auto", show_default=True,
-              help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp).")
+              help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp, hf).")
 @click.option("--allow-skip", is_flag=True,
               help="Convert what can be converted and list the rest as skipped (default: any such entry fails).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the convert report).")

@@ -14,6 +14,8 @@ from typing import Any
 
 from ..errors import LayoutError
 from ..layouts import Layout
+from ..manifest import CheckpointInfo
+from ..state.tree import unescape
 
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -64,6 +66,38 @@ def name_map(tensors: Mapping[str, Any], expected: list[str]) -> dict[str, str]:
     if problems:
         raise LayoutError("cannot export: " + "; ".join(problems))
     return {fqn: hf_name(fqn.removeprefix("model/")) or "" for fqn in params}
+
+
+# Layouts whose tensors are already under their Hugging Face names (``model/<name>``, as the
+# ``hf`` converter writes them): export renames nothing and writes back the carried config.json.
+PASSTHROUGH = ("hf-llama", "gpt2")
+
+
+def passthrough_map(tensors: Mapping[str, Any], expected: list[str]) -> dict[str, str]:
+    """Map every parameter (``model/<name>``) of a checkpoint in a `PASSTHROUGH` layout to its
+    Hugging Face name, ``<name>`` unescaped.
+
+    Raises:
+        LayoutError: an expected parameter is missing (all are listed).
+    """
+    missing = sorted(f"model/{n}" for n in expected if f"model/{n}" not in tensors)
+    if missing:
+        raise LayoutError(f"cannot export: {len(missing)} tensor(s) the layout needs are missing: {', '.join(missing[:20])}")
+    return {fqn: unescape(fqn.removeprefix("model/")) for fqn in sorted(tensors) if fqn.startswith("model/")}
+
+
+def carried_config(info: CheckpointInfo, layout: Layout, where: str, dtype: str) -> dict[str, Any]:
+    """The ``config.json`` a converted checkpoint carries (``info.config``), its dtype set to `dtype`.
+
+    Raises:
+        LayoutError: the checkpoint carries none (it was not converted from Hugging Face).
+    """
+    carried = (info.config or {}).get("config.json")
+    if not isinstance(carried, dict):
+        raise LayoutError(f"{where}: the layout {layout.name!r} exports with the config.json the checkpoint carries "
+                          f"(info.config, written by convert --from hf); this checkpoint has none")
+    key = "dtype" if "dtype" in carried else "torch_dtype"
+    return {**carried, key: dtype}
 
 
 def sort_key(name: str) -> tuple[Any, ...]:

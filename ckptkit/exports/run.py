@@ -67,7 +67,9 @@ def export(
     - ``hf``: a Hugging Face Llama directory (``config.json``, ``generation_config.json``,
       ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``, the tokenizer).
       Weights come from the checkpoint's parameters (the fp32 master weights the reference
-      trainer saves), converted to `dtype` (default bf16) with round-to-nearest-even.
+      trainer saves), converted to `dtype` (default bf16) with round-to-nearest-even. A
+      checkpoint converted from Hugging Face (layout ``hf-llama`` or ``gpt2``) is written back
+      under its original names with the ``config.json`` and ``generation_config.json`` it carries.
     - ``dcp``: a torch.distributed.checkpoint directory of the parameters (``model.<name>``)
       and, with `include_optimizer`, the optimizer state (``optimizer.exp_avg.<name>``, ...),
       in their saved dtype unless `dtype` is given.
@@ -148,8 +150,16 @@ def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int) -> Writer:
     """Plan the HF export (failing before any write) and return its writer."""
     manifest = source.manifest
     layout = layout_for(manifest, where=str(source.loc))
-    model = hf.llama_config(layout, str(source.loc))
-    names = hf.name_map(manifest.tensors, list(layout.tensors()))
+    if layout.name in hf.PASSTHROUGH:
+        config = hf.carried_config(manifest.info, layout, str(source.loc), out_dtype)
+        names = hf.passthrough_map(manifest.tensors, list(layout.tensors()))
+        carried = (manifest.info.config or {}).get("generation_config.json")
+        generation = carried if isinstance(carried, dict) else hf.generation_config_json(None)
+        max_len = config.get("max_position_embeddings") or config.get("n_positions") or 2048
+    else:
+        model = hf.llama_config(layout, str(source.loc))
+        names = hf.name_map(manifest.tensors, list(layout.tensors()))
+        config, generation, max_len = hf.config_json(model, out_dtype), None, model["max_seq_len"]
     sizes = {names[fqn]: manifest.tensors[fqn].shape for fqn in names}
     nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in sizes.items()}
     shards = hf.plan_shards(nbytes, max_shard_bytes)
@@ -167,10 +177,10 @@ def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int) -> Writer:
                  "weight_map": {name: shard.file for shard in shards for name in shard.names}}
         extra = {
             "model.safetensors.index.json": index,
-            "config.json": hf.config_json(model, out_dtype),
-            "generation_config.json": hf.generation_config_json(_eos_id(source)),
+            "config.json": config,
+            "generation_config.json": generation if generation is not None else hf.generation_config_json(_eos_id(source)),
         }
-        copied, tokenizer_extra = _tokenizer_files(source, dst, tmp, model)
+        copied, tokenizer_extra = _tokenizer_files(source, dst, tmp, max_len)
         files += copied
         extra.update(tokenizer_extra)
         for path, doc in extra.items():
@@ -204,7 +214,7 @@ def _write_shard(
 
 
 def _tokenizer_files(
-    source: Source, dst: Storage, tmp: str, model: dict[str, Any]
+    source: Source, dst: Storage, tmp: str, max_len: int
 ) -> tuple[list[ExportedFile], dict[str, Any]]:
     """Copy the checkpoint's tokenizer files (checked) to the output; return them and the JSON
     files to add (a ``tokenizer_config.json`` when the checkpoint has none)."""
@@ -219,7 +229,7 @@ def _tokenizer_files(
         copied[name] = data
         files.append(ExportedFile(path=name, size=len(data), checksum=entry.checksum))
     if "tokenizer.json" in copied and "tokenizer_config.json" not in copied:
-        config = hf.tokenizer_config_json(json.loads(copied["tokenizer.json"]), model["max_seq_len"])
+        config = hf.tokenizer_config_json(json.loads(copied["tokenizer.json"]), max_len)
         return files, {"tokenizer_config.json": config}
     return files, {}
 

@@ -31,11 +31,12 @@ from pydantic import BaseModel, ConfigDict, JsonValue
 
 from .. import __version__
 from ..boxes import full_box
-from ..errors import CheckpointExistsError, IntegrityError, ManifestError
+from ..errors import CheckpointExistsError, IntegrityError, LayoutError, ManifestError
 from ..io.catalog import locate
-from ..io.commit import commit, discard, refuse_existing, staging
-from ..io.write import Written, write_safetensors
-from ..manifest import CheckpointInfo, Manifest, Producer, Topology, manifest_to_json
+from ..io.commit import Staging, commit, discard, refuse_existing, staging
+from ..io.write import Written, write_safetensors, write_stream
+from ..layouts import Layout, placed_tensors
+from ..manifest import CheckpointInfo, FileEntry, Manifest, Producer, TokenizerInfo, Topology, manifest_to_json
 from ..plan.save import ItemDesc, plan_files, tensor_entries
 from ..storage import Storage
 
@@ -249,6 +250,8 @@ def write_converted(
     objects: Mapping[str, JsonValue],
     step: Callable[[], int],
     info: CheckpointInfo | None = None,
+    layout: Layout | None = None,
+    tokenizer: Mapping[str, bytes] | None = None,
     max_file_bytes: int = MAX_FILE_BYTES,
     progress: Progress | None = None,
     storage: Storage | None = None,
@@ -258,10 +261,13 @@ def write_converted(
     ``read(spec)`` returns one tensor's bytes (C order, little-endian) when its turn comes;
     it is called once per tensor with elements, in file order, so a converter holds one tensor
     at a time. ``step()`` is asked after the last tensor was read. The latest pointer of
-    `dst`'s root is left alone.
+    `dst`'s root is left alone. `layout` is recorded in the manifest (as ``ckptkit.save``
+    records one); `tokenizer` maps file names (``/``-separated) to their bytes, written under
+    ``tokenizer/`` as the checkpoint's tokenizer files.
 
     Raises:
         ManifestError: names that cannot sit in one nested state (nothing is written).
+        LayoutError: `layout` does not fit the tensors (nothing is written).
         CheckpointExistsError: something exists at `dst`.
         IntegrityError: ``read`` returned the wrong number of bytes; nothing was committed.
         StorageError: a write failed; nothing was committed.
@@ -269,6 +275,8 @@ def write_converted(
     problems = name_problems([t.name for t in tensors] + list(objects))
     if problems:
         raise ManifestError(f"{dst}: names collide: " + "; ".join(problems[:10]))
+    if layout is not None:
+        _check_layout(layout, {t.name: t.shape for t in tensors}, str(dst))
     loc = locate(dst, storage)
     specs = {t.name: t for t in tensors}
     meta = {t.name: ItemDesc(t.name, t.dtype, t.shape, full_box(t.shape)) for t in tensors}
@@ -294,8 +302,9 @@ def write_converted(
         for f in plan.all_files():
             keyed = [(key, item.dtype, item.box.lengths) for item, key in f.items]
             written.append(write_safetensors(loc.storage, stage.key(f.path), f.path, keyed, bodies(f.items)))
-        files = tuple(w.entry(stage.path(w.path)) for w in written)
         index = {w.path: i for i, w in enumerate(written)}
+        tok_files = [_write_file(loc.storage, stage, f"tokenizer/{name}", data) for name, data in sorted((tokenizer or {}).items())]
+        files = (*(w.entry(stage.path(w.path)) for w in written), *tok_files)
         manifest = Manifest(
             checkpoint_id=uuid.uuid4().hex,
             step=step(),
@@ -306,12 +315,27 @@ def write_converted(
             tensors=tensor_entries(plan, index, lambda fqn: specs[fqn].kind),
             objects=dict(objects),
             info=info or CheckpointInfo(),
+            tokenizer=TokenizerInfo(files=tuple(f.path for f in tok_files)) if tok_files else None,
+            layout=None if layout is None else layout.to_json(),
         )
         commit(loc, stage, manifest_to_json(manifest), update_latest=False)
     except BaseException:
         discard(loc.storage, stage)
         raise
     return Committed(str(loc), manifest, len(files), sum(w.size for w in written))
+
+
+def _check_layout(layout: Layout, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    placed, problems = placed_tensors(layout, shapes)
+    if not placed:
+        problems.append(f"it places none of the converted tensors (its groups: {', '.join(layout.tensor_groups())})")
+    if problems:
+        raise LayoutError(f"{where}: the layout {layout.name!r} does not fit the converted tensors: " + "; ".join(problems[:20]))
+
+
+def _write_file(storage: Storage, stage: Staging, key: str, data: bytes) -> FileEntry:
+    written = write_stream(storage, stage.key(key), key, [memoryview(data)], len(data), blocks=False)
+    return written.entry(stage.path(key), role="tokenizer")
 
 
 def report_of(

@@ -1,0 +1,305 @@
+"""Convert a Hugging Face transformers model directory (safetensors weights) into a ckptkit checkpoint.
+
+Reads ``config.json`` and the weights: ``model.safetensors``, or the shards that
+``model.safetensors.index.json`` names. Each file's header is parsed with ckptkit's own
+safetensors codec (a truncated or inconsistent file is refused before anything is written)
+and each tensor's bytes are read straight from its byte range, one tensor at a time; torch is
+not used. Pickled weights (``pytorch_model.bin``) are refused: only safetensors is read.
+
+Names: Hugging Face key ``k`` becomes ckptkit name ``model/<k>`` (`fqn_of`; the key is one
+name part, escaped as ckptkit escapes a part), e.g. ``model.layers.0.self_attn.q_proj.weight``
+-> ``model/model.layers.0.self_attn.q_proj.weight``: that is where the built-in layouts
+``hf-llama`` and ``gpt2`` place a model's parameters, so the layout of the family is recorded
+(``model_type`` llama or qwen2: ``hf-llama``, with q, k, v biases for qwen2; gpt2: ``gpt2``)
+and the checkpoint reshards without ``--layout``. `hf_key` is the exact inverse. Every tensor
+is of kind ``param``; the step is 0.
+
+Tied weights are stored once by transformers (GPT-2's ``lm_head.weight`` is
+``transformer.wte.weight``): no tensor is invented; the object ``hf/tied_weights`` maps each
+missing tied name to the stored one. ``config.json`` and ``generation_config.json`` are kept
+as JSON in the manifest's ``info.config`` (under their file names) and, for a family with a
+layout, as ``info.model``; the tokenizer files (`TOKENIZER_FILES`) become the checkpoint's
+tokenizer files.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from pydantic import JsonValue
+
+from ckptkit.errors import CkptkitError, IntegrityError, ManifestError
+from ckptkit.io.safetensors import Header, header_length, parse_header
+from ckptkit.layouts import Layout, builtin
+from ckptkit.manifest import CheckpointInfo, ModelInfo, strictjson
+from ckptkit.ops.convert import ConvertReport, Progress, TensorSpec, report_of, write_converted
+from ckptkit.state.tree import escape, unescape
+from ckptkit.storage.local import open_regular
+
+NAME = "hf"
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja")
+# model_type -> (built-in layout family, config values the layout needs that config.json leaves implicit)
+FAMILIES: dict[str, tuple[str, dict[str, JsonValue]]] = {
+    "llama": ("hf-llama", {}), "qwen2": ("hf-llama", {"attention_bias": True}), "gpt2": ("gpt2", {}),
+}
+# The input embedding a tied lm_head.weight shares, by model_type (others: whichever is stored).
+EMBEDDINGS = {"gpt2": "transformer.wte.weight"}
+DEFAULT_EMBEDDING = "model.embed_tokens.weight"
+JSON_LIMIT = 64 << 20  # no config or index file is read past this size
+_CHUNK = 1 << 30  # one pread at most (Linux reads at most ~2 GiB per call)
+
+
+def fqn_of(key: str) -> str:
+    """The ckptkit name of Hugging Face key `key`: ``model/`` and the key as one escaped part."""
+    return f"model/{escape(key)}"
+
+
+def hf_key(fqn: str) -> str:
+    """The Hugging Face key of ckptkit name `fqn` (the inverse of `fqn_of`)."""
+    return unescape(fqn.removeprefix("model/"))
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """Where one tensor's bytes are: its file (relative to the model directory) and header entry."""
+
+    file: str
+    begin: int
+    end: int
+
+
+@dataclass
+class _Source:
+    config: dict[str, JsonValue]
+    generation: dict[str, JsonValue] | None
+    tensors: list[tuple[TensorSpec, Stored]] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
+    tokenizer: dict[str, bytes] = field(default_factory=dict)
+
+
+class HfConverter:
+    """The ``hf`` converter (registered in the ``ckptkit.converters`` entry-point group)."""
+
+    name = NAME
+    description = "Hugging Face transformers model directory (config.json and safetensors weights, single or sharded)"
+
+    def detect(self, path: str) -> bool:
+        """Whether `path` holds ``config.json`` and weights (safetensors, or pickled ones, which
+        `convert` then refuses with a message saying so)."""
+        try:
+            names = set(os.listdir(path))
+        except OSError:
+            return False
+        return CONFIG in names and bool(names & {SINGLE, INDEX, *PICKLED})
+
+    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None) -> ConvertReport:
+        """Convert the Hugging Face model directory `src` into the committed ckptkit checkpoint `dst`.
+
+        `allow_skip` has no effect: every tensor of a safetensors file converts.
+
+        Raises:
+            ManifestError: no safetensors weights (pickled ``.bin`` weights are refused), a
+                malformed ``config.json`` or index.
+            IntegrityError: a weights file missing, truncated or unlike its header or the index.
+            LayoutError: the tensors do not fit the family's built-in layout.
+            CheckpointExistsError, StorageError: as `ckptkit.ops.convert.write_converted`.
+        """
+        started = time.perf_counter()
+        if not os.path.isdir(src):
+            raise IntegrityError(f"{src}: no such directory")
+        source = read_source(src)
+        stored = {spec.name: where for spec, where in source.tensors}
+        fds: dict[str, int] = {}
+
+        def read(spec: TensorSpec) -> memoryview:
+            where = stored[spec.name]
+            if where.file not in fds:
+                fds[where.file], _ = open_regular(os.path.join(src, where.file))
+            return read_range(fds[where.file], where.begin, where.end, os.path.join(src, where.file))
+
+        objects: dict[str, JsonValue] = {"hf/tied_weights": dict(source.tied)} if source.tied else {}
+        try:
+            committed = write_converted(dst, [spec for spec, _ in source.tensors], read, objects=objects, step=lambda: 0,
+                                        info=info_of(source), layout=layout_of(source.config),
+                                        tokenizer=source.tokenizer, progress=progress)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        sources = {"hf/tied_weights": f"{CONFIG}:tie_word_embeddings"} if source.tied else {}
+        return report_of(NAME, src, committed, [(spec, 1) for spec, _ in source.tensors], sources, [], started)
+
+
+def read_source(src: str) -> _Source:
+    """Read the config, the weights' headers (and index) and the tokenizer files of `src`;
+    collect every problem with the weights, then raise once.
+
+    Raises:
+        ManifestError: no safetensors weights, a malformed ``config.json`` or index.
+        IntegrityError: weights files missing, truncated, or unlike their headers or the index.
+    """
+    config = _read_json(src, CONFIG)
+    if not isinstance(config, dict):
+        raise ManifestError(f"{os.path.join(src, CONFIG)}: not a JSON object")
+    generation = _read_json(src, GENERATION_CONFIG) if os.path.exists(os.path.join(src, GENERATION_CONFIG)) else None
+    source = _Source(config, generation if isinstance(generation, dict) else None)
+    weight_map = _weight_map(src)
+    problems: list[str] = []
+    headers = {file: _header(src, file, problems) for file in sorted(set(weight_map.values()))}
+    by_file: dict[str, list[str]] = {}
+    for key, file in weight_map.items():
+        by_file.setdefault(file, []).append(key)
+    for file, header in headers.items():
+        if header is None:
+            continue
+        listed = set(by_file[file])
+        problems += [f"{file}: holds {k!r}, which the index does not list under it" for k in sorted(set(header.entries) - listed)]
+        problems += [f"{file}: lacks {k!r}, which the index lists under it" for k in sorted(listed - set(header.entries))]
+        for key, entry in sorted(header.entries.items(), key=lambda kv: kv[1].begin):
+            spec = TensorSpec(name=fqn_of(key), source=key, dtype=entry.dtype, shape=entry.shape, kind="param")
+            source.tensors.append((spec, Stored(file, entry.begin, entry.end)))
+    if problems:
+        raise IntegrityError(f"{src}: {len(problems)} problem(s): " + "; ".join(problems[:10]))
+    source.tied = tied_weights(config, {spec.source for spec, _ in source.tensors})
+    source.tokenizer = _tokenizer_files(src)
+    return source
+
+
+def _weight_map(src: str) -> dict[str, str]:
+    """Every tensor key and the file holding it (one file: its header's keys, later)."""
+    if os.path.exists(os.path.join(src, INDEX)):
+        index = _read_json(src, INDEX)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ManifestError(f"{os.path.join(src, INDEX)}: no weight_map object of key -> file name")
+        files = {key: file for key, file in weight_map.items() if isinstance(file, str)}
+        bad = sorted({f for f in files.values() if os.path.basename(f) != f or f in ("", ".", "..")})
+        if bad:
+            raise ManifestError(f"{os.path.join(src, INDEX)}: file names outside the model directory: {', '.join(bad[:5])}")
+        return files
+    if os.path.exists(os.path.join(src, SINGLE)):
+        return {key: SINGLE for key in _single_keys(src)}
+    pickled = [name for name in PICKLED if os.path.exists(os.path.join(src, name))]
+    found = f" (found {', '.join(pickled)})" if pickled else ""
+    raise ManifestError(f"{src}: no {SINGLE} or {INDEX}{found}; only safetensors weights are read "
+                        f"(re-save the model with save_pretrained(..., safe_serialization=True))")
+
+
+def _single_keys(src: str) -> list[str]:
+    problems: list[str] = []
+    header = _header(src, SINGLE, problems)
+    if header is None:
+        raise IntegrityError(f"{src}: " + "; ".join(problems))
+    return list(header.entries)
+
+
+def _header(src: str, file: str, problems: list[str]) -> Header | None:
+    """The parsed header of weights file `file`, or None with the problem recorded."""
+    path = os.path.join(src, file)
+    try:
+        fd, size = open_regular(path)
+    except OSError as exc:
+        problems.append(f"{file}: missing or unreadable ({exc})")
+        return None
+    try:
+        n = header_length(os.pread(fd, 8, 0), where=path)
+        text = os.pread(fd, n, 8)
+        if len(text) < n:
+            raise IntegrityError(f"{path}: the header is cut short at {8 + len(text)} of {8 + n} bytes (truncated?)")
+        return parse_header(text, where=path, file_size=size)
+    except (CkptkitError, OSError) as exc:
+        problems.append(str(exc))
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_range(fd: int, begin: int, end: int, where: str) -> memoryview:
+    """The bytes [begin, end) of the open file `fd`.
+
+    Raises:
+        IntegrityError: the file ends before `end` (it shrank after its header was checked).
+    """
+    buf = bytearray(end - begin)
+    view = memoryview(buf)
+    pos = 0
+    while pos < len(buf):
+        got = os.preadv(fd, [view[pos:pos + _CHUNK]], begin + pos)
+        if got == 0:
+            raise IntegrityError(f"{where}: ends at byte {begin + pos}, before the tensor bytes end at {end} (truncated?)")
+        pos += got
+    return view
+
+
+def tied_weights(config: dict[str, JsonValue], keys: set[str]) -> dict[str, str]:
+    """The tied names that are not stored, each with the stored tensor it shares: ``lm_head.weight``
+    when the config ties word embeddings (transformers' default) and the file lacks it."""
+    if "lm_head.weight" in keys or config.get("tie_word_embeddings", True) is not True:
+        return {}
+    embedding = EMBEDDINGS.get(str(config.get("model_type")), DEFAULT_EMBEDDING)
+    return {"lm_head.weight": embedding} if embedding in keys else {}
+
+
+def layout_of(config: dict[str, JsonValue]) -> Layout | None:
+    """The built-in layout of the model's family (by ``model_type``), or None for another family.
+
+    Raises:
+        LayoutError: the config lacks a value the layout needs.
+    """
+    family = FAMILIES.get(str(config.get("model_type")))
+    return None if family is None else builtin(family[0], {**config, **family[1]})
+
+
+def info_of(source: _Source) -> CheckpointInfo:
+    """The manifest's info: the config files as JSON, and the model's family and config when it has a layout."""
+    files: dict[str, JsonValue] = {CONFIG: source.config}
+    if source.generation is not None:
+        files[GENERATION_CONFIG] = source.generation
+    family = FAMILIES.get(str(source.config.get("model_type")))
+    model = None if family is None else ModelInfo(family=family[0], config={**source.config, **family[1]})
+    return CheckpointInfo(config=files, model=model)
+
+
+def _read_json(src: str, name: str) -> JsonValue:
+    path = os.path.join(src, name)
+    try:
+        fd, size = open_regular(path)
+    except OSError as exc:
+        raise ManifestError(f"{path}: missing or unreadable ({exc})") from exc
+    try:
+        if size > JSON_LIMIT:
+            raise ManifestError(f"{path}: {size} bytes, over the {JSON_LIMIT}-byte limit for a JSON file")
+        data = os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+    try:
+        return strictjson.loads(data)  # type: ignore[no-any-return]
+    except (strictjson.StrictJsonError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _tokenizer_files(src: str) -> dict[str, bytes]:
+    out = {}
+    for name in TOKENIZER_FILES:
+        path = os.path.join(src, name)
+        if not os.path.lexists(path):
+            continue
+        fd, size = open_regular(path)
+        try:
+            out[name] = bytes(read_range(fd, 0, size, path))
+        finally:
+            os.close(fd)
+    return out
+
+
+CONVERTER = HfConverter()
+
+__all__ = ["CONVERTER", "NAME", "HfConverter", "fqn_of", "hf_key", "info_of", "layout_of", "read_range", "read_source",
+           "tied_weights"]

@@ -1,0 +1,182 @@
+"""``ckptkit convert`` of Hugging Face model directories: tiny models saved by transformers itself
+(sharded, fp32 and bf16, a tied GPT-2) come across bitwise against the model's own state_dict,
+with their family's layout; damaged or pickled weights are refused in one line and leave no
+destination."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptkit
+from ckptkit_converters.hf import CONVERTER, fqn_of, hf_key
+
+transformers = pytest.importorskip("transformers")
+
+# The CLI and ckptkit.convert find converters through installed metadata: the hf entry point
+# resolves once the package is (re)installed from this tree.
+REGISTERED = "hf" in ckptkit.list_converters()
+needs_entry_point = pytest.mark.skipif(not REGISTERED, reason="the hf entry point is not installed (pip install -e .)")
+
+
+def _tiny(family: str, dtype: torch.dtype = torch.float32) -> Any:
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=16)
+        model = transformers.GPT2LMHeadModel(config)
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2)
+        model = transformers.LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def _saved(family: str, tmp_path: Path, dtype: torch.dtype = torch.float32) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny model saved by transformers (sharded at 20 KB) and its state_dict."""
+    model = _tiny(family, dtype)
+    path = tmp_path / f"hf-{family}"
+    model.save_pretrained(path, max_shard_size="20KB")
+    return path, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_nothing_written(tmp_path: Path, dst: Path) -> None:
+    assert not dst.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{dst.name}.tmp-")]
+
+
+CASES = [("llama", torch.float32), ("llama", torch.bfloat16), ("qwen2", torch.float32), ("gpt2", torch.float32)]
+
+
+@pytest.mark.parametrize(("family", "dtype"), CASES)
+def test_every_tensor_equals_the_models_state_dict_and_verifies(family: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    src, want = _saved(family, tmp_path, dtype)
+    assert (src / "model.safetensors.index.json").exists()  # sharded
+    dst = tmp_path / "out"
+    report = CONVERTER.convert(str(src), str(dst))
+    assert ckptkit.verify(dst).ok
+    got = ckptkit.load(dst)["model"]
+    tied = {"lm_head.weight"} if family == "gpt2" else set()
+    assert sorted(got) == sorted(set(want) - tied)
+    for key, tensor in got.items():
+        assert tensor.dtype == want[key].dtype == dtype, key
+        assert torch.equal(tensor, want[key]), key
+    assert all(t.name == fqn_of(t.source) and hf_key(t.name) == t.source and t.kind == "param" for t in report.tensors)
+
+
+@pytest.mark.parametrize(("family", "layout"), [("llama", "hf-llama"), ("qwen2", "hf-llama"), ("gpt2", "gpt2")])
+def test_the_familys_layout_is_recorded_and_reshards_without_one(family: str, layout: str, tmp_path: Path) -> None:
+    src, want = _saved(family, tmp_path)
+    dst = tmp_path / "out"
+    CONVERTER.convert(str(src), str(dst))
+    manifest = ckptkit.read_manifest(dst)
+    assert manifest.layout is not None and manifest.layout["name"] == layout
+    assert manifest.info.model is not None and manifest.info.model.family == layout
+    resharded = tmp_path / "tp2"
+    ckptkit.reshard(dst, resharded, ckptkit.Topology(world_size=2, tp=2))
+    assert ckptkit.verify(resharded).ok
+    got = ckptkit.load(resharded)["model"]
+    assert all(torch.equal(got[key], want[key]) for key in got)
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("llama", torch.float32), ("llama", torch.bfloat16), ("qwen2", torch.float32),
+                                            ("gpt2", torch.float32)])
+def test_export_hf_gives_back_the_original_model(family: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    src, want = _saved(family, tmp_path, dtype)
+    dst, out = tmp_path / "out", tmp_path / "exported"
+    CONVERTER.convert(str(src), str(dst))
+    ckptkit.export(dst, out, format="hf", dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype])
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
+    got = model.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == dtype and torch.equal(got[k], want[k]) for k in want)
+
+
+def test_configs_and_tokenizer_files_are_carried(tmp_path: Path) -> None:
+    src, _ = _saved("llama", tmp_path)
+    (src / "tokenizer.json").write_text('{"model": {"vocab": {}}}', encoding="utf-8")
+    dst = tmp_path / "out"
+    CONVERTER.convert(str(src), str(dst))
+    manifest = ckptkit.read_manifest(dst)
+    assert manifest.info.config is not None
+    assert manifest.info.config["config.json"] == json.loads((src / "config.json").read_text(encoding="utf-8"))
+    assert manifest.info.config["generation_config.json"] == json.loads((src / "generation_config.json").read_text(encoding="utf-8"))
+    assert manifest.tokenizer is not None and [os.path.basename(f) for f in manifest.tokenizer.files] == ["tokenizer.json"]
+    assert (dst / manifest.tokenizer.files[0]).read_text(encoding="utf-8") == '{"model": {"vocab": {}}}'
+
+
+def test_a_tied_head_is_recorded_not_invented(tmp_path: Path) -> None:
+    src, _ = _saved("gpt2", tmp_path)
+    dst = tmp_path / "out"
+    report = CONVERTER.convert(str(src), str(dst))
+    manifest = ckptkit.read_manifest(dst)
+    assert "model/lm_head.weight" not in manifest.tensors
+    assert manifest.objects["hf/tied_weights"] == {"lm_head.weight": "transformer.wte.weight"}
+    assert [(o.name, o.source) for o in report.objects] == [("hf/tied_weights", "config.json:tie_word_embeddings")]
+
+
+def test_the_hf_converter_is_declared_as_an_entry_point() -> None:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["ckptkit.converters"]["hf"] == "ckptkit_converters.hf:CONVERTER"
+
+
+def test_detect_wants_a_config_and_weights(tmp_path: Path) -> None:
+    src, _ = _saved("llama", tmp_path)
+    assert CONVERTER.detect(str(src))
+    (src / "config.json").unlink()
+    assert not CONVERTER.detect(str(src))
+    assert not CONVERTER.detect(str(tmp_path / "absent"))
+
+
+def test_a_truncated_shard_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    src, _ = _saved("llama", tmp_path)
+    shard = sorted(src.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    dst = tmp_path / "out"
+    with pytest.raises(ckptkit.IntegrityError) as err:
+        CONVERTER.convert(str(src), str(dst))
+    assert shard.name in str(err.value) and "\n" not in str(err.value)
+    _assert_nothing_written(tmp_path, dst)
+
+
+def test_pickled_weights_are_refused(tmp_path: Path) -> None:
+    src = tmp_path / "bin"
+    src.mkdir()
+    (src / "config.json").write_text('{"model_type": "llama"}', encoding="utf-8")
+    (src / "pytorch_model.bin").write_bytes(b"not read")
+    dst = tmp_path / "out"
+    assert CONVERTER.detect(str(src))
+    with pytest.raises(ckptkit.ManifestError, match="only safetensors weights are read") as err:
+        CONVERTER.convert(str(src), str(dst))
+    assert "\n" not in str(err.value)
+    _assert_nothing_written(tmp_path, dst)
+
+
+@needs_entry_point
+def test_convert_finds_the_hf_converter(tmp_path: Path) -> None:
+    src, _ = _saved("llama", tmp_path)
+    assert ckptkit.detect_format(src) == "hf"
+    assert ckptkit.convert(src, tmp_path / "out").format == "hf"
+
+
+@needs_entry_point
+def test_the_cli_refuses_a_truncated_shard_in_one_line(tmp_path: Path, run_ckptkit: Any) -> None:
+    src, _ = _saved("llama", tmp_path)
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    dst = tmp_path / "out"
+    proc = run_ckptkit("convert", "--from", "hf", str(src), str(dst))
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptkit: error: ") and "Traceback" not in proc.stderr
+    _assert_nothing_written(tmp_path, dst)
