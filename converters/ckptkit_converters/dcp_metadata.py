@@ -14,11 +14,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from ckptkit.errors import IntegrityError, ManifestError
-from ckptkit.storage.local import open_regular
+from ckptkit.errors import ManifestError
 
+from .files import read_small
 from .safepickle import record_type, unpickle
-from .torchsave import OTHER_TORCH_DTYPES, TORCH_DTYPES, TorchDtype, pread_into
+from .torchsave import OTHER_TORCH_DTYPES, TORCH_DTYPES, TorchDtype
 
 METADATA_NAME = ".metadata"
 # No .metadata past this size is read (a few hundred bytes per chunk: 10,000 tensors over
@@ -111,20 +111,11 @@ def read_metadata(directory: str) -> DcpMetadata:
     Raises:
         ManifestError: the pickle needs a class outside the allowlist (named), or the metadata
             is malformed (the field is named), or of a DCP version this converter does not read.
-        IntegrityError: the file is missing, not a regular file, or over METADATA_LIMIT.
+        StorageError: the file is missing or not a regular file.
+        IntegrityError: it is over METADATA_LIMIT, or truncated while read.
     """
     path = os.path.join(directory, METADATA_NAME)
-    try:
-        fd, size = open_regular(path)
-    except OSError as exc:
-        raise IntegrityError(f"{path}: cannot read the DCP metadata ({exc})") from None
-    try:
-        if size > METADATA_LIMIT:
-            raise IntegrityError(f"{path}: {size} bytes, over the {METADATA_LIMIT}-byte limit of DCP metadata")
-        data = bytearray(size)
-        pread_into(fd, memoryview(data), 0, path)
-    finally:
-        os.close(fd)
+    data = read_small(path, METADATA_LIMIT, "DCP metadata")
     return parse_metadata(unpickle(bytes(data), ALLOWED, where=path), where=path)
 
 

@@ -38,6 +38,8 @@ from ckptkit.ops.convert import ConvertReport, Progress, TensorSpec, report_of, 
 from ckptkit.state.tree import escape, unescape
 from ckptkit.storage.local import open_regular
 
+from .files import read_small
+
 NAME = "hf"
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -54,6 +56,7 @@ FAMILIES: dict[str, tuple[str, dict[str, JsonValue]]] = {
 EMBEDDINGS = {"gpt2": "transformer.wte.weight"}
 DEFAULT_EMBEDDING = "model.embed_tokens.weight"
 JSON_LIMIT = 64 << 20  # no config or index file is read past this size
+TOKENIZER_LIMIT = 256 << 20  # nor a tokenizer file past this one
 _CHUNK = 1 << 30  # one pread at most (Linux reads at most ~2 GiB per call)
 
 
@@ -269,16 +272,7 @@ def info_of(source: _Source) -> CheckpointInfo:
 
 def _read_json(src: str, name: str) -> JsonValue:
     path = os.path.join(src, name)
-    try:
-        fd, size = open_regular(path)
-    except OSError as exc:
-        raise ManifestError(f"{path}: missing or unreadable ({exc})") from exc
-    try:
-        if size > JSON_LIMIT:
-            raise ManifestError(f"{path}: {size} bytes, over the {JSON_LIMIT}-byte limit for a JSON file")
-        data = os.pread(fd, size, 0)
-    finally:
-        os.close(fd)
+    data = read_small(path, JSON_LIMIT, "a JSON file")
     try:
         return strictjson.loads(data)  # type: ignore[no-any-return]
     except (strictjson.StrictJsonError, UnicodeDecodeError) as exc:
@@ -291,11 +285,7 @@ def _tokenizer_files(src: str) -> dict[str, bytes]:
         path = os.path.join(src, name)
         if not os.path.lexists(path):
             continue
-        fd, size = open_regular(path)
-        try:
-            out[name] = bytes(read_range(fd, 0, size, path))
-        finally:
-            os.close(fd)
+        out[name] = read_small(path, TOKENIZER_LIMIT, "a tokenizer file")
     return out
 
 
