@@ -116,8 +116,13 @@ def chunk_cuts(size: int, count: int) -> list[int]:
     Chunks have ceil(size / count) elements, the last ones may be shorter or empty;
     the result has count + 1 positions, from 0 to size.
     """
-    step = -(-size // count) if count else 0
+    step = chunk_step(size, count)
     return [min(i * step, size) for i in range(count + 1)]
+
+
+def chunk_step(size: int, count: int) -> int:
+    """The length of all but the last chunks of `size` cut in `count` as torch.chunk does (0: no chunks)."""
+    return -(-size // count) if count else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from ..manifest import BlockChecksums, FileEntry
 from .safetensors import build_header
 from ..storage import Storage
 from .checksum import BlockHasher, FileHasher
+from .commit import Staging
 
 HEADER_METADATA = {"format": "pt", "producer": "ckptkit"}
 
@@ -71,6 +72,13 @@ def write_safetensors(
     return write_stream(storage, key, path, chunks(), size, blocks=blocks)
 
 
+def write_small(storage: Storage, stage: Staging, key: str, data: bytes, *, role: str) -> FileEntry:
+    """Write a small non-payload file (a tokenizer file) under the staging `stage`, hashed whole;
+    return its manifest entry."""
+    written = write_stream(storage, stage.key(key), key, [memoryview(data)], len(data), blocks=False)
+    return written.entry(stage.path(key), role=role)
+
+
 def hash_padded(data: memoryview, pad: int) -> tuple[str, BlockChecksums]:
     """The checksums of a file holding `data` followed by `pad` zero bytes (a zarr chunk: its file
     checksum is the xxh3-128 of the whole file, which the export report gives for every file)."""
@@ -84,4 +92,4 @@ def hash_padded(data: memoryview, pad: int) -> tuple[str, BlockChecksums]:
     return hasher.digest(), blocks_of(hasher.blocks)
 
 
-__all__ = ["Written", "blocks_of", "hash_padded", "write_safetensors", "write_stream"]
+__all__ = ["Written", "blocks_of", "hash_padded", "write_safetensors", "write_small", "write_stream"]

@@ -71,6 +71,15 @@ def placed_tensors(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> tup
     return placed, problems
 
 
+def fit_problems(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Every reason the layout does not describe the tensors `shapes` (fqn -> global shape): the
+    problems of `placed_tensors`, or that it places none of them."""
+    placed, problems = placed_tensors(layout, shapes)
+    if not placed:
+        problems.append(f"it places none of the tensors (its groups: {', '.join(layout.tensor_groups())})")
+    return problems
+
+
 def _tp_problems(param: Param, tp: int) -> list[str]:
     cut = param.tp
     if cut is None or cut.pad_multiple is not None or tp == 1:

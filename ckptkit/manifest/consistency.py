@@ -14,7 +14,7 @@ from ..boxes import tiling_problems
 from .dtypes import DTYPES
 from ..errors import StorageError
 from .model import BoxShards, GridShards, Manifest, TensorEntry
-from .shards import grid_cell_count, grid_cells, grid_file, iter_shards
+from .shards import grid_cell_count, grid_cells, grid_file, iter_shards, spec_keys
 from ..storage import check_key
 
 
@@ -73,8 +73,7 @@ def _mapping_findings(manifest: Manifest) -> list[Finding]:
     raw_files = {i for i, f in enumerate(manifest.files) if f.encoding == "raw"}
     spec_count: dict[str, int] = {}
     for tensor in manifest.tensors.values():
-        spec = tensor.shards
-        for key in {spec.key} if isinstance(spec, GridShards) else {b.key for b in spec.boxes}:
+        for key in spec_keys(tensor):
             spec_count[key] = spec_count.get(key, 0) + 1
     owner: dict[tuple[int, str], str] = {}
     raw: dict[int, list[tuple[str, int, int]]] = {}

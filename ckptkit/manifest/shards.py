@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..boxes import Box, chunk_cuts
+from ..boxes import Box, chunk_cuts, chunk_step
 from .model import BoxShard, BoxShards, FileRange, GridShards, TensorEntry
 
 
@@ -77,6 +77,12 @@ def file_keys(tensors: Mapping[str, TensorEntry], skip: Collection[str] = ()) ->
     return out
 
 
+def spec_keys(entry: TensorEntry) -> set[str]:
+    """The payload keys a tensor's shard spec names, without expanding a grid."""
+    spec = entry.shards
+    return {spec.key} if isinstance(spec, GridShards) else {b.key for b in spec.boxes}
+
+
 def spec_files(entry: TensorEntry) -> set[int]:
     """The files a tensor's shard spec names, empty shards included (a sound spec: a grid's cells
     are bounded by the tensor's size)."""
@@ -112,8 +118,7 @@ def _cuts_array(shape: Sequence[int], spec: GridShards) -> list[np.ndarray]:
     out = []
     for size, c in zip(shape, spec.cuts):
         if isinstance(c, int):
-            step = -(-size // c) if c else 0
-            out.append(np.minimum(np.arange(c + 1, dtype=np.int64) * step, size))
+            out.append(np.minimum(np.arange(c + 1, dtype=np.int64) * chunk_step(size, c), size))
         else:
             out.append(np.asarray(c, dtype=np.int64))
     return out
@@ -128,8 +133,7 @@ class KeyIndex:
         self.tensors = tensors
         self._owners: dict[str, list[str]] = {}
         for fqn, entry in tensors.items():
-            spec = entry.shards
-            for key in {spec.key} if isinstance(spec, GridShards) else {b.key for b in spec.boxes}:
+            for key in spec_keys(entry):
                 self._owners.setdefault(key, []).append(fqn)
         self._boxes: dict[str, dict[tuple[int, str], Box]] = {}
         self._cells: dict[str, dict[int, int]] = {}
@@ -166,7 +170,7 @@ class KeyIndex:
         offsets, lengths = [], []
         for size, c, i in zip(entry.shape, spec.cuts, idx):
             if isinstance(c, int):
-                step = -(-size // c)
+                step = chunk_step(size, c)
                 lo, hi = min(int(i) * step, size), min((int(i) + 1) * step, size)
             else:
                 lo, hi = c[int(i)], c[int(i) + 1]

@@ -33,10 +33,10 @@ from .. import __version__
 from ..boxes import full_box
 from ..errors import CheckpointExistsError, IntegrityError, LayoutError, ManifestError
 from ..io.catalog import locate
-from ..io.commit import Staging, commit, discard, refuse_existing, staging
-from ..io.write import Written, write_safetensors, write_stream
-from ..layouts import Layout, placed_tensors
-from ..manifest import CheckpointInfo, FileEntry, Manifest, Producer, TokenizerInfo, Topology, manifest_to_json
+from ..io.commit import commit, discard, refuse_existing, staging
+from ..io.write import Written, write_safetensors, write_small
+from ..layouts import Layout, fit_problems
+from ..manifest import CheckpointInfo, Manifest, Producer, TokenizerInfo, Topology, manifest_to_json
 from ..plan.save import ItemDesc, plan_files, tensor_entries
 from ..storage import Storage
 
@@ -275,8 +275,9 @@ def write_converted(
     problems = name_problems([t.name for t in tensors] + list(objects))
     if problems:
         raise ManifestError(f"{dst}: names collide: " + "; ".join(problems[:10]))
-    if layout is not None:
-        _check_layout(layout, {t.name: t.shape for t in tensors}, str(dst))
+    fit = [] if layout is None else fit_problems(layout, {t.name: t.shape for t in tensors})
+    if layout is not None and fit:
+        raise LayoutError(f"{dst}: the layout {layout.name!r} does not fit the converted tensors: " + "; ".join(fit[:20]))
     loc = locate(dst, storage)
     specs = {t.name: t for t in tensors}
     meta = {t.name: ItemDesc(t.name, t.dtype, t.shape, full_box(t.shape)) for t in tensors}
@@ -303,7 +304,8 @@ def write_converted(
             keyed = [(key, item.dtype, item.box.lengths) for item, key in f.items]
             written.append(write_safetensors(loc.storage, stage.key(f.path), f.path, keyed, bodies(f.items)))
         index = {w.path: i for i, w in enumerate(written)}
-        tok_files = [_write_file(loc.storage, stage, f"tokenizer/{name}", data) for name, data in sorted((tokenizer or {}).items())]
+        tok_files = [write_small(loc.storage, stage, f"tokenizer/{name}", data, role="tokenizer")
+                     for name, data in sorted((tokenizer or {}).items())]
         files = (*(w.entry(stage.path(w.path)) for w in written), *tok_files)
         manifest = Manifest(
             checkpoint_id=uuid.uuid4().hex,
@@ -323,19 +325,6 @@ def write_converted(
         discard(loc.storage, stage)
         raise
     return Committed(str(loc), manifest, len(files), sum(w.size for w in written))
-
-
-def _check_layout(layout: Layout, shapes: dict[str, tuple[int, ...]], where: str) -> None:
-    placed, problems = placed_tensors(layout, shapes)
-    if not placed:
-        problems.append(f"it places none of the converted tensors (its groups: {', '.join(layout.tensor_groups())})")
-    if problems:
-        raise LayoutError(f"{where}: the layout {layout.name!r} does not fit the converted tensors: " + "; ".join(problems[:20]))
-
-
-def _write_file(storage: Storage, stage: Staging, key: str, data: bytes) -> FileEntry:
-    written = write_stream(storage, stage.key(key), key, [memoryview(data)], len(data), blocks=False)
-    return written.entry(stage.path(key), role="tokenizer")
 
 
 def report_of(

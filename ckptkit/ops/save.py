@@ -17,10 +17,9 @@ from .. import __version__
 from ..boxes import Box
 from ..io.catalog import Location, locate
 from ..io.commit import Staging, commit, discard, refuse_existing, staging
-from ..io.checksum import Hasher
 from .collective import Collective, default_collective, guard, unwrap
 from ..errors import CkptkitError, LayoutError, StorageError
-from ..layouts import Layout, placed_tensors, topology_problems
+from ..layouts import Layout, fit_problems, topology_problems
 from ..manifest import (
     KINDS,
     CheckpointInfo,
@@ -31,7 +30,7 @@ from ..manifest import (
     Topology,
     manifest_to_json,
 )
-from ..io.write import Written, write_safetensors
+from ..io.write import Written, write_safetensors, write_small
 from ..plan.save import FilePlan, ItemDesc, SavePlan, plan_save, tensor_entries
 from ..storage import Storage
 from ..state.torch_io import byte_view, dtype_name, host_contiguous, is_leaf, leaf_shards
@@ -176,10 +175,7 @@ def _plan(
 
 
 def _check_layout(layout: Layout, topology: Topology, shapes: dict[str, tuple[int, ...]]) -> None:
-    placed, problems = placed_tensors(layout, shapes)
-    if not placed:
-        problems.append(f"it places none of the saved tensors (its groups: {', '.join(layout.tensor_groups())})")
-    problems += topology_problems(layout, topology)
+    problems = fit_problems(layout, shapes) + topology_problems(layout, topology)
     if problems:
         raise LayoutError(f"the layout {layout.name!r} does not fit this save: " + "; ".join(problems[:20]))
 
@@ -266,9 +262,5 @@ def _copy_tokenizer(storage: Storage, stage: Staging, source: str | os.PathLike[
     for file_path, rel in paths:
         with open(file_path, "rb") as f:
             data = f.read()
-        hasher = Hasher()
-        hasher.update(data)
-        key = f"tokenizer/{rel}"
-        storage.write(stage.key(key), [data])
-        entries.append(FileEntry(path=stage.path(key), size=len(data), checksum=hasher.digest(), role="tokenizer"))
+        entries.append(write_small(storage, stage, f"tokenizer/{rel}", data, role="tokenizer"))
     return entries

@@ -19,9 +19,9 @@ from ..io.catalog import Location, manifest_bytes, removed, removed_error, resol
 from ..io.checksum import BlockHasher, Hasher, hasher_for
 from ..manifest.consistency import Finding, manifest_findings
 from ..errors import CkptkitError, IntegrityError, ManifestError, StorageError
-from ..manifest import MANIFEST_NAME, FileEntry, GridShards, Manifest, TensorEntry, parse_manifest
+from ..manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from ..io.safetensors import header_length, parse_header
-from ..manifest.shards import KeyIndex, Keys, file_keys
+from ..manifest.shards import KeyIndex, Keys, file_keys, spec_keys
 from ..io.payload import header_problems
 from ..storage import Storage
 
@@ -82,7 +82,7 @@ def verify(
     expected = file_keys(manifest.tensors, skip=unsound)
     keys = KeyIndex({fqn: t for fqn, t in manifest.tensors.items() if fqn not in unsound})
     # The keys of an unsound tensor are not checked against headers (it is reported already).
-    unchecked = {k for fqn in unsound if fqn in manifest.tensors for k in _spec_keys(manifest.tensors[fqn])}
+    unchecked = {k for fqn in unsound if fqn in manifest.tensors for k in spec_keys(manifest.tensors[fqn])}
     present = []
     for index, entry in files:
         problem = _file_findings(loc, manifest, index, expected.get(index, {}), keys, unchecked)
@@ -110,12 +110,6 @@ def _manifest(loc: Location, findings: list[Finding]) -> Manifest | None:
     except ManifestError as exc:
         findings.append(Finding("manifest", MANIFEST_NAME, str(exc).removeprefix(f"{MANIFEST_NAME}: ")))
         return None
-
-
-def _spec_keys(tensor: TensorEntry) -> set[str]:
-    """The payload keys a tensor's shard spec names, without expanding a grid."""
-    spec = tensor.shards
-    return {spec.key} if isinstance(spec, GridShards) else {b.key for b in spec.boxes}
 
 
 def _file_findings(
