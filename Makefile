@@ -28,8 +28,10 @@ schemas: $(STAMP)
 	$(PY) -m ckptkit.schemas schemas
 
 fixtures: $(STAMP)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e '.[fixtures]'
 	$(PY) fixtures/make_fixtures.py
 	$(PY) fixtures/make_dcp.py
+	$(PY) fixtures/make_deepspeed.py
 
 lint: $(STAMP)
 	$(PY) -m mypy

@@ -26,7 +26,7 @@ import numpy as np
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit.manifest.dtypes import itemsize
 
-from .safepickle import record_type, unpickle
+from .safepickle import Allowlist, record_type, unpickle
 
 # The largest data.pkl read: a tensor's description is about 150 bytes, a value's a few KiB.
 PICKLE_LIMIT = 64 << 20
@@ -112,7 +112,8 @@ def _ints(value: Any) -> bool:
 
 
 _ORDERED_DICT = ("collections", "OrderedDict")
-_TENSOR_ALLOWED: dict[tuple[str, str], Any] = {
+# The classes a pickle of tensors needs (a format's allowlist starts from this one).
+TENSOR_ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
     ("torch.storage", "UntypedStorage"): _StorageClass("UntypedStorage", None),
@@ -232,7 +233,23 @@ def stored_tensor(archive: Archive) -> StoredTensor:
         ManifestError: the pickle needs a class outside the tensor allowlist (the message names it).
         IntegrityError: the archive is not one tensor, or its storage record is too small.
     """
+    obj = stored_object(archive, TENSOR_ALLOWED)
+    if not isinstance(obj, StoredTensor):
+        raise IntegrityError(f"{archive.where}: {archive.prefix}/data.pkl holds a {type(obj).__name__}, not a tensor")
+    return obj
+
+
+def stored_object(archive: Archive, allowed: Allowlist) -> Any:
+    """Return the object an archive holds, each tensor in it as a `StoredTensor` checked
+    against its storage record (the bytes stay in the file). `allowed` is the allowlist of
+    the format (`TENSOR_ALLOWED` plus its classes).
+
+    Raises:
+        ManifestError: the pickle needs a class outside `allowed` (the message names it).
+        IntegrityError: a tensor's storage record is missing or too small.
+    """
     _check_byteorder(archive)
+    tensors: list[StoredTensor] = []
 
     def storage(pid: Any) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageClass)
@@ -240,10 +257,22 @@ def stored_tensor(archive: Archive) -> StoredTensor:
             raise ValueError(f"unexpected persistent id {pid!r}")
         return _StorageRef(pid[2], pid[1].dtype, pid[4])
 
+    def track(make: Any) -> Any:
+        def rebuild(*args: Any) -> StoredTensor:
+            t: StoredTensor = make(*args)
+            tensors.append(t)
+            return t
+        return rebuild
+
     where = f"{archive.where}: {archive.prefix}/data.pkl"
-    obj = unpickle(archive.read("data.pkl", PICKLE_LIMIT), _TENSOR_ALLOWED, where=where, persistent=storage)
-    if not isinstance(obj, StoredTensor):
-        raise IntegrityError(f"{where}: holds a {type(obj).__name__}, not a tensor")
+    tracked = {**allowed, **{k: track(v) for k, v in allowed.items() if v in (_rebuild_v2, _rebuild_v3)}}
+    obj = unpickle(archive.read("data.pkl", PICKLE_LIMIT), tracked, where=where, persistent=storage)
+    for t in tensors:
+        _check_stored(archive, t)
+    return obj
+
+
+def _check_stored(archive: Archive, obj: StoredTensor) -> None:
     _, size = archive.locate(f"data/{obj.key}")
     if size < obj.nbytes:
         raise IntegrityError(f"{archive.where}: storage record {obj.key} has {size} bytes, the tensor's storage {obj.nbytes}")
@@ -252,7 +281,6 @@ def stored_tensor(archive: Archive) -> StoredTensor:
     last = obj.offset + sum((n - 1) * s for n, s in zip(obj.shape, obj.stride))  # the last element's index
     if count and (last + 1) * width > obj.nbytes:
         raise IntegrityError(f"{archive.where}: the tensor reaches past its storage record {obj.key}")
-    return obj
 
 
 def stored_value(archive: Archive) -> Any:
@@ -293,6 +321,25 @@ def copy_tensor(archive: Archive, stored: StoredTensor, dest: np.ndarray[Any, An
     dest[...] = np.lib.stride_tricks.as_strided(raw, shape=dest.shape, strides=strides, writeable=False)
 
 
+def copy_flat(archive: Archive, stored: StoredTensor, start: int, dest: memoryview) -> None:
+    """Copy elements [start, start + n) of a 1-D contiguous stored tensor into `dest` (n
+    elements' bytes): a flat partition read in place, a range at a time.
+
+    Raises:
+        IntegrityError: the tensor is not 1-D contiguous, or the range reaches past its end.
+    """
+    width = itemsize(stored.dtype)
+    count = dest.nbytes // width
+    if len(stored.shape) != 1 or not _contiguous(stored.shape, stored.stride):
+        raise IntegrityError(f"{archive.where}: a flat partition of shape {list(stored.shape)}, expected 1-D and contiguous")
+    if start < 0 or start + count > stored.shape[0]:
+        raise IntegrityError(f"{archive.where}: elements {start}-{start + count} of a flat partition of {stored.shape[0]}")
+    if not count:
+        return
+    begin, _ = archive.locate(f"data/{stored.key}")
+    pread_into(archive.fd, dest.cast("B"), begin + (stored.offset + start) * width, archive.where)
+
+
 def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     """Whether elements are laid out row-major without gaps (the stride of a dim of size 1 is free)."""
     step = 1
@@ -318,6 +365,6 @@ def pread_into(fd: int, view: memoryview, offset: int, where: str) -> None:
 
 
 __all__ = [
-    "OTHER_TORCH_DTYPES", "TORCH_DTYPES", "Archive", "StoredTensor", "TorchDtype", "copy_tensor", "open_archive",
-    "pread_into", "stored_tensor", "stored_value",
+    "OTHER_TORCH_DTYPES", "TENSOR_ALLOWED", "TORCH_DTYPES", "Archive", "StoredTensor", "TorchDtype", "copy_flat",
+    "copy_tensor", "open_archive", "pread_into", "stored_object", "stored_tensor", "stored_value",
 ]
