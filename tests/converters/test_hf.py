@@ -180,3 +180,29 @@ def test_the_cli_refuses_a_truncated_shard_in_one_line(tmp_path: Path, run_ckptk
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("ckptkit: error: ") and "Traceback" not in proc.stderr
     _assert_nothing_written(tmp_path, dst)
+
+
+@pytest.mark.parametrize(("family", "dtype", "tp", "pp"), [
+    ("llama", torch.float32, 2, 2), ("qwen2", torch.float32, 2, 2), ("gpt2", torch.float32, 2, 1), ("llama", torch.bfloat16, 2, 1),
+])
+def test_resharded_and_exported_back_gives_the_same_tensors_and_logits(
+    family: str, dtype: torch.dtype, tp: int, pp: int, tmp_path: Path, run_ckptkit: Any,
+) -> None:
+    src, want = _saved(family, tmp_path, dtype)
+    dst, resharded, out = tmp_path / "out", tmp_path / "resharded", tmp_path / "exported"
+    CONVERTER.convert(str(src), str(dst))
+    proc = run_ckptkit("reshard", str(dst), str(resharded), "--tp", str(tp), "--pp", str(pp), "--no-latest")
+    assert proc.returncode == 0, proc.stderr
+    manifest = ckptkit.read_manifest(resharded)
+    assert (manifest.topology.tp, manifest.topology.pp, manifest.topology.world_size) == (tp, pp, tp * pp)
+    assert len({f.path.split("-")[0] for f in manifest.files if f.path.endswith(".safetensors")}) == tp * pp  # every rank's files
+    proc = run_ckptkit("export", str(resharded), str(out), "--format", "hf", "--dtype", {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype])
+    assert proc.returncode == 0, proc.stderr
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+    got = exported.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == dtype and torch.equal(got[k], want[k]) for k in want)
+    original = _tiny(family, dtype)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, original(ids).logits)
