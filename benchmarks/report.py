@@ -79,11 +79,20 @@ RESHARD_VS_LIMIT = 1.3
 RESHARD_RSS_FIXED = 256 << 20
 RESHARD_PLAN_S = 10.0
 EXPORT_VS_LIMIT = 1.3
+CONVERT_VS_LIMIT = 1.3
+CONVERT_RSS_FIXED = 512 << 20
 ASYNC_VS_COPY = 1.2
 ASYNC_VS_DCP = 0.5
 S3_VS_BOTO3 = 0.9
 CHECKSUM_COST = 0.97  # throughput with block checksums / without: at most 3 % lost
 PARTIAL_READ_AMPLIFICATION = 1.1  # bytes a partial load reads / bytes its targets need: at most
+
+
+def time_ratio(runs: Runs, subject: str, other: str, key: str = "seconds") -> float | None:
+    """Return the median over repeats of subject's time (its `key`) over other's seconds, paired per repeat."""
+    pairs = [a[key] / b["seconds"] for a, b in zip(runs.get(subject, []), runs.get(other, []))
+             if "error" not in a and "error" not in b and key in a]
+    return statistics.median(pairs) if pairs else None
 
 
 def tool_summary(runs: Runs, peers: dict[str, str], rss_fixed: int = RESHARD_RSS_FIXED) -> dict[str, Any]:
@@ -100,14 +109,10 @@ def tool_summary(runs: Runs, peers: dict[str, str], rss_fixed: int = RESHARD_RSS
                 entry["peak_rss_bytes"] = max(peaks)
         tools[tool] = entry
 
-    def time_ratio(other: str) -> float | None:
-        pairs = [a["seconds"] / b["seconds"] for a, b in zip(runs.get("ckptkit", []), runs.get(other, []))
-                 if "error" not in a and "error" not in b]
-        return statistics.median(pairs) if pairs else None
-
     ok = [r for r in runs.get("ckptkit", []) if "error" not in r]
     largest = ok[0].get("largest_tensor_bytes", 0) if ok else 0
-    return {"tools": tools, **{key: time_ratio(tool) for key, tool in peers.items()}, "rss_bound_bytes": rss_fixed + 2 * largest}
+    ratios = {key: time_ratio(runs, "ckptkit", tool) for key, tool in peers.items()}
+    return {"tools": tools, **ratios, "rss_bound_bytes": rss_fixed + 2 * largest}
 
 
 def reshard_summary(runs: Runs) -> dict[str, Any]:
@@ -122,6 +127,26 @@ def export_summary(runs: Runs) -> dict[str, Any]:
     pairs = [a["in_process_s"] / b["seconds"] for a, b in zip(runs.get("ckptkit", []), runs.get("disk limit", []))
              if "in_process_s" in a and "error" not in b]
     summary["in_process_vs_limit"] = statistics.median(pairs) if pairs else None
+    return summary
+
+
+def convert_summary(runs: Runs, source: str) -> dict[str, Any]:
+    """Medians per tool with the bytes each read and wrote; ckptkit's time over the disk limit of
+    its own bytes (whole, and inside the command), the peer's over the limit of the peer's own
+    bytes, ckptkit's over the peer's (plain: where they write different bytes, not a like-for-like
+    figure), all paired per repeat; peak RSS and the bound 512 MiB + 2x the largest tensor."""
+    from .converts import LIMITS, PEERS
+
+    peer, limit = PEERS[source], LIMITS[(source, "ckptkit")]
+    summary = tool_summary(runs, {"time_vs_limit": limit, "time_vs_peer": peer}, CONVERT_RSS_FIXED)
+    summary["peer"] = peer
+    summary["in_process_vs_limit"] = time_ratio(runs, "ckptkit", limit, key="in_process_s")
+    summary["peer_vs_limit"] = time_ratio(runs, peer, LIMITS[(source, peer)])
+    for tool, entry in summary["tools"].items():
+        ok = [r for r in runs[tool] if "error" not in r]
+        for key in ("bytes_read", "bytes_written"):
+            if ok and all(key in r for r in ok):
+                entry[key] = int(statistics.median(r[key] for r in ok))
     return summary
 
 
@@ -154,6 +179,13 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         add("ckptkit export time / disk limit time", export["time_vs_limit"], EXPORT_VS_LIMIT, False)
         peak = export["tools"].get("ckptkit", {}).get("peak_rss_bytes")
         add("ckptkit export peak RSS / (256 MiB + 2x largest)", None if peak is None else peak / export["rss_bound_bytes"], 1.0, False)
+    for source in ("dcp", "deepspeed"):
+        if "convert" in results:  # a source skipped or failed: its targets are listed, not measured
+            block = results["convert"].get(source, {})
+            add(f"ckptkit convert --from {source} time / disk limit time", block.get("time_vs_limit"), CONVERT_VS_LIMIT, False)
+            peak = block.get("tools", {}).get("ckptkit", {}).get("peak_rss_bytes")
+            add(f"ckptkit convert --from {source} peak RSS / (512 MiB + 2x largest)",
+                None if peak is None else peak / block["rss_bound_bytes"], 1.0, False)
     block = results.get("async")
     if block and "error" not in block:
         add("ckptkit save blocking time / copy into preallocated buffer", block["vs_copy"], ASYNC_VS_COPY, False)

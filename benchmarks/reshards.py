@@ -154,15 +154,22 @@ def _ckptkit(src: str, out: str) -> dict[str, Any]:
             "bytes_written": report["bytes_written"], "rss_peak_abs": peak}
 
 
-def timed_command(args: list[str], module: str) -> tuple[float, dict[str, Any], int]:
+def warm_modules(module: str) -> None:
+    """Import ``ckptkit.cli`` and `module` in a child process: their files read into the page cache."""
+    subprocess.run([sys.executable, "-c", f"import ckptkit.cli, {module}"], check=True)
+
+
+def timed_command(args: list[str], module: str, *, warm: bool = True) -> tuple[float, dict[str, Any], int]:
     """Run ``ckptkit ARGS --json`` as a child process; return its seconds (start-up included),
     its JSON report and its peak RSS.
 
     Cold files, warm code (as for the tools preloaded in the other workers): the command's
-    modules (``ckptkit.cli`` and `module`) are read back into the page cache first, untimed.
+    modules (``ckptkit.cli`` and `module`) are read back into the page cache first, untimed
+    (by `warm_modules`; ``warm=False`` when the caller has already done so).
     """
     exe = os.path.join(os.path.dirname(sys.executable), "ckptkit")
-    subprocess.run([sys.executable, "-c", f"import ckptkit.cli, {module}"], check=True)
+    if warm:
+        warm_modules(module)
     start = time.perf_counter()
     done = subprocess.run([exe, *args, "--json"], capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start

@@ -1,6 +1,6 @@
 """Benchmark ckptkit against torch.save, safetensors and DCP, and against the machine's limits.
 
-Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export,async,s3,checksums]``.
+Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export,convert,async,s3,checksums]``.
 Prints a table and writes a JSON document (``<out>/results.json`` unless ``--json``); the
 checkpoints it writes under ``<out>/work`` are deleted at the end. See docs/PERFORMANCE.md.
 """
@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
@@ -27,7 +28,7 @@ from .phases import Runs, Settings, load_phase, run_rounds, run_worker, save_pha
 from .state import state_bytes, state_specs
 from .table import render
 
-PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export", "async", "s3", "checksums")
+PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export", "convert", "async", "s3", "checksums")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -188,6 +189,44 @@ def run_export_phase(settings: Settings, prepared: bool) -> dict[str, Any]:
     return {"source": source, **report.export_summary(runs), "runs": runs}
 
 
+def run_convert_phase(settings: Settings, prepared: bool) -> dict[str, Any]:
+    """Time ckptkit convert, each source's own tool and the disk limits on two sources: the
+    reshard phase's DCP source (prepared here, untimed, unless an earlier phase did) and a
+    DeepSpeed ZeRO-3 save written here, untimed, by DeepSpeed (skipped, with the reason, where
+    DeepSpeed cannot be imported)."""
+    from .converts import TOOLS, source_meta
+    from .reshards import prepare_request
+
+    def request_for(source: str) -> Callable[[str], dict[str, Any]]:
+        return lambda tool: {"kind": "convert", "source": source, "tool": tool, "work": settings.work}
+
+    def measured(source: str) -> dict[str, Any]:
+        meta = source_meta(settings.work, source)
+        settings.say(f"[convert] {source} source: {meta['source_bytes'] / 1e9:.2f} GB on disk")
+        runs = run_rounds(settings, f"convert {source}", list(TOOLS[source]), request_for(source))
+        return {"source": meta, **report.convert_summary(runs, source), "runs": runs}
+
+    block: dict[str, Any] = {}
+    prepare_error = None if prepared else run_worker(prepare_request(settings)).get("error")
+    if prepare_error:
+        settings.say(f"[convert] dcp prepare FAILED: {prepare_error}")
+        block["dcp"] = {"error": prepare_error}
+    else:
+        block["dcp"] = measured("dcp")
+    meta = run_worker({"kind": "convert-prepare", "work": settings.work, "size_mib": settings.size_mib})
+    if "skipped" in meta:
+        settings.say(f"[convert] deepspeed SKIPPED: {meta['skipped']}")
+        block["deepspeed"] = {"skipped": meta["skipped"]}
+    elif "error" in meta:
+        settings.say(f"[convert] deepspeed prepare FAILED: {meta['error']}")
+        block["deepspeed"] = {"error": meta["error"]}
+    else:
+        settings.say(f"[convert] deepspeed source of {meta['source_bytes'] / 1e9:.2f} GB, "
+                     f"{meta['parameters']} parameters, written by DeepSpeed (untimed)")
+        block["deepspeed"] = measured("deepspeed")
+    return block
+
+
 def run_async_phase(settings: Settings) -> dict[str, Any]:
     """Time the blocking part of a save: ckptkit's async save, a plain copy, DCP's async_save."""
     from .asyncs import TOOLS, summary
@@ -291,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         check_space(work, nbytes, 6 + len(args.dcp_threads.split(",")))
     if "checksums" in args.only.split(","):
         check_space(work, nbytes, 3)
+    if "convert" in args.only.split(","):
+        # the reshard phase's two sources and the DeepSpeed one, then a tool's output or a disk limit's two files
+        check_space(work, nbytes, 6)
     started = time.perf_counter()
     try:
         run_io_phases(args, settings, results)
@@ -300,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
             results["reshard"] = run_reshard_phase(settings)
         if "export" in args.only.split(","):
             results["export"] = run_export_phase(settings, "reshard" in results and "error" not in results["reshard"])
+        if "convert" in args.only.split(","):
+            prepared = any(p in results and "error" not in results[p] for p in ("reshard", "export"))
+            results["convert"] = run_convert_phase(settings, prepared)
         if "async" in args.only.split(","):
             results["async"] = run_async_phase(settings)
         if "s3" in args.only.split(","):

@@ -31,6 +31,8 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", *_reshard_table(results["reshard"])]
     if "export" in results:
         lines += ["", *_export_table(results["export"])]
+    if "convert" in results:
+        lines += ["", *_convert_table(results["convert"])]
     if "async" in results:
         lines += ["", *_async_table(results["async"])]
     if "s3" in results:
@@ -110,6 +112,69 @@ def _export_table(block: dict[str, Any]) -> list[str]:
     return _tool_table(title, block, (("ckptkit time / disk limit time", "time_vs_limit"),
                                       ("ckptkit time inside the command (no start-up) / disk limit time", "in_process_vs_limit"),
                                       ("ckptkit time / naive time", "time_vs_naive")))
+
+
+# What each tool of the convert phase reads and writes, as its row says.
+_CONVERT_ROWS = {
+    "dcp": {
+        "disk limit": "disk limit: cold read of the source's bytes + durable write of the tensors'",
+        "ckptkit": "ckptkit convert --from dcp: every tensor (fp32), durable",
+        "dcp_to_torch_save": "dcp_to_torch_save + fsync: every tensor, one torch.save file",
+    },
+    "deepspeed": {
+        "disk limit, ckptkit's bytes": "disk limit for ckptkit's bytes: read every rank file, write 16 B/param",
+        "disk limit, zero_to_fp32's bytes": "disk limit for zero_to_fp32's bytes: read the masters, write 4 B/param",
+        "ckptkit": "ckptkit convert --from deepspeed: params, fp32 masters, exp_avg, exp_avg_sq",
+        "zero_to_fp32": "zero_to_fp32 (safetensors) + fsync: the fp32 weights only",
+    },
+}
+
+
+def _convert_table(block: dict[str, Any]) -> list[str]:
+    lines = [f"{'CONVERT into a ckptkit checkpoint, cold source':<82}{'median s':>10}{'peak RSS':>11}{'read GB':>9}{'written GB':>11}"]
+    for source in ("dcp", "deepspeed"):
+        lines += _convert_source(source, block.get(source, {"error": "not run"}))
+    lines.append("  (read GB: what the tool read from the disk, as the kernel counts it; a disk limit's: the bytes it reads."
+                 " written GB: the files it left)")
+    return lines
+
+
+def _convert_source(source: str, block: dict[str, Any]) -> list[str]:
+    name = {"dcp": "torch DCP", "deepspeed": "DeepSpeed ZeRO-3"}[source]
+    if "skipped" in block:
+        return [f" from {name}: SKIPPED: {block['skipped']}"]
+    if "error" in block:
+        return [f" from {name}: FAILED: {block['error']}"]
+    src = block["source"]
+    largest = f"the largest {src['largest_tensor_bytes'] / 1e6:.0f} MB"
+    if source == "dcp":
+        title = f" from torch DCP (the reshard source): {src['source_bytes'] / 1e9:.2f} GB, {src['tensors']} tensors, {largest}"
+    else:
+        title = (f" from DeepSpeed ZeRO-3 ({src['ranks']} ranks, fp32, AdamW): {src['source_bytes'] / 1e9:.2f} GB, "
+                 f"{src['layers']} Linear {src['hidden']}x{src['hidden']}, {src['parameters'] / 1e6:.1f} M params, {largest}")
+    lines = [title]
+    for tool, s in block["tools"].items():
+        label = _CONVERT_ROWS[source].get(tool, tool)
+        if "median_s" not in s:
+            lines.append(f"  {label:<80}FAILED: {'; '.join(s['errors'])[:100]}")
+            continue
+        peak = f"{s['peak_rss_bytes'] / (1 << 20):.0f} MiB" if "peak_rss_bytes" in s else "-"
+        read, written = (f"{s[key] / 1e9:.3f}" if key in s else "-" for key in ("bytes_read", "bytes_written"))
+        lines.append(f"  {label:<80}{s['median_s']:>10.2f}{peak:>11}{read:>9}{written:>11}")
+    peer = block["peer"]
+    own = " for its own bytes" if source == "deepspeed" else ""
+    ours, theirs = (block["tools"].get(t, {}).get("bytes_written") for t in ("ckptkit", peer))
+    plain = ""
+    if ours and theirs and abs(ours / theirs - 1) > 0.05:
+        plain = f" (plain: ckptkit writes {ours / theirs:.1f}x the bytes)"
+    for label, key in ((f"ckptkit time / disk limit time{own}", "time_vs_limit"),
+                       ("ckptkit time inside the command (no start-up) / the same limit", "in_process_vs_limit"),
+                       (f"{peer} time / disk limit time{own}", "peer_vs_limit"),
+                       (f"ckptkit time / {peer} time{plain}", "time_vs_peer")):
+        value = block.get(key)
+        lines.append(f"  {label:<80}{'-' if value is None else f'{value:.2f}':>10}")
+    lines.append(f"  {'RSS bound: 512 MiB + 2x largest tensor':<80}{'':>10}{block['rss_bound_bytes'] / (1 << 20):>7.0f} MiB")
+    return lines
 
 
 def _async_table(block: dict[str, Any]) -> list[str]:

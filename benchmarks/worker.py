@@ -4,7 +4,7 @@
 hand, ``python -m benchmarks.worker '<request JSON>'`` runs one and prints its figures. A
 fresh process per operation keeps peak-memory figures honest (no allocator caches or page
 mappings left by an earlier tool) and lets every operation start from the same state. The
-request names the ``kind`` (save, load, verify, write-limit, read-limit, scale, checksums...), the
+request names the ``kind`` (save, load, verify, write-limit, read-limit, scale, convert, checksums...), the
 ``tool``, the ``directory`` and the state ``size_mib``; the figures have ``seconds``,
 ``rss_before``, ``rss_peak`` and ``state_bytes``.
 """
@@ -147,6 +147,14 @@ def run_export(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, An
     return exports.run(request)
 
 
+def run_convert(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
+    from . import converts
+
+    if request["kind"] == "convert-prepare":
+        return converts.prepare_deepspeed(request["work"], request["size_mib"])
+    return converts.run(request)
+
+
 def run_checksums(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
     from . import checksums
 
@@ -176,6 +184,8 @@ RUNNERS = {
     "reshard-prepare": run_reshard,
     "reshard-plan": run_reshard,
     "export": run_export,
+    "convert": run_convert,
+    "convert-prepare": run_convert,
     "async": run_async,
     "s3": run_s3,
     "checksums": run_checksums,
