@@ -449,8 +449,7 @@ def _plan_partitions(plan: _Plan, files: _Files, shapes: list[dict[str, tuple[in
     """The fp32 master weights and per-element optimizer state of every parameter, and the
     optimizer files' other values."""
     fp32_key = FP32_KEYS[1] if stage == 3 else FP32_KEYS[0]
-    state_of = _z3_state if stage == 3 else _z12_state
-    states = [state_of(path, osd) for path, osd in optim]
+    states = [_inner_state(path, osd, stage) for path, osd in optim]
     _check_partitions(shapes, stage, optim)
     per_element = _per_element_keys(states, optim)
     places = _z3_places(shapes, len(optim)) if stage == 3 else _z12_places(shapes, optim)
@@ -465,19 +464,17 @@ def _plan_partitions(plan: _Plan, files: _Files, shapes: list[dict[str, tuple[in
     _plan_optimizer_values(plan, files, shapes, stage, optim, states)
 
 
-def _z12_state(path: str, osd: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    base = osd.get("base_optimizer_state")
-    state = base.get("state") if isinstance(base, dict) else None
-    if not isinstance(state, dict):
-        raise IntegrityError(f"{path}: no base_optimizer_state.state")
-    return state
+# Where an optimizer file keeps the wrapped torch optimizer's state dict: stages 1-2, stage 3.
+INNER_KEYS = ("base_optimizer_state", "optimizer_state_dict")
 
 
-def _z3_state(path: str, osd: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    inner = osd.get("optimizer_state_dict")
+def _inner_state(path: str, osd: dict[str, Any], stage: int) -> dict[int, dict[str, Any]]:
+    """A rank's per-group optimizer state (``state`` of the wrapped torch optimizer's state dict)."""
+    key = INNER_KEYS[stage == 3]
+    inner = osd.get(key)
     state = inner.get("state") if isinstance(inner, dict) else None
     if not isinstance(state, dict):
-        raise IntegrityError(f"{path}: no optimizer_state_dict.state")
+        raise IntegrityError(f"{path}: no {key}.state")
     return state
 
 
@@ -513,7 +510,7 @@ def _z12_pieces(name: str, place: tuple[int, int, int], optim: list[tuple[str, d
     g, offset, numel = place
     pieces = []
     for r, (path, osd) in enumerate(optim):
-        flat = _flats(osd, key, fp32_key, _z12_state(path, osd), path)[g]
+        flat = _flats(osd, key, fp32_key, _inner_state(path, osd, 1), path)[g]
         real, size = _z12_partition(osd, g, path)
         lo, hi = max(offset, r * size), min(offset + numel, r * size + real)
         if lo < hi:
@@ -574,7 +571,7 @@ def _z3_pieces(name: str, place: tuple[int, int, int], optim: list[tuple[str, di
     for r, (path, osd) in enumerate(optim):
         count = max(0, min(per, numel - r * per))
         if count:
-            pieces += _split(path, _flats(osd, key, fp32_key, _z3_state(path, osd), path), offset, count, name)
+            pieces += _split(path, _flats(osd, key, fp32_key, _inner_state(path, osd, 3), path), offset, count, name)
     return tuple(pieces)
 
 
@@ -597,7 +594,7 @@ def _plan_optimizer_values(plan: _Plan, files: _Files, shapes: list[dict[str, tu
                            optim: list[tuple[str, dict[str, Any]]], states: list[dict[int, dict[str, Any]]]) -> None:
     """The optimizer files' values beside the flat partitions: each group's step and
     hyper-parameters, the loss scaler, the partitioning (per rank where the ranks differ)."""
-    inner_key = "optimizer_state_dict" if stage == 3 else "base_optimizer_state"
+    inner_key = INNER_KEYS[stage == 3]
     skip = {*FP32_KEYS, inner_key}
     scaler = optim[0][1].get("loss_scaler")
     if isinstance(scaler, Record) and isinstance(scaler.state, dict) and not json_problems({"s": _plain(scaler.state)}):
