@@ -29,9 +29,11 @@ schemas: $(STAMP)
 
 fixtures: $(STAMP)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e '.[fixtures]'
+	$(PY) -m pip install -q --no-deps -c constraints.txt megatron-core
 	$(PY) fixtures/make_fixtures.py
 	$(PY) fixtures/make_dcp.py
 	$(PY) fixtures/make_deepspeed.py
+	$(PY) fixtures/make_megatron.py
 
 lint: $(STAMP)
 	$(PY) -m mypy

@@ -318,12 +318,12 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
 @click.argument("src")
 @click.argument("dst")
 @click.option("--from", "source_format", default="auto", show_default=True,
-              help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp, deepspeed, hf).")
+              help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp, deepspeed, hf, megatron).")
 @click.option("--allow-skip", is_flag=True,
               help="Convert what can be converted and list the rest as skipped (default: any such entry fails).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the convert report).")
 def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, as_json: bool) -> None:
-    """Convert another tool's checkpoint at SRC (a torch DCP, DeepSpeed or Hugging Face directory) into a ckptkit checkpoint at DST.
+    """Convert another tool's checkpoint at SRC (a torch DCP, DeepSpeed, Hugging Face or Megatron-Core directory) into a ckptkit checkpoint at DST.
 
     Every tensor and value of SRC is converted or listed as skipped with a reason; an entry
     that cannot be converted fails the conversion unless --allow-skip. Exit 0 when DST is

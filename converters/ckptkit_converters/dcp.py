@@ -39,6 +39,8 @@ from pydantic import JsonValue
 
 from ckptkit.boxes import Box, tiling_problems
 from ckptkit.errors import IntegrityError, ManifestError
+from ckptkit.layouts import Layout
+from ckptkit.manifest import CheckpointInfo
 from ckptkit.manifest.dtypes import itemsize
 from ckptkit.ops.convert import (
     ConvertReport,
@@ -91,9 +93,44 @@ def kind_of(key: str, optimizers: set[str]) -> str:
     return TOP_KINDS.get(key.split(".", 1)[0], "other")
 
 
+@dataclass(frozen=True, slots=True)
+class Named:
+    """A tensor to write, as a naming gives it: its ckptkit name, kind and shape, and the region
+    of the DCP entry it is (the whole entry, or e.g. one layer of a layer-stacked tensor)."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    region: Box
+
+
+class Naming:
+    """How DCP keys become ckptkit names: split at every ``.`` (`fqn_of`), kinds by `kind_of`.
+    A format that stores DCP files under its own conventions (Megatron-Core) overrides it."""
+
+    def start(self, md: DcpMetadata) -> None:
+        self.optimizers = optimizer_prefixes(list(md.entries))
+
+    def tensors(self, key: str, meta: TensorMeta) -> list[Named]:
+        return [Named(fqn_of(key), kind_of(key, self.optimizers), meta.shape, Box((0,) * len(meta.shape), meta.shape))]
+
+    def value(self, key: str) -> str:
+        return fqn_of(key)
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A tensor of the plan: what is written (`spec`), from the `region` of DCP entry `key`."""
+
+    spec: TensorSpec
+    key: str
+    meta: TensorMeta
+    region: Box
+
+
 @dataclass
 class _Plan:
-    tensors: list[tuple[TensorSpec, TensorMeta]] = field(default_factory=list)
+    tensors: list[Planned] = field(default_factory=list)
     objects: dict[str, JsonValue] = field(default_factory=dict)
     object_sources: dict[str, str] = field(default_factory=dict)
     skipped: list[SkippedEntry] = field(default_factory=list)
@@ -135,29 +172,51 @@ class DcpConverter:
         if not os.path.isdir(src):
             raise IntegrityError(f"{src}: no such directory")
         md = read_metadata(src)
-        plan = plan_conversion(src, md)
-        if plan.problems:
-            raise IntegrityError(f"{src}: {len(plan.problems)} problem(s): " + "; ".join(plan.problems[:10]))
-        refuse_skips(plan.skipped, allow_skip=allow_skip, where=src)
-        steps: list[float] = []
-        metas = {spec.name: meta for spec, meta in plan.tensors}
-
-        def read(spec: TensorSpec) -> memoryview:
-            data = assemble(src, md, spec, metas[spec.name])
-            if spec.kind == "optimizer" and spec.name.endswith("/step") and not spec.shape and spec.dtype in _STEP_FORMATS:
-                steps.append(struct.unpack(_STEP_FORMATS[spec.dtype], data.tobytes())[0])
-            return data.data
-
-        committed = write_converted(dst, [spec for spec, _ in plan.tensors], read, objects=plan.objects,
-                                    step=lambda: _common_step(steps), progress=progress)
-        chunks = [(spec, sum(1 for c in meta.chunks if math.prod(c.sizes))) for spec, meta in plan.tensors]
-        return report_of(NAME, src, committed, chunks, plan.object_sources, plan.skipped, started)
+        return write_plan(NAME, src, dst, md, plan_conversion(src, md), allow_skip=allow_skip, progress=progress,
+                          started=started)
 
 
-def plan_conversion(src: str, md: DcpMetadata) -> _Plan:
-    """Name every entry, check its chunks and storage, read the values; collect what is
-    skipped (with reasons) and every problem (missing or truncated files, chunks that do not
-    tile their tensor, chunks with no storage)."""
+def write_plan(
+    fmt: str, src: str, dst: str, md: DcpMetadata, plan: _Plan, *, allow_skip: bool, progress: Progress | None,
+    started: float, step: int | None = None, info: CheckpointInfo | None = None, layout: Layout | None = None,
+) -> ConvertReport:
+    """Commit a planned DCP conversion at `dst` and report it as format `fmt`: refuse its
+    problems and (without `allow_skip`) its skipped entries, then write every tensor.
+    `step` defaults to the optimizer's common step (see `_common_step`).
+
+    Raises:
+        IntegrityError, ManifestError: as `DcpConverter.convert`.
+    """
+    if plan.problems:
+        raise IntegrityError(f"{src}: {len(plan.problems)} problem(s): " + "; ".join(plan.problems[:10]))
+    refuse_skips(plan.skipped, allow_skip=allow_skip, where=src)
+    steps: list[float] = []
+    planned = {t.spec.name: t for t in plan.tensors}
+
+    def read(spec: TensorSpec) -> memoryview:
+        data = assemble(src, md, planned[spec.name])
+        if spec.kind == "optimizer" and spec.name.endswith("/step") and not spec.shape and spec.dtype in _STEP_FORMATS:
+            steps.append(struct.unpack(_STEP_FORMATS[spec.dtype], data.tobytes())[0])
+        return data.data
+
+    committed = write_converted(dst, [t.spec for t in plan.tensors], read, objects=plan.objects,
+                                step=lambda: _common_step(steps) if step is None else step, info=info, layout=layout,
+                                progress=progress)
+    chunks = [(t.spec, chunk_count(t.meta, t.region)) for t in plan.tensors]
+    return report_of(fmt, src, committed, chunks, plan.object_sources, plan.skipped, started)
+
+
+def chunk_count(meta: TensorMeta, region: Box) -> int:
+    """How many non-empty chunks of the entry a region of it is assembled from."""
+    return sum(1 for c in meta.chunks if math.prod(c.sizes) and Box(c.offsets, c.sizes).intersect(region) is not None)
+
+
+def plan_conversion(src: str, md: DcpMetadata, naming: Naming | None = None) -> _Plan:
+    """Name every entry (by `naming`, default `Naming`), check its chunks and storage, read the
+    values; collect what is skipped (with reasons) and every problem (missing or truncated
+    files, chunks that do not tile their tensor, chunks with no storage)."""
+    naming = naming or Naming()
+    naming.start(md)
     plan = _Plan()
     sizes = _file_sizes(src, md, plan.problems)
     for (stored_key, _), ref in md.storage.items():
@@ -165,12 +224,11 @@ def plan_conversion(src: str, md: DcpMetadata) -> _Plan:
         if size is not None and ref.offset + ref.length > size:
             plan.problems.append(f"{ref.path}: {stored_key} is stored at bytes {ref.offset}-{ref.offset + ref.length}, "
                                  f"past the file's end at {size} (truncated?)")
-    optimizers = optimizer_prefixes(list(md.entries))
     for key, meta in md.entries.items():
         if meta is None:
-            _plan_value(src, md, key, plan, sizes)
+            _plan_value(src, md, key, naming.value(key), plan, sizes)
         else:
-            _plan_tensor(md, key, meta, kind_of(key, optimizers), plan)
+            _plan_tensor(md, key, meta, naming.tensors(key, meta), plan)
     chunk_keys = {(key, c.offsets) for key, meta in md.entries.items() if meta is not None for c in meta.chunks}
     value_keys = {(key, None) for key, meta in md.entries.items() if meta is None}
     for index in md.storage:
@@ -193,7 +251,7 @@ def _file_sizes(src: str, md: DcpMetadata, problems: list[str]) -> dict[str, int
     return sizes
 
 
-def _plan_tensor(md: DcpMetadata, key: str, meta: TensorMeta, kind: str, plan: _Plan) -> None:
+def _plan_tensor(md: DcpMetadata, key: str, meta: TensorMeta, named: list[Named], plan: _Plan) -> None:
     dtype = meta.dtype.dtype
     if dtype is None:
         plan.skipped.append(SkippedEntry(source=key, reason=f"dtype torch.{meta.dtype.name} has no ckptkit equivalent"))
@@ -208,10 +266,13 @@ def _plan_tensor(md: DcpMetadata, key: str, meta: TensorMeta, kind: str, plan: _
             plan.skipped.append(SkippedEntry(
                 source=key, reason=f"stored with stream transforms {list(ref.transforms)}, which this converter does not read"))
             return
-    plan.tensors.append((TensorSpec(name=fqn_of(key), source=key, dtype=dtype, shape=meta.shape, kind=kind), meta))
+    for n in named:
+        source = key if n.region.lengths == meta.shape else f"{key}[{', '.join(f'{o}:{o + k}' for o, k in zip(n.region.offsets, n.region.lengths))}]"
+        plan.tensors.append(Planned(TensorSpec(name=n.name, source=source, dtype=dtype, shape=n.shape, kind=n.kind), key, meta,
+                                    n.region))
 
 
-def _plan_value(src: str, md: DcpMetadata, key: str, plan: _Plan, sizes: dict[str, int]) -> None:
+def _plan_value(src: str, md: DcpMetadata, key: str, name: str, plan: _Plan, sizes: dict[str, int]) -> None:
     ref = md.storage.get((key, None))
     if ref is None:
         plan.problems.append(f"{key}: the value has no storage entry")
@@ -231,8 +292,8 @@ def _plan_value(src: str, md: DcpMetadata, key: str, plan: _Plan, sizes: dict[st
     if problem:
         plan.skipped.append(SkippedEntry(source=key, reason=f"not a JSON value ({problem})"))
         return
-    plan.objects[fqn_of(key)] = converted
-    plan.object_sources[fqn_of(key)] = key
+    plan.objects[name] = converted
+    plan.object_sources[name] = key
 
 
 @contextmanager
@@ -258,27 +319,38 @@ def _to_json(value: Any, key: str) -> tuple[JsonValue, str]:
     return converted, "; ".join(json_problems({key: converted})[:3])
 
 
-def assemble(src: str, md: DcpMetadata, spec: TensorSpec, meta: TensorMeta) -> np.ndarray[Any, Any]:
-    """Return tensor `spec` whole (flat bytes, C order) from its chunks.
+def assemble(src: str, md: DcpMetadata, planned: Planned) -> np.ndarray[Any, Any]:
+    """Return a planned tensor (flat bytes, C order): its region of its DCP entry, from the
+    chunks the region meets. A chunk inside the region is read straight into place; one that
+    reaches outside it is read whole and its part copied.
 
     Raises:
         IntegrityError: a chunk's archive is unreadable or unlike its metadata (dtype, shape).
         ManifestError: a chunk's pickle needs a class outside the tensor allowlist (named).
     """
+    spec, key, meta, region = planned.spec, planned.key, planned.meta, planned.region
     width = itemsize(spec.dtype)
-    buf = np.empty(math.prod(spec.shape) * width, dtype=np.uint8)
-    view = buf.reshape(*spec.shape, width)
+    buf = np.empty(math.prod(region.lengths) * width, dtype=np.uint8)
+    view = buf.reshape(*region.lengths, width)
     for chunk in meta.chunks:
-        if not math.prod(chunk.sizes):
+        box = Box(chunk.offsets, chunk.sizes)
+        common = box.intersect(region) if math.prod(chunk.sizes) else None
+        if common is None:
             continue
-        ref = md.storage[(spec.source, chunk.offsets)]
-        with _archive(src, ref, spec.source) as archive:
+        ref = md.storage[(key, chunk.offsets)]
+        with _archive(src, ref, key) as archive:
             stored = stored_tensor(archive)
             if stored.dtype != spec.dtype or stored.shape != chunk.sizes:
                 raise IntegrityError(
                     f"{archive.where}: the chunk at {list(chunk.offsets)} holds {stored.dtype}{list(stored.shape)}, "
                     f"the metadata says {spec.dtype}{list(chunk.sizes)}")
-            copy_tensor(archive, stored, view[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))])
+            into = view[tuple(slice(o - r, o - r + n) for o, r, n in zip(common.offsets, region.offsets, common.lengths))]
+            if common == box:
+                copy_tensor(archive, stored, into)
+                continue
+            whole = np.empty((*chunk.sizes, width), dtype=np.uint8)
+            copy_tensor(archive, stored, whole)
+            into[...] = whole[tuple(slice(o - c, o - c + n) for o, c, n in zip(common.offsets, chunk.offsets, common.lengths))]
     return buf
 
 
@@ -291,5 +363,5 @@ def _common_step(steps: list[float]) -> int:
 
 CONVERTER = DcpConverter()
 
-__all__ = ["CONVERTER", "NAME", "DcpConverter", "assemble", "dcp_key", "fqn_of", "kind_of", "optimizer_prefixes",
-           "plan_conversion"]
+__all__ = ["CONVERTER", "NAME", "DcpConverter", "Named", "Naming", "Planned", "assemble", "chunk_count", "dcp_key", "fqn_of", "kind_of",
+           "optimizer_prefixes", "plan_conversion", "write_plan"]

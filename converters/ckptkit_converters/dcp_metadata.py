@@ -11,6 +11,7 @@ into the frozen dataclasses below, checking every field.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -105,8 +106,9 @@ class DcpMetadata:
     version: str | None
 
 
-def read_metadata(directory: str) -> DcpMetadata:
-    """Read and check ``directory/.metadata``.
+def read_metadata(directory: str, allowed: Mapping[tuple[str, str], Any] = ALLOWED) -> DcpMetadata:
+    """Read and check ``directory/.metadata``, unpickled through `allowed` (`ALLOWED`, or a
+    format's wider list: Megatron-Core's adds its cached save plans).
 
     Raises:
         ManifestError: the pickle needs a class outside the allowlist (named), or the metadata
@@ -116,7 +118,7 @@ def read_metadata(directory: str) -> DcpMetadata:
     """
     path = os.path.join(directory, METADATA_NAME)
     data = read_small(path, METADATA_LIMIT, "DCP metadata")
-    return parse_metadata(unpickle(bytes(data), ALLOWED, where=path), where=path)
+    return parse_metadata(unpickle(bytes(data), allowed, where=path), where=path)
 
 
 def parse_metadata(obj: Any, *, where: str) -> DcpMetadata:

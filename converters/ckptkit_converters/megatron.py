@@ -1,0 +1,274 @@
+"""Convert a Megatron-Core ``dist_checkpointing`` checkpoint (the ``torch_dist`` format) into a ckptkit checkpoint.
+
+The source is a checkpoint directory (``metadata.json`` naming ``torch_dist``, ``common.pt``,
+DCP's ``.metadata`` and ``__<rank>_<k>.distcp`` files), or a Megatron-LM save directory whose
+``latest_checkpointed_iteration.txt`` names the ``iter_XXXXXXX`` directory to read. The DCP part
+is read as the ``dcp`` converter reads it (byte ranges, tensor by tensor, no torch), through its
+allowlist plus the stand-ins for the save plans Megatron-Core caches in ``.metadata``
+(`METADATA_ALLOWED`); ``common.pt`` (the state that is not sharded: the optimizer's parameter
+groups, and in Megatron-LM saves the iteration, arguments, scheduler) through `COMMON_ALLOWED`.
+
+Names. Megatron-Core stores each transformer layer's tensors stacked: one key without a layer
+number and a leading layer axis (``decoder.layers.self_attention.linear_qkv.weight`` of shape
+``[num_layers, ...]``, global layer numbers on that axis whatever the pipeline stage). Each is
+split per layer, the layer number put back into the key, and the key kept as one name part:
+
+- ``decoder.layers.self_attention.linear_qkv.weight``, layer 1 -> ``model/decoder.layers.1.self_attention.linear_qkv.weight``
+- ``embedding.word_embeddings.weight`` -> ``model/embedding.word_embeddings.weight``
+- ``optimizer.state.exp_avg.<key>`` (the distributed optimizer, ``fully_reshardable``) ->
+  ``optimizer/exp_avg/<key per layer>``; its fp32 master ``optimizer.state.param.<key>`` ->
+  ``optimizer/fp32/<key per layer>``; any other state keeps its name.
+- a sharded object ``<module>._extra_state/shard_<i>_<L>`` of a stacked module (TransformerEngine's
+  extra state; ``None`` without it) -> the object ``model/decoder.layers.<i>.<module>._extra_state``.
+- ``common.pt``: ``iteration`` is the manifest's step; ``args`` goes to ``info.config.args``,
+  ``opt_param_scheduler`` to ``info.scheduler``, the optimizer's parameter groups to
+  ``info.optimizer`` and, like every other value, to ``megatron/<key>/...`` objects.
+
+Fused tensors stay fused under Megatron's names (QKV interleaved per query group; ``linear_fc1``
+of a gated MLP as ``[gate; up]``): that is how a Megatron job loads them. No layout is recorded
+yet: ``ckptkit reshard`` takes one with ``--layout``.
+
+Refused (one line, nothing written): a legacy Megatron-LM checkpoint (``mp_rank_XX`` directories
+of ``model_optim_rng.pt``), another sharded backend, the distributed optimizer's
+``dp_reshardable`` format (flat per-rank buffers), anything the ``dcp`` converter refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Any
+
+from pydantic import JsonValue
+
+from ckptkit.boxes import Box
+from ckptkit.errors import IntegrityError, ManifestError
+from ckptkit.manifest import CheckpointInfo
+from ckptkit.manifest.model import OptimizerInfo, ParamGroup
+from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry
+from ckptkit.state.tree import escape, json_problems
+from ckptkit.storage.local import open_regular
+
+from .dcp import Named, Naming, plan_conversion, write_plan
+from .dcp_metadata import ALLOWED, METADATA_NAME, DcpMetadata, TensorMeta, read_metadata
+from .files import read_small
+from .safepickle import Record, record_type
+from .torchsave import TORCH_DTYPES, TorchDtype, open_archive, stored_object
+
+NAME = "megatron"
+MCORE_METADATA = "metadata.json"
+COMMON = "common.pt"
+LATEST = "latest_checkpointed_iteration.txt"
+LEGACY_FILE = "model_optim_rng.pt"
+STACKED = "decoder.layers."
+OPTIMIZER_STATE = re.compile(r"^optimizer\.state\.([A-Za-z0-9_]+)\.(.+)$")
+SHARDED_OBJECT = re.compile(r"^(.+)/shard_([0-9.]+)_([0-9.]+)$")
+STATE_NAMES = {"param": "fp32"}  # the distributed optimizer's fp32 master is its state "param"
+_PLANNER = "torch.distributed.checkpoint.planner"
+# Megatron-Core's save planner caches the ranks' plans in .metadata: stand-ins, never read.
+METADATA_ALLOWED: dict[tuple[str, str], Any] = {
+    **ALLOWED, **{(_PLANNER, n): record_type(f"{_PLANNER}.{n}") for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")},
+}
+
+
+class _Namespace(Record):
+    """``argparse.Namespace`` (Megatron-LM's arguments): its fields, nothing run."""
+
+    qualname = "argparse.Namespace"
+
+
+COMMON_ALLOWED: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): dict,
+    ("argparse", "Namespace"): _Namespace,
+    **{("torch", name): TorchDtype(name) for name in TORCH_DTYPES},
+}
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON-like Python: tuples as lists, a Namespace as its fields, dtypes by name."""
+    if isinstance(value, TorchDtype):
+        return f"torch.{value.name}"
+    if isinstance(value, Record):
+        return _plain(value.state if value.state is not None else list(value.args))
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def checkpoint_directory(src: str) -> str:
+    """The torch_dist directory of `src`: `src` itself, or the iteration directory its
+    ``latest_checkpointed_iteration.txt`` names.
+
+    Raises:
+        IntegrityError: neither.
+        ManifestError: a legacy Megatron-LM checkpoint, or another sharded backend.
+    """
+    if os.path.isfile(os.path.join(src, MCORE_METADATA)):
+        _check_backend(src)
+        return src
+    if _legacy(src):
+        raise ManifestError(f"{src}: a legacy Megatron-LM checkpoint (mp_rank_XX/{LEGACY_FILE}), which this converter "
+                            f"does not read yet; save with --ckpt-format torch_dist")
+    latest = os.path.join(src, LATEST)
+    if not os.path.isfile(latest):
+        raise IntegrityError(f"{src}: no {MCORE_METADATA} and no {LATEST}")
+    text = read_small(latest, 4096, f"Megatron's {LATEST}").decode("utf-8", "replace").strip()
+    if text == "release":
+        path = os.path.join(src, "release")
+    elif text.isdigit():
+        path = os.path.join(src, f"iter_{int(text):07d}")
+    else:
+        raise IntegrityError(f"{latest}: names no iteration ({text!r})")
+    if not os.path.isdir(path):
+        raise IntegrityError(f"{latest}: names {os.path.basename(path)}, which is not there")
+    return checkpoint_directory(path)
+
+
+def _legacy(path: str) -> bool:
+    try:
+        return any(n.startswith("mp_rank_") and os.path.isfile(os.path.join(path, n, LEGACY_FILE)) for n in os.listdir(path))
+    except OSError:
+        return False
+
+
+def _check_backend(path: str) -> None:
+    raw = read_small(os.path.join(path, MCORE_METADATA), 1 << 20, "Megatron's metadata.json")
+    try:
+        meta = json.loads(raw)
+    except ValueError as exc:
+        raise IntegrityError(f"{path}/{MCORE_METADATA}: not JSON ({exc})") from None
+    backend = meta.get("sharded_backend") if isinstance(meta, dict) else None
+    if backend != "torch_dist":
+        raise ManifestError(f"{path}: sharded backend {backend!r}; this converter reads torch_dist")
+
+
+class MegatronNaming(Naming):
+    """Megatron-Core's keys: layer-stacked tensors split per layer, keys kept as one name part."""
+
+    def start(self, md: DcpMetadata) -> None:
+        self.entries = md.entries
+
+    def tensors(self, key: str, meta: TensorMeta) -> list[Named]:
+        found = OPTIMIZER_STATE.match(key)
+        prefix, kind, param = ("model", "param", key) if found is None else (
+            f"optimizer/{escape(STATE_NAMES.get(found.group(1), found.group(1)))}", "optimizer", found.group(2))
+        whole = Box((0,) * len(meta.shape), meta.shape)
+        if not _stacked(param) or not meta.shape:
+            return [Named(f"{prefix}/{escape(param)}", kind, meta.shape, whole)]
+        rest = meta.shape[1:]
+        return [Named(f"{prefix}/{escape(layer_key(param, i))}", kind, rest, Box((i, *(0,) * len(rest)), (1, *rest)))
+                for i in range(meta.shape[0])]
+
+    def value(self, key: str) -> str:
+        found = SHARDED_OBJECT.match(key)
+        if found is not None and _stacked(found.group(1)) and "." not in found.group(2):
+            return f"model/{escape(layer_key(found.group(1), int(found.group(2))))}"
+        return f"megatron/{escape(key)}"
+
+
+def _stacked(key: str) -> bool:
+    """Whether `key` is a layer-stacked tensor (under ``decoder.layers.`` with no layer number)."""
+    return key.startswith(STACKED) and not key[len(STACKED):].split(".", 1)[0].isdigit()
+
+
+def layer_key(key: str, layer: int) -> str:
+    """The key of one layer of stacked `key`: ``decoder.layers.<layer>.<rest>``."""
+    return f"{STACKED}{layer}.{key[len(STACKED):]}"
+
+
+class MegatronConverter:
+    """The ``megatron`` converter (registered in the ``ckptkit.converters`` entry-point group)."""
+
+    name = NAME
+    description = "Megatron-Core dist_checkpointing directory (torch_dist), or a Megatron-LM save naming one"
+
+    def detect(self, path: str) -> bool:
+        """Whether `path` holds Megatron's ``metadata.json`` and ``common.pt`` beside DCP's
+        ``.metadata``, or is a Megatron-LM save directory (its latest iteration file, or legacy
+        ``mp_rank_XX`` directories, which `convert` refuses by name)."""
+        try:
+            names = set(os.listdir(path))
+        except OSError:
+            return False
+        return ({MCORE_METADATA, COMMON, METADATA_NAME} <= names or LATEST in names) or _legacy(path)
+
+    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None) -> ConvertReport:
+        """Convert the Megatron checkpoint `src` into the committed ckptkit checkpoint `dst`.
+
+        Raises:
+            ManifestError: a pickle needs a class outside the allowlists (named); a format this
+                converter does not read (named); entries that cannot be converted, without
+                `allow_skip`.
+            IntegrityError: files missing or truncated, chunks that do not tile their tensor.
+            CheckpointExistsError, StorageError: as `ckptkit.ops.convert.write_converted`.
+        """
+        started = time.perf_counter()
+        if not os.path.isdir(src):
+            raise IntegrityError(f"{src}: no such directory")
+        path = checkpoint_directory(src)
+        md = read_metadata(path, METADATA_ALLOWED)
+        plan = plan_conversion(path, md, MegatronNaming())
+        common = _common(path)
+        if common.get("optimizer", {}).get("param_state_sharding_type") == "dp_reshardable":
+            raise ManifestError(f"{path}: the distributed optimizer's dp_reshardable format (flat per-rank buffers), which "
+                                f"this converter does not read; save with fully_reshardable")
+        info, step = _info(common, plan.objects, plan.object_sources, plan.skipped)
+        return write_plan(NAME, path, dst, md, plan, allow_skip=allow_skip, progress=progress, started=started, step=step,
+                          info=info)
+
+
+def _common(path: str) -> dict[str, Any]:
+    """``common.pt``, unpickled through `COMMON_ALLOWED` (a dict; tensors are refused)."""
+    where = os.path.join(path, COMMON)
+    fd, size = open_regular(where)
+    try:
+        tree = stored_object(open_archive(fd, 0, size, where), COMMON_ALLOWED)
+    finally:
+        os.close(fd)
+    if not isinstance(tree, dict):
+        raise IntegrityError(f"{where}: not a dict of the common state")
+    return tree
+
+
+def _info(common: dict[str, Any], objects: dict[str, JsonValue], sources: dict[str, str],
+          skipped: list[SkippedEntry]) -> tuple[CheckpointInfo, int | None]:
+    """Fold ``common.pt`` into objects (``megatron/...``) and the manifest's info and step."""
+    for key, value in common.items():
+        name, plain = f"megatron/{escape(str(key))}", _plain(value)
+        problems = json_problems({name: plain})
+        if problems:
+            skipped.append(SkippedEntry(source=f"{COMMON}:{key}", reason=f"not a JSON value ({problems[0]})"))
+            continue
+        objects[name], sources[name] = plain, f"{COMMON}:{key}"
+    fields: dict[str, Any] = {}
+    args = _plain(common.get("args"))
+    if isinstance(args, dict) and not json_problems({"args": args}):
+        fields["config"] = {"args": args}
+    scheduler = _plain(common.get("opt_param_scheduler"))
+    if isinstance(scheduler, dict) and not json_problems({"s": scheduler}):
+        fields["scheduler"] = scheduler
+    groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
+    step: int | None = None
+    if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
+        options = [{k: v for k, v in _plain(g).items() if k != "params"} for g in groups]
+        steps = {g.get("step") for g in options}
+        common_step = next(iter(steps)) if len(steps) == 1 else None
+        if isinstance(common_step, (int, float)) and float(common_step).is_integer() and common_step >= 0:
+            step = int(common_step)
+        if not json_problems({"g": options}):
+            fields["optimizer"] = OptimizerInfo(type="megatron", param_groups=tuple(ParamGroup(params=(), options=o) for o in options),
+                                                step=step)
+    iteration = common.get("iteration")
+    if isinstance(iteration, int) and iteration >= 0:
+        step = iteration
+    return CheckpointInfo(**fields), step
+
+
+CONVERTER = MegatronConverter()
+
+__all__ = ["COMMON_ALLOWED", "CONVERTER", "METADATA_ALLOWED", "NAME", "MegatronConverter", "MegatronNaming",
+           "checkpoint_directory", "layer_key"]
