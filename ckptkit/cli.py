@@ -233,6 +233,30 @@ def layout_show_cmd(path: str) -> None:
     click.echo(json.dumps(layout_for(checkpoint.manifest, where=str(checkpoint.location)).to_json(), indent=2))
 
 
+@layout_group.command("builtin")
+@click.argument("family")
+@click.argument("config")
+def layout_builtin_cmd(family: str, config: str) -> None:
+    """Print the built-in layout of model FAMILY for the model config in the JSON file CONFIG.
+
+    Families: llama, hf-llama, gpt2, megatron-gpt (each with its own config keys; see the
+    README). For a checkpoint that records no layout: `ckptkit layout builtin megatron-gpt
+    model.json > layout.json`, then `reshard --layout` or `export --layout`. Exit 0, 1 on an
+    unknown family or a config that lacks what the layout needs, or a CONFIG that is not a JSON
+    object.
+    """
+    from .layouts import builtin
+
+    try:
+        with open(config, "rb") as f:
+            values = json.loads(f.read(1 << 20))
+    except (OSError, ValueError) as exc:
+        _fail(f"{config}: cannot read a JSON model config ({exc})", 1)
+    if not isinstance(values, dict):
+        _fail(f"{config}: a model config is a JSON object", 1)
+    click.echo(json.dumps(builtin(family, values).to_json(), indent=2))
+
+
 @layout_group.command("check")
 @click.argument("file")
 @click.option("--tp", default=None, type=click.IntRange(1), help="Also check that the layout fits this tensor-parallel degree.")
@@ -285,8 +309,11 @@ def _init_torchrun() -> Any:
               help="Output dtype. hf: default bf16; dcp: default the saved dtype; zarr: always the saved dtype.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="hf: largest output file (5GB, 500MB, 2GiB, bytes).")
 @click.option("--include-optimizer", is_flag=True, help="dcp: also export the optimizer state (zarr always has it).")
+@click.option("--layout", "layout_file", default=None,
+              help="hf: a layout file naming the model (default: the one SRC records), e.g. megatron-gpt for a converted Megatron GPT.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the export report).")
-def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, as_json: bool) -> None:
+def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, layout_file: str | None,
+               as_json: bool) -> None:
     """Export the checkpoint at SRC (any topology) to DST: a Hugging Face model directory, a
     torch DCP checkpoint, or the zarr form (every tensor as a zarr v3 array, manifest beside it).
 
@@ -301,8 +328,13 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
         _fail("--dtype: the zarr form keeps every tensor in its saved dtype", 2)
     if fmt == "hf" and include_optimizer:
         _fail("--include-optimizer: the hf format holds model weights only (use --format dcp or zarr)", 2)
+    if fmt != "hf" and layout_file is not None:
+        _fail("--layout: names the model for --format hf; dcp and zarr keep the checkpoint's names", 2)
+    from .layouts import load_layout
+
+    layout = load_layout(layout_file) if layout_file is not None else None
     report = _needs_checkpoint(lambda: ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size,
-                                              include_optimizer=include_optimizer))
+                                              include_optimizer=include_optimizer, layout=layout))
     if as_json:
         _emit_json(report)
         return

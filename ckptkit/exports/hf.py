@@ -2,7 +2,9 @@
 
 The reference trainer saves unfused, unpadded logical tensors (``model/layers.3.attn.q.weight``),
 so the Hugging Face Llama layout is a rename: same shapes, same bytes (its rotary embedding uses
-the same half-split convention, so q and k need no permutation).
+the same half-split convention, so q and k need no permutation). Megatron-Core's GPT (layout
+``megatron-gpt``) fuses q, k, v per query group and gate, up: each Hugging Face tensor is then
+runs of rows of a fused one (`Rows`), taken in order.
 """
 
 from __future__ import annotations
@@ -32,6 +34,20 @@ _TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# Rows [start, start + length) of a source tensor (dim 0), concatenated in order; None: all of it.
+Rows = tuple[tuple[int, int], ...] | None
+# A Hugging Face tensor's source: a checkpoint tensor (fqn) and which of its rows.
+Piece = tuple[str, Rows]
+
+_MEGATRON_LAYER = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_MEGATRON_TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                 "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
 
 
 def hf_name(logical: str) -> str | None:
@@ -66,6 +82,66 @@ def name_map(tensors: Mapping[str, Any], expected: list[str]) -> dict[str, str]:
     if problems:
         raise LayoutError("cannot export: " + "; ".join(problems))
     return {fqn: hf_name(fqn.removeprefix("model/")) or "" for fqn in params}
+
+
+def megatron_map(tensors: Mapping[str, Any], layout: Layout) -> dict[str, Piece]:
+    """Map a Megatron-Core GPT (layout ``megatron-gpt``) to Hugging Face Llama names: each HF
+    name to its source tensor and rows. q, k and v are taken from ``linear_qkv`` group by group
+    (each group: its heads' q rows, then one head's k rows, then v's); gate and up are the two
+    halves of ``linear_fc1``.
+
+    Raises:
+        LayoutError: a parameter with no Hugging Face name (biases, an ungated MLP), or one
+            the layout needs is missing; all are listed.
+    """
+    c = layout.config
+    heads, h = int(c["num_attention_heads"]), int(c["hidden_size"])  # type: ignore[arg-type]
+    groups = int(c.get("num_query_groups") or heads)  # type: ignore[arg-type]
+    hd, f = int(c.get("kv_channels") or h // heads), int(c["ffn_hidden_size"])  # type: ignore[arg-type]
+    per = heads // groups
+    block = (per + 2) * hd
+    out: dict[str, Piece] = {}
+    unmapped = []
+    for fqn in sorted(t for t in tensors if t.startswith("model/")):
+        name = unescape(fqn.removeprefix("model/"))
+        match = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
+        if name in _MEGATRON_TOP:
+            out[_MEGATRON_TOP[name]] = (fqn, None)
+        elif match and match.group(2) in _MEGATRON_LAYER:
+            out[f"model.layers.{match.group(1)}.{_MEGATRON_LAYER[match.group(2)]}"] = (fqn, None)
+        elif match and match.group(2) == "self_attention.linear_qkv.weight":
+            p = f"model.layers.{match.group(1)}.self_attn."
+            out[p + "q_proj.weight"] = (fqn, tuple((g * block, per * hd) for g in range(groups)))
+            out[p + "k_proj.weight"] = (fqn, tuple((g * block + per * hd, hd) for g in range(groups)))
+            out[p + "v_proj.weight"] = (fqn, tuple((g * block + (per + 1) * hd, hd) for g in range(groups)))
+        elif match and match.group(2) == "mlp.linear_fc1.weight" and c.get("gated_linear_unit", True) is not False:
+            p = f"model.layers.{match.group(1)}.mlp."
+            out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = (fqn, ((0, f),)), (fqn, ((f, f),))
+        else:
+            unmapped.append(fqn)
+    missing = sorted(f"model/{n}" for n in layout.tensors() if f"model/{n}" not in tensors)
+    problems = []
+    if unmapped:
+        problems.append(f"{len(unmapped)} tensor(s) with no Hugging Face Llama name: {', '.join(unmapped[:20])}")
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) the layout needs are missing: {', '.join(missing[:20])}")
+    if problems:
+        raise LayoutError("cannot export: " + "; ".join(problems))
+    return out
+
+
+def megatron_config_json(layout: Layout, dtype: str) -> dict[str, Any]:
+    """The ``config.json`` of the LlamaForCausalLM a Megatron-Core GPT (RMSNorm, rotary, SwiGLU,
+    no biases) is, from its layout's config (defaults: Megatron's)."""
+    c = layout.config
+    heads, h = int(c["num_attention_heads"]), int(c["hidden_size"])  # type: ignore[arg-type]
+    model = {
+        "vocab_size": c["vocab_size"], "hidden_size": h, "intermediate_size": c["ffn_hidden_size"],
+        "num_layers": c["num_layers"], "num_heads": heads, "num_kv_heads": c.get("num_query_groups") or heads,
+        "max_seq_len": c.get("max_sequence_length") or 4096, "norm_eps": c.get("layernorm_epsilon") or 1e-5,
+        "rope_theta": c.get("rotary_base") or 10000, "tie_embeddings": bool(c.get("share_embeddings_and_output_weights")),
+    }
+    return {**config_json(model, dtype), "head_dim": int(c.get("kv_channels") or h // heads)}  # type: ignore[arg-type]
 
 
 # Layouts whose tensors are already under their Hugging Face names (``model/<name>``, as the

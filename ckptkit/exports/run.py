@@ -18,6 +18,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from . import hf
 from .convert import CONVERSIONS
 from ..io.catalog import locate, refuse_nesting, still_committed
@@ -37,7 +39,7 @@ from .source import (
     exported,
     report_bytes,
 )
-from ..layouts import layout_for
+from ..layouts import Layout, layout_for
 from ..io.payload import open_checkpoint, read_checked
 from ..storage import Storage
 from .zarr_form import CHUNK_BYTES
@@ -61,6 +63,7 @@ def export(
     chunk_bytes: int = CHUNK_BYTES,
     storage: Storage | None = None,
     dst_storage: Storage | None = None,
+    layout: Layout | None = None,
 ) -> ExportReport:
     """Export the checkpoint at `src` to the directory `dst` in `format`.
 
@@ -70,6 +73,9 @@ def export(
       trainer saves), converted to `dtype` (default bf16) with round-to-nearest-even. A
       checkpoint converted from Hugging Face (layout ``hf-llama`` or ``gpt2``) is written back
       under its original names with the ``config.json`` and ``generation_config.json`` it carries.
+      A Megatron-Core GPT (layout ``megatron-gpt``, given as `layout` when the converted
+      checkpoint records none) becomes a LlamaForCausalLM: q, k, v and gate, up are cut out of
+      Megatron's fused tensors.
     - ``dcp``: a torch.distributed.checkpoint directory of the parameters (``model.<name>``)
       and, with `include_optimizer`, the optimizer state (``optimizer.exp_avg.<name>``, ...),
       in their saved dtype unless `dtype` is given.
@@ -93,21 +99,24 @@ def export(
         raise LayoutError("the zarr form keeps every tensor in its saved dtype; drop --dtype")
     if format == "hf" and include_optimizer:
         raise LayoutError("the hf format holds model weights only; --include-optimizer applies to dcp")
+    if format != "hf" and layout is not None:
+        raise LayoutError("a layout names the model for the hf format; dcp and zarr keep the checkpoint's names")
     out_dtype = hf.DTYPES[dtype or "bf16"] if format == "hf" else hf.DTYPES[dtype] if dtype else None
     started = time.perf_counter()
     src_loc, manifest = open_checkpoint(src, storage)
     with Source(src_loc, manifest) as source, still_committed(src_loc):
-        return _export(source, dst, format, out_dtype, max_shard_bytes, include_optimizer, chunk_bytes, dst_storage, started)
+        return _export(source, dst, format, out_dtype, max_shard_bytes, include_optimizer, chunk_bytes, dst_storage, started,
+                       layout)
 
 
 def _export(
     source: Source, dst: str | os.PathLike[str], format: str, out_dtype: str | None, max_shard_bytes: int,
-    include_optimizer: bool, chunk_bytes: int, dst_storage: Storage | None, started: float,
+    include_optimizer: bool, chunk_bytes: int, dst_storage: Storage | None, started: float, layout: Layout | None = None,
 ) -> ExportReport:
     src_loc, manifest = source.loc, source.manifest
     writer: Writer
     if format == "hf":
-        writer = _hf_writer(source, out_dtype or hf.DTYPES["bf16"], max_shard_bytes)
+        writer = _hf_writer(source, out_dtype or hf.DTYPES["bf16"], max_shard_bytes, layout)
     elif format == "dcp":
         from .dcp import dcp_writer
 
@@ -146,33 +155,39 @@ def _export(
     return report
 
 
-def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int) -> Writer:
-    """Plan the HF export (failing before any write) and return its writer."""
+def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Layout | None = None) -> Writer:
+    """Plan the HF export (failing before any write) and return its writer. `layout` overrides
+    the one the checkpoint records."""
     manifest = source.manifest
-    layout = layout_for(manifest, where=str(source.loc))
+    layout = layout or layout_for(manifest, where=str(source.loc))
+    generation: dict[str, Any] | None = None
     if layout.name in hf.PASSTHROUGH:
         config = hf.carried_config(manifest.info, layout, str(source.loc), out_dtype)
-        names = hf.passthrough_map(manifest.tensors, list(layout.tensors()))
+        pieces: dict[str, hf.Piece] = {name: (fqn, None) for fqn, name in hf.passthrough_map(manifest.tensors, list(layout.tensors())).items()}
         carried = (manifest.info.config or {}).get("generation_config.json")
         generation = carried if isinstance(carried, dict) else hf.generation_config_json(None)
         max_len = config.get("max_position_embeddings") or config.get("n_positions") or 2048
+    elif layout.name == "megatron-gpt":
+        pieces = hf.megatron_map(manifest.tensors, layout)
+        config = hf.megatron_config_json(layout, out_dtype)
+        max_len = config["max_position_embeddings"]
     else:
         model = hf.llama_config(layout, str(source.loc))
-        names = hf.name_map(manifest.tensors, list(layout.tensors()))
-        config, generation, max_len = hf.config_json(model, out_dtype), None, model["max_seq_len"]
-    sizes = {names[fqn]: manifest.tensors[fqn].shape for fqn in names}
-    nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in sizes.items()}
+        pieces = {name: (fqn, None) for fqn, name in hf.name_map(manifest.tensors, list(layout.tensors())).items()}
+        config, max_len = hf.config_json(model, out_dtype), model["max_seq_len"]
+    shapes = {name: _piece_shape(manifest.tensors[fqn].shape, rows) for name, (fqn, rows) in pieces.items()}
+    nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in shapes.items()}
     shards = hf.plan_shards(nbytes, max_shard_bytes)
-    source_of = {name: fqn for fqn, name in names.items()}
-    odd = sorted(f"{fqn} ({manifest.tensors[fqn].dtype})" for fqn in names if (manifest.tensors[fqn].dtype, out_dtype) not in CONVERSIONS
+    sources = {fqn for fqn, _ in pieces.values()}
+    odd = sorted(f"{fqn} ({manifest.tensors[fqn].dtype})" for fqn in sources if (manifest.tensors[fqn].dtype, out_dtype) not in CONVERSIONS
                  and manifest.tensors[fqn].dtype != out_dtype)
     if odd:
         raise LayoutError(f"export converts float32, bfloat16 and float16 weights; {len(odd)} are not: " + ", ".join(odd[:10]))
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
         tensors: list[ExportedTensor] = []
-        stream = source.stream([source_of[n] for shard in shards for n in shard.names], lambda fqn: out_dtype)
-        files = [_write_shard(source, dst, tmp, shard, source_of, stream, out_dtype, tensors) for shard in shards]
+        stream = source.stream([pieces[n][0] for shard in shards for n in shard.names], lambda fqn: out_dtype)
+        files = [_write_shard(source, dst, tmp, shard, pieces, shapes, stream, out_dtype, tensors) for shard in shards]
         index = {"metadata": {"total_size": sum(nbytes.values())},
                  "weight_map": {name: shard.file for shard in shards for name in shard.names}}
         extra = {
@@ -187,27 +202,36 @@ def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int) -> Writer:
             data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
             dst.write(f"{tmp}/{path}", [data])
             files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
-        return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in names))
+        return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in sources))
 
     return write
 
 
+def _piece_shape(shape: tuple[int, ...], rows: hf.Rows) -> tuple[int, ...]:
+    return shape if rows is None else (sum(n for _, n in rows), *shape[1:])
+
+
 def _write_shard(
-    source: Source, dst: Storage, tmp: str, shard: hf.Shard, source_of: dict[str, str],
+    source: Source, dst: Storage, tmp: str, shard: hf.Shard, pieces: dict[str, hf.Piece], shapes: dict[str, tuple[int, ...]],
     stream: Iterator[tuple[str, Any]], out_dtype: str, report: list[ExportedTensor],
 ) -> ExportedFile:
-    """Write one safetensors shard from the next tensors of `stream` (those of `shard`, in order)."""
+    """Write one safetensors shard from the next tensors of `stream` (the sources of `shard`'s
+    tensors, in order), each cut to its rows."""
     manifest = source.manifest
 
     def bodies() -> Iterator[memoryview]:
         for name in shard.names:
             fqn, data = next(stream)
-            assert fqn == source_of[name]
+            want, rows = pieces[name]
+            assert fqn == want
+            if rows is not None:  # runs of rows of a fused tensor, in order
+                whole = data.reshape(manifest.tensors[fqn].shape[0], -1)
+                data = np.concatenate([whole[a:a + n] for a, n in rows]).reshape(-1)
             view = memoryview(data)
             report.append(exported(source, name, fqn, view, out_dtype, shard.file))
             yield view
 
-    tensors = [(name, out_dtype, manifest.tensors[source_of[name]].shape) for name in shard.names]
+    tensors = [(name, out_dtype, shapes[name]) for name in shard.names]
     written = write_safetensors(dst, f"{tmp}/{shard.file}", shard.file, tensors, bodies(), metadata={"format": "pt"},
                                 blocks=False)
     return ExportedFile(path=shard.file, size=written.size, checksum=written.checksum)

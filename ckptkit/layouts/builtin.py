@@ -1,5 +1,5 @@
-"""Built-in layouts: the reference trainer's Llama, and the Hugging Face Llama (Qwen2) and GPT-2
-families, each made from a model config (pure).
+"""Built-in layouts: the reference trainer's Llama, the Hugging Face Llama (Qwen2) and GPT-2
+families, and Megatron-Core's GPT, each made from a model config (pure).
 
 ``builtin(family, config)`` returns one; ``FAMILIES`` lists them. A checkpoint written before
 layouts were recorded names its model in ``info.model`` (family and config): its layout is
@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import LayoutError
-from .model import Constraint, Layout, Param, TensorPart, TPCut, Unit
+from .model import DEFAULT_STATES, Constraint, Layout, Param, StateGroup, TensorPart, TPCut, Unit
 
 L = "{layer}"
 
@@ -138,7 +138,53 @@ def gpt2(config: Mapping[str, Any]) -> Layout:
     return Layout(name="gpt2", config=c, num_layers=c["n_layer"], units=(first, layer, last), constraints=constraints)
 
 
-FAMILIES: dict[str, Callable[[Mapping[str, Any]], Layout]] = {"llama": reference_llama, "hf-llama": hf_llama, "gpt2": gpt2}
+MEGATRON_GPT_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+
+
+def megatron_gpt(config: Mapping[str, Any]) -> Layout:
+    """A Megatron-Core ``GPTModel`` (local or TransformerEngine layer spec, no biases) under
+    Megatron's names, layers split per layer (``decoder.layers.<i>.…``, as the ``megatron``
+    converter writes them): ``linear_qkv`` fused and interleaved per query group (so a TP rank
+    holds a run of whole groups: a dim-0 cut), ``linear_fc1`` of a gated MLP ``[gate; up]`` (each
+    cut over TP), row-parallel ``linear_proj`` and ``linear_fc2`` cut on dim 1, the vocabulary
+    (already padded by Megatron) cut on dim 0; fp32 masters and both Adam moments.
+
+    Config: Megatron's names (``num_layers``, ``hidden_size``, ``num_attention_heads``,
+    ``ffn_hidden_size``, ``vocab_size``; optional ``num_query_groups``, ``kv_channels``,
+    ``gated_linear_unit`` (default true), ``share_embeddings_and_output_weights`` (default false),
+    and for export ``max_sequence_length``, ``layernorm_epsilon``, ``rotary_base``)."""
+    c = _need(config, MEGATRON_GPT_KEYS, "megatron-gpt")
+    h, f, v, heads = c["hidden_size"], c["ffn_hidden_size"], c["vocab_size"], c["num_attention_heads"]
+    groups = c.get("num_query_groups") or heads
+    hd = c.get("kv_channels") or h // heads
+    gated = c.get("gated_linear_unit", True) is not False
+    p = f"decoder.layers.{L}."
+    fc1 = (_fused("mlp.linear_fc1.weight", p + "mlp.linear_fc1.weight", (2 * f, h), 0, [f, f]) if gated
+           else _param("mlp.linear_fc1.weight", [(p + "mlp.linear_fc1.weight", (f, h))], 0))
+    layer = Unit(name=f"decoder.layers.{L}", place="layers", params=(
+        _param("self_attention.linear_qkv.layer_norm_weight", [(p + "self_attention.linear_qkv.layer_norm_weight", (h,))]),
+        _param("self_attention.linear_qkv.weight", [(p + "self_attention.linear_qkv.weight", ((heads + 2 * groups) * hd, h))], 0),
+        _param("self_attention.linear_proj.weight", [(p + "self_attention.linear_proj.weight", (h, heads * hd))], 1),
+        _param("mlp.linear_fc1.layer_norm_weight", [(p + "mlp.linear_fc1.layer_norm_weight", (h,))]),
+        fc1,
+        _param("mlp.linear_fc2.weight", [(p + "mlp.linear_fc2.weight", (h, f))], 1),
+    ))
+    units = [Unit(name="embedding", place="first", params=(_param("word_embeddings.weight", [("embedding.word_embeddings.weight", (v, h))], 0),)),
+             layer, Unit(name="decoder.final_layernorm", place="last", params=(_param("weight", [("decoder.final_layernorm.weight", (h,))]),))]
+    constraints = [Constraint(axis="tp", divides=groups, what="query groups (a TP rank holds whole groups of the fused QKV)"),
+                   Constraint(axis="tp", divides=v, what="rows of the (padded) vocabulary")]
+    if c.get("share_embeddings_and_output_weights"):
+        constraints.append(Constraint(axis="pp", at_most=1, what="tied embeddings need the embedding and the head on one stage"))
+    else:
+        units.append(Unit(name="output_layer", place="last", params=(_param("weight", [("output_layer.weight", (v, h))], 0),)))
+    states = (DEFAULT_STATES[0], StateGroup(prefix="optimizer/fp32", role="optimizer"), *DEFAULT_STATES[1:])
+    return Layout(name="megatron-gpt", config=c, num_layers=c["num_layers"], units=tuple(units), states=states,
+                  constraints=tuple(constraints))
+
+
+FAMILIES: dict[str, Callable[[Mapping[str, Any]], Layout]] = {
+    "llama": reference_llama, "hf-llama": hf_llama, "gpt2": gpt2, "megatron-gpt": megatron_gpt,
+}
 
 
 def builtin(family: str, config: Mapping[str, Any]) -> Layout:

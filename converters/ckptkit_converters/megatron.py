@@ -25,8 +25,10 @@ split per layer, the layer number put back into the key, and the key kept as one
   ``info.optimizer`` and, like every other value, to ``megatron/<key>/...`` objects.
 
 Fused tensors stay fused under Megatron's names (QKV interleaved per query group; ``linear_fc1``
-of a gated MLP as ``[gate; up]``): that is how a Megatron job loads them. No layout is recorded
-yet: ``ckptkit reshard`` takes one with ``--layout``.
+of a gated MLP as ``[gate; up]``): that is how a Megatron job loads them. The built-in
+``megatron-gpt`` layout describes them; it is recorded (with ``info.model``) when ``common.pt``
+holds Megatron-LM's ``args`` (`model_config`) and the tensors fit it. Otherwise give it to
+``reshard`` and ``export`` with ``--layout`` (``ckptkit layout builtin megatron-gpt CONFIG``).
 
 Refused (one line, nothing written): a legacy Megatron-LM checkpoint (``mp_rank_XX`` directories
 of ``model_optim_rng.pt``), another sharded backend, the distributed optimizer's
@@ -46,7 +48,8 @@ from pydantic import JsonValue
 from ckptkit.boxes import Box
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit.manifest import CheckpointInfo
-from ckptkit.manifest.model import OptimizerInfo, ParamGroup
+from ckptkit.layouts import builtin, fit_problems
+from ckptkit.manifest.model import ModelInfo, OptimizerInfo, ParamGroup
 from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry
 from ckptkit.state.tree import escape, json_problems
 from ckptkit.storage.local import open_regular
@@ -217,8 +220,38 @@ class MegatronConverter:
             raise ManifestError(f"{path}: the distributed optimizer's dp_reshardable format (flat per-rank buffers), which "
                                 f"this converter does not read; save with fully_reshardable")
         info, step = _info(common, plan.objects, plan.object_sources, plan.skipped)
+        config = model_config(_plain(common.get("args")))
+        layout = None
+        if config is not None:
+            described = builtin("megatron-gpt", config)
+            if not fit_problems(described, {t.spec.name: t.spec.shape for t in plan.tensors}):
+                layout = described
+                info = info.model_copy(update={"model": ModelInfo(family="megatron-gpt", config=config)})
         return write_plan(NAME, path, dst, md, plan, allow_skip=allow_skip, progress=progress, started=started, step=step,
-                          info=info)
+                          info=info, layout=layout)
+
+
+# Megatron-LM's argument -> the megatron-gpt layout's config key (Megatron-Core's name).
+ARGS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+        "ffn_hidden_size": "ffn_hidden_size", "padded_vocab_size": "vocab_size", "kv_channels": "kv_channels",
+        "max_position_embeddings": "max_sequence_length", "norm_epsilon": "layernorm_epsilon", "rotary_base": "rotary_base"}
+
+
+def model_config(args: Any) -> dict[str, JsonValue] | None:
+    """The ``megatron-gpt`` layout's config from Megatron-LM's arguments (as a dict), or None
+    when they do not describe a GPT of that form (no arguments, biases, learned positions)."""
+    if not isinstance(args, dict) or not all(isinstance(args.get(k), int) for k in ("num_layers", "hidden_size",
+                                                                                    "num_attention_heads", "ffn_hidden_size",
+                                                                                    "padded_vocab_size")):
+        return None
+    if args.get("add_bias_linear") or args.get("position_embedding_type", "rope") != "rope":
+        return None
+    config: dict[str, JsonValue] = {mine: args[theirs] for theirs, mine in ARGS.items() if args.get(theirs) is not None}
+    if args.get("group_query_attention") and isinstance(args.get("num_query_groups"), int):
+        config["num_query_groups"] = args["num_query_groups"]
+    config["gated_linear_unit"] = bool(args.get("swiglu"))
+    config["share_embeddings_and_output_weights"] = not args.get("untie_embeddings_and_output_weights", False)
+    return config
 
 
 def _common(path: str) -> dict[str, Any]:
@@ -271,4 +304,4 @@ def _info(common: dict[str, Any], objects: dict[str, JsonValue], sources: dict[s
 CONVERTER = MegatronConverter()
 
 __all__ = ["COMMON_ALLOWED", "CONVERTER", "METADATA_ALLOWED", "NAME", "MegatronConverter", "MegatronNaming",
-           "checkpoint_directory", "layer_key"]
+           "checkpoint_directory", "layer_key", "model_config"]

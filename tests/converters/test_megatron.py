@@ -141,3 +141,81 @@ def test_another_backend_and_a_legacy_checkpoint_are_refused_by_name(tmp_path: P
 def test_a_dcp_directory_without_megatrons_files_is_not_megatron() -> None:
     assert not CONVERTER.detect(str(REPO / "fixtures" / "dcp-nodist"))
     assert ckptkit.detect_format(FIXTURES / "gpt-tp2-dp2") == "megatron"
+
+
+# --- the megatron-gpt layout: reshard and export to Hugging Face ------------------------------
+
+
+def _layout_file(tmp_path: Path, run_ckptkit: Any) -> Path:
+    """The built-in megatron-gpt layout of the fixtures' model, as `ckptkit layout builtin` writes it."""
+    config = json.loads((FIXTURES / "gpt-tp2-dp2.oracle" / "config.json").read_text())
+    model = {k: config[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")}
+    (tmp_path / "model.json").write_text(json.dumps({**model, "vocab_size": config["vocab_size"]}))
+    proc = run_ckptkit("layout", "builtin", "megatron-gpt", str(tmp_path / "model.json"))
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / "layout.json").write_text(proc.stdout)
+    return tmp_path / "layout.json"
+
+
+def test_reshard_with_the_megatron_layout_and_back_keeps_every_tensor(tmp_path: Path, run_ckptkit: Any) -> None:
+    layout = _layout_file(tmp_path, run_ckptkit)
+    converted, there, back = tmp_path / "converted", tmp_path / "tp2pp2dp2", tmp_path / "back"
+    CONVERTER.convert(str(FIXTURES / "gpt-tp2-dp2"), str(converted))
+    proc = run_ckptkit("reshard", str(converted), str(there), "--tp", "2", "--pp", "2", "--dp", "2", "--zero", "1",
+                       "--layout", str(layout), "--no-latest")
+    assert proc.returncode == 0, proc.stderr
+    manifest = ckptkit.read_manifest(there)
+    assert manifest.layout is not None and manifest.layout["name"] == "megatron-gpt" and manifest.topology.world_size == 8
+    assert run_ckptkit("reshard", str(there), str(back), "--no-latest").returncode == 0
+    for a, b in ((converted, there), (converted, back)):
+        proc = run_ckptkit("diff", str(a), str(b))
+        assert proc.returncode == 0 and "equal" in proc.stdout, proc.stdout + proc.stderr
+    odd = run_ckptkit("reshard", str(converted), str(tmp_path / "tp4"), "--tp", "4", "--layout", str(layout), "--no-latest")
+    assert odd.returncode == 1 and "query groups" in odd.stderr  # 2 groups cannot be cut 4 ways
+    _assert_nothing_written(tmp_path, tmp_path / "tp4")
+
+
+def test_exported_to_hugging_face_the_logits_match_megatrons_forward(tmp_path: Path, run_ckptkit: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    layout = _layout_file(tmp_path, run_ckptkit)
+    converted, out = tmp_path / "converted", tmp_path / "hf"
+    CONVERTER.convert(str(FIXTURES / "gpt-tp2-dp2"), str(converted))
+    proc = run_ckptkit("export", str(converted), str(out), "--format", "hf", "--dtype", "fp32", "--layout", str(layout))
+    assert proc.returncode == 0, proc.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    oracle = load_file(str(FIXTURES / "gpt-tp2-dp2.oracle" / "logits.safetensors"))
+    with torch.no_grad():
+        logits = model(oracle["ids"]).logits
+    assert logits.shape == oracle["logits"].shape
+    assert (logits - oracle["logits"]).abs().max().item() < 1e-4
+    # q, k, v cut out of the fused QKV group by group: q of group 1 is rows 16..24 of Megatron's tensor
+    qkv = ckptkit.load(converted)["model"]["decoder.layers.1.self_attention.linear_qkv.weight"]
+    q = model.state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(q, torch.cat([qkv[0:8], qkv[16:24]])) and torch.equal(model.state_dict()["model.layers.1.self_attn.v_proj.weight"],
+                                                                             torch.cat([qkv[12:16], qkv[28:32]]))
+
+
+def test_a_bf16_checkpoint_exports_its_bf16_weights(tmp_path: Path, run_ckptkit: Any) -> None:
+    layout = _layout_file(tmp_path, run_ckptkit)
+    converted, out = tmp_path / "converted", tmp_path / "hf"
+    CONVERTER.convert(str(FIXTURES / "gpt-tp2-dp2-bf16"), str(converted))
+    proc = run_ckptkit("export", str(converted), str(out), "--format", "hf", "--dtype", "bf16", "--layout", str(layout))
+    assert proc.returncode == 0, proc.stderr
+    weights = load_file(str(next(out.glob("model-*.safetensors"))))
+    params = ckptkit.load(converted)["model"]
+    assert torch.equal(weights["model.layers.0.mlp.up_proj.weight"], params["decoder.layers.0.mlp.linear_fc1.weight"][24:])
+    assert torch.equal(weights["lm_head.weight"], params["output_layer.weight"])
+
+
+def test_megatron_lm_arguments_give_the_layout() -> None:
+    from ckptkit_converters.megatron import model_config
+
+    args = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 24, "padded_vocab_size": 40,
+            "group_query_attention": True, "num_query_groups": 2, "swiglu": True, "untie_embeddings_and_output_weights": True,
+            "position_embedding_type": "rope", "add_bias_linear": False, "norm_epsilon": 1e-5, "kv_channels": 4}
+    assert model_config(args) == {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 24,
+                                  "vocab_size": 40, "kv_channels": 4, "layernorm_epsilon": 1e-5, "num_query_groups": 2,
+                                  "gated_linear_unit": True, "share_embeddings_and_output_weights": False}
+    assert model_config({**args, "add_bias_linear": True}) is None  # biases: not this layout
+    assert model_config({"num_layers": 2}) is None
