@@ -73,7 +73,7 @@ from ckptkit.storage.local import open_regular
 
 from .files import read_small
 from .safepickle import Record, record_type
-from .torchsave import TENSOR_ALLOWED, Archive, StoredTensor, TorchDtype, copy_flat, copy_tensor, open_archive, stored_object
+from .torchsave import STATE_DICT_ALLOWED, Archive, StoredTensor, TorchDtype, copy_flat, copy_tensor, open_archive, stored_object
 
 NAME = "deepspeed"
 LATEST = "latest"
@@ -91,14 +91,6 @@ DS_KEYS = frozenset({
 FP32_KEYS = ("single_partition_of_fp32_groups", "fp32_flat_groups")  # stages 1-2, stage 3
 
 
-class _StateDict(dict):  # type: ignore[type-arg]
-    """``collections.OrderedDict`` as a pickle rebuilds a state dict: its items; the
-    ``_metadata`` attribute torch pickles beside them (module versions) is dropped."""
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-
 _TENSOR_TYPE = object()  # torch.Tensor, as _rebuild_from_type_v2 names it
 
 
@@ -110,17 +102,11 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     return func(*args)
 
 
-def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> Any:
-    return data
-
-
 ALLOWED: dict[tuple[str, str], Any] = {
-    **TENSOR_ALLOWED,
-    ("collections", "OrderedDict"): _StateDict,
+    **STATE_DICT_ALLOWED,
     ("torch", "Size"): tuple,
     ("torch", "Tensor"): _TENSOR_TYPE,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"): int,
     **{("deepspeed.runtime.fp16.loss_scaler", n): record_type(f"deepspeed.runtime.fp16.loss_scaler.{n}")
        for n in ("LossScaler", "DynamicLossScaler")},

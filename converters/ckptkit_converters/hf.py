@@ -1,10 +1,13 @@
-"""Convert a Hugging Face transformers model directory (safetensors weights) into a ckptkit checkpoint.
+"""Convert a Hugging Face transformers model directory into a ckptkit checkpoint.
 
 Reads ``config.json`` and the weights: ``model.safetensors``, or the shards that
-``model.safetensors.index.json`` names. Each file's header is parsed with ckptkit's own
-safetensors codec (a truncated or inconsistent file is refused before anything is written)
-and each tensor's bytes are read straight from its byte range, one tensor at a time; torch is
-not used. Pickled weights (``pytorch_model.bin``) are refused: only safetensors is read.
+``model.safetensors.index.json`` names; else the pickled ``pytorch_model.bin`` or the shards
+``pytorch_model.bin.index.json`` names (``torch.save`` archives of a state dict, as transformers
+4 and ``huggingface_hub.save_torch_state_dict(..., safe_serialization=False)`` write them). Each
+safetensors header is parsed with ckptkit's own codec; each pickle through `STATE_DICT_ALLOWED`
+(tensors, parameters, ``OrderedDict``: anything else is refused, naming the class, and nothing of
+the file runs). A truncated or inconsistent file is refused before anything is written, and each
+tensor's bytes are then read straight from its byte range, one tensor at a time; torch is not used.
 
 Names: Hugging Face key ``k`` becomes ckptkit name ``model/<k>`` (`fqn_of`; the key is one
 name part, escaped as ckptkit escapes a part), e.g. ``model.layers.0.self_attn.q_proj.weight``
@@ -39,13 +42,16 @@ from ckptkit.state.tree import escape, unescape
 from ckptkit.storage.local import open_regular
 
 from .files import read_small
+from .torchsave import STATE_DICT_ALLOWED, StoredTensor, contiguous_range, open_archive, stored_object
 
 NAME = "hf"
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+PICKLED_SINGLE = "pytorch_model.bin"
+PICKLED_INDEX = "pytorch_model.bin.index.json"
+PICKLED = (PICKLED_SINGLE, PICKLED_INDEX)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja")
 # model_type -> (built-in layout family, config values the layout needs that config.json leaves implicit)
@@ -95,8 +101,7 @@ class HfConverter:
     description = "Hugging Face transformers model directory (config.json and safetensors weights, single or sharded)"
 
     def detect(self, path: str) -> bool:
-        """Whether `path` holds ``config.json`` and weights (safetensors, or pickled ones, which
-        `convert` then refuses with a message saying so)."""
+        """Whether `path` holds ``config.json`` and weights (safetensors or pickled)."""
         try:
             names = set(os.listdir(path))
         except OSError:
@@ -106,11 +111,11 @@ class HfConverter:
     def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None) -> ConvertReport:
         """Convert the Hugging Face model directory `src` into the committed ckptkit checkpoint `dst`.
 
-        `allow_skip` has no effect: every tensor of a safetensors file converts.
+        `allow_skip` has no effect: every tensor of a weights file converts.
 
         Raises:
-            ManifestError: no safetensors weights (pickled ``.bin`` weights are refused), a
-                malformed ``config.json`` or index.
+            ManifestError: no weights, a malformed ``config.json`` or index, a pickle naming a
+                class outside the allowlist (named).
             IntegrityError: a weights file missing, truncated or unlike its header or the index.
             LayoutError: the tensors do not fit the family's built-in layout.
             CheckpointExistsError, StorageError: as `ckptkit.ops.convert.write_converted`.
@@ -145,7 +150,7 @@ def read_source(src: str) -> _Source:
     collect every problem with the weights, then raise once.
 
     Raises:
-        ManifestError: no safetensors weights, a malformed ``config.json`` or index.
+        ManifestError: no weights, a malformed ``config.json`` or index, a refused pickle.
         IntegrityError: weights files missing, truncated, or unlike their headers or the index.
     """
     config = _read_json(src, CONFIG)
@@ -155,7 +160,7 @@ def read_source(src: str) -> _Source:
     source = _Source(config, generation if isinstance(generation, dict) else None)
     weight_map = _weight_map(src)
     problems: list[str] = []
-    headers = {file: _header(src, file, problems) for file in sorted(set(weight_map.values()))}
+    headers = {file: _entries(src, file, problems) for file in sorted(set(weight_map.values()))}
     by_file: dict[str, list[str]] = {}
     for key, file in weight_map.items():
         by_file.setdefault(file, []).append(key)
@@ -163,9 +168,9 @@ def read_source(src: str) -> _Source:
         if header is None:
             continue
         listed = set(by_file[file])
-        problems += [f"{file}: holds {k!r}, which the index does not list under it" for k in sorted(set(header.entries) - listed)]
-        problems += [f"{file}: lacks {k!r}, which the index lists under it" for k in sorted(listed - set(header.entries))]
-        for key, entry in sorted(header.entries.items(), key=lambda kv: kv[1].begin):
+        problems += [f"{file}: holds {k!r}, which the index does not list under it" for k in sorted(set(header) - listed)]
+        problems += [f"{file}: lacks {k!r}, which the index lists under it" for k in sorted(listed - set(header))]
+        for key, entry in sorted(header.items(), key=lambda kv: kv[1].begin):
             spec = TensorSpec(name=fqn_of(key), source=key, dtype=entry.dtype, shape=entry.shape, kind="param")
             source.tensors.append((spec, Stored(file, entry.begin, entry.end)))
     if problems:
@@ -176,31 +181,76 @@ def read_source(src: str) -> _Source:
 
 
 def _weight_map(src: str) -> dict[str, str]:
-    """Every tensor key and the file holding it (one file: its header's keys, later)."""
-    if os.path.exists(os.path.join(src, INDEX)):
-        index = _read_json(src, INDEX)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ManifestError(f"{os.path.join(src, INDEX)}: no weight_map object of key -> file name")
-        files = {key: file for key, file in weight_map.items() if isinstance(file, str)}
-        bad = sorted({f for f in files.values() if os.path.basename(f) != f or f in ("", ".", "..")})
-        if bad:
-            raise ManifestError(f"{os.path.join(src, INDEX)}: file names outside the model directory: {', '.join(bad[:5])}")
-        return files
-    if os.path.exists(os.path.join(src, SINGLE)):
-        return {key: SINGLE for key in _single_keys(src)}
-    pickled = [name for name in PICKLED if os.path.exists(os.path.join(src, name))]
-    found = f" (found {', '.join(pickled)})" if pickled else ""
-    raise ManifestError(f"{src}: no {SINGLE} or {INDEX}{found}; only safetensors weights are read "
-                        f"(re-save the model with save_pretrained(..., safe_serialization=True))")
+    """Every tensor key and the file holding it (one file: its own keys). Safetensors first."""
+    for index_name, single in ((INDEX, SINGLE), (PICKLED_INDEX, PICKLED_SINGLE)):
+        if os.path.exists(os.path.join(src, index_name)):
+            return _index(src, index_name)
+        if os.path.exists(os.path.join(src, single)):
+            return {key: single for key in _single_keys(src, single)}
+    raise ManifestError(f"{src}: no weights ({SINGLE}, {INDEX}, {PICKLED_SINGLE} or {PICKLED_INDEX})")
 
 
-def _single_keys(src: str) -> list[str]:
+def _index(src: str, name: str) -> dict[str, str]:
+    index = _read_json(src, name)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ManifestError(f"{os.path.join(src, name)}: no weight_map object of key -> file name")
+    files = {key: file for key, file in weight_map.items() if isinstance(file, str)}
+    bad = sorted({f for f in files.values() if os.path.basename(f) != f or f in ("", ".", "..")})
+    if bad:
+        raise ManifestError(f"{os.path.join(src, name)}: file names outside the model directory: {', '.join(bad[:5])}")
+    return files
+
+
+def _single_keys(src: str, file: str) -> list[str]:
     problems: list[str] = []
-    header = _header(src, SINGLE, problems)
-    if header is None:
+    entries = _entries(src, file, problems)
+    if entries is None:
         raise IntegrityError(f"{src}: " + "; ".join(problems))
-    return list(header.entries)
+    return list(entries)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """A tensor of a weights file: dtype, shape and its bytes [begin, end) in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _entries(src: str, file: str, problems: list[str]) -> dict[str, _Entry] | None:
+    """The tensors of weights file `file` (safetensors, or pickled when it ends in ``.bin``),
+    or None with the problem recorded."""
+    if not file.endswith(".bin"):
+        header = _header(src, file, problems)
+        return None if header is None else {k: _Entry(e.dtype, e.shape, e.begin, e.end) for k, e in header.entries.items()}
+    path = os.path.join(src, file)
+    try:
+        fd, size = open_regular(path)
+    except OSError as exc:
+        problems.append(f"{file}: missing or unreadable ({exc})")
+        return None
+    try:
+        archive = open_archive(fd, 0, size, path)
+        state = stored_object(archive, STATE_DICT_ALLOWED)
+        if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, StoredTensor) for k, v in state.items()):
+            raise IntegrityError(f"{path}: not a state dict of tensors")
+        out = {}
+        for key, stored in state.items():
+            where = contiguous_range(archive, stored)
+            if where is None:
+                raise IntegrityError(f"{path}: {key} is stored as a strided view; re-save the state dict with contiguous tensors")
+            out[key] = _Entry(stored.dtype, stored.shape, *where)
+        return out
+    except ManifestError:
+        raise  # a refused class: named, and never skipped
+    except CkptkitError as exc:
+        problems.append(str(exc))
+        return None
+    finally:
+        os.close(fd)
 
 
 def _header(src: str, file: str, problems: list[str]) -> Header | None:

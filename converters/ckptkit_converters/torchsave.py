@@ -121,6 +121,25 @@ TENSOR_ALLOWED: dict[tuple[str, str], Any] = {
     **{("torch", name): _StorageClass(name, dtype) for name, dtype in STORAGE_DTYPES.items()},
     **{("torch", name): TorchDtype(name) for name in TORCH_DTYPES},
 }
+class StateDict(dict):  # type: ignore[type-arg]
+    """``collections.OrderedDict`` as a pickle rebuilds a state dict: its items; the
+    ``_metadata`` attribute torch pickles beside them (module versions) is dropped."""
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> Any:
+    return data
+
+
+# A state dict (``torch.save(model.state_dict())``, a ``pytorch_model.bin``): tensors, parameters,
+# nested dicts of them.
+STATE_DICT_ALLOWED: dict[tuple[str, str], Any] = {
+    **TENSOR_ALLOWED,
+    _ORDERED_DICT: StateDict,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+}
 # A plain value (a DCP BytesIO entry): Python builtins only; an OrderedDict reads as a dict.
 _VALUE_ALLOWED: dict[tuple[str, str], Any] = {_ORDERED_DICT: dict}
 
@@ -321,6 +340,17 @@ def copy_tensor(archive: Archive, stored: StoredTensor, dest: np.ndarray[Any, An
     dest[...] = np.lib.stride_tricks.as_strided(raw, shape=dest.shape, strides=strides, writeable=False)
 
 
+def contiguous_range(archive: Archive, stored: StoredTensor) -> tuple[int, int] | None:
+    """Where a stored tensor's bytes lie in the file (begin, end) when they are one run in C
+    order, else None (a strided view)."""
+    if not _contiguous(stored.shape, stored.stride):
+        return None
+    width = itemsize(stored.dtype)
+    start, _ = archive.locate(f"data/{stored.key}")
+    begin = start + stored.offset * width
+    return begin, begin + math.prod(stored.shape) * width
+
+
 def copy_flat(archive: Archive, stored: StoredTensor, start: int, dest: memoryview) -> None:
     """Copy elements [start, start + n) of a 1-D contiguous stored tensor into `dest` (n
     elements' bytes): a flat partition read in place, a range at a time.
@@ -365,6 +395,6 @@ def pread_into(fd: int, view: memoryview, offset: int, where: str) -> None:
 
 
 __all__ = [
-    "OTHER_TORCH_DTYPES", "TENSOR_ALLOWED", "TORCH_DTYPES", "Archive", "StoredTensor", "TorchDtype", "copy_flat",
-    "copy_tensor", "open_archive", "pread_into", "stored_object", "stored_tensor", "stored_value",
+    "OTHER_TORCH_DTYPES", "STATE_DICT_ALLOWED", "TENSOR_ALLOWED", "TORCH_DTYPES", "StateDict", "Archive", "StoredTensor", "TorchDtype", "contiguous_range",
+    "copy_flat", "copy_tensor", "open_archive", "pread_into", "stored_object", "stored_tensor", "stored_value",
 ]

@@ -149,16 +149,49 @@ def test_a_truncated_shard_is_refused_and_nothing_is_written(tmp_path: Path) -> 
     _assert_nothing_written(tmp_path, dst)
 
 
-def test_pickled_weights_are_refused(tmp_path: Path) -> None:
-    src = tmp_path / "bin"
-    src.mkdir()
-    (src / "config.json").write_text('{"model_type": "llama"}', encoding="utf-8")
-    (src / "pytorch_model.bin").write_bytes(b"not read")
-    dst = tmp_path / "out"
+def _pickled(family: str, tmp_path: Path, shard: str | None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny model's config and pickled weights: one ``pytorch_model.bin`` (``torch.save`` of the
+    state dict, as transformers 4 wrote it) or shards and their index (``huggingface_hub``)."""
+    from huggingface_hub import save_torch_state_dict
+
+    model = _tiny(family)
+    path = tmp_path / f"bin-{family}"
+    model.config.save_pretrained(path)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if shard is None:
+        torch.save(state, path / "pytorch_model.bin")
+    else:
+        save_torch_state_dict(state, path, safe_serialization=False, max_shard_size=shard)
+    return path, state
+
+
+@pytest.mark.parametrize(("family", "shard"), [("llama", None), ("qwen2", "20KB"), ("gpt2", "20KB")])
+def test_pickled_weights_come_across_bitwise(family: str, shard: str | None, tmp_path: Path) -> None:
+    src, want = _pickled(family, tmp_path, shard)
+    assert (src / "pytorch_model.bin.index.json").exists() == (shard is not None)
     assert CONVERTER.detect(str(src))
-    with pytest.raises(ckptkit.ManifestError, match="only safetensors weights are read") as err:
+    dst = tmp_path / "out"
+    CONVERTER.convert(str(src), str(dst))
+    assert ckptkit.verify(dst).ok
+    got = ckptkit.load(dst)["model"]
+    assert "hf/tied_weights" not in ckptkit.read_manifest(dst).objects  # pickles keep GPT-2's tied head as its own key
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in got)
+
+
+def test_a_crafted_pickle_in_pytorch_model_bin_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    src, _ = _pickled("llama", tmp_path, None)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return os.system, (f"touch {marker}",)
+
+    torch.save({"model.embed_tokens.weight": torch.ones(2), "evil": Payload()}, src / "pytorch_model.bin")
+    dst = tmp_path / "out"
+    with pytest.raises(ckptkit.ManifestError, match="refused to unpickle posix.system") as err:
         CONVERTER.convert(str(src), str(dst))
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and not marker.exists()
     _assert_nothing_written(tmp_path, dst)
 
 
