@@ -219,3 +219,17 @@ def test_megatron_lm_arguments_give_the_layout() -> None:
                                   "gated_linear_unit": True, "share_embeddings_and_output_weights": False}
     assert model_config({**args, "add_bias_linear": True}) is None  # biases: not this layout
     assert model_config({"num_layers": 2}) is None
+
+
+def test_a_pipeline_parallel_save_comes_across_with_global_layer_numbers(tmp_path: Path) -> None:
+    dst = tmp_path / "out"
+    report = CONVERTER.convert(str(FIXTURES / "gpt-tp2-pp2"), str(dst))
+    assert report.skipped == [] and report.step == 0  # the model alone: no optimizer, no iteration
+    got = {k: v for k, v in ckptkit.load(dst)["model"].items() if isinstance(v, torch.Tensor)}
+    want: dict[str, torch.Tensor] = {}
+    for key, value in load_file(str(FIXTURES / "gpt-tp2-pp2.oracle" / "plain.safetensors")).items():
+        want.update(_per_layer(key, value))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # layer 1 lives on the second pipeline stage, saved there at its global offset
+    assert "model/decoder.layers.1.mlp.linear_fc2.weight" in {t.name for t in report.tensors}
