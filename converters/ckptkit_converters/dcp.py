@@ -55,7 +55,8 @@ from ckptkit.state.tree import escape, json_problems, unescape
 from ckptkit.storage.local import open_regular
 
 from .dcp_metadata import METADATA_NAME, DcpMetadata, StorageRef, TensorMeta, read_metadata
-from .torchsave import copy_tensor, open_archive, stored_tensor, stored_value
+from .dcp_safetensors import is_safetensors_save, read_safetensors_save
+from .torchsave import copy_tensor, open_archive, pread_into, stored_tensor, stored_value
 
 NAME = "dcp"
 TOP_KINDS = {"model": "param", "optim": "optimizer", "optimizer": "optimizer", "rng": "rng", "buffers": "buffer"}
@@ -156,7 +157,7 @@ class DcpConverter:
                         names.add(entry.name)
         except OSError:
             return False
-        return distcp and METADATA_NAME in names and not MEGATRON_FILES <= names
+        return (distcp and METADATA_NAME in names and not MEGATRON_FILES <= names) or is_safetensors_save(path)
 
     def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None) -> ConvertReport:
         """Convert the DCP directory `src` into the committed ckptkit checkpoint `dst`.
@@ -171,7 +172,8 @@ class DcpConverter:
         started = time.perf_counter()
         if not os.path.isdir(src):
             raise IntegrityError(f"{src}: no such directory")
-        md = read_metadata(src)
+        md = read_metadata(src) if os.path.exists(os.path.join(src, METADATA_NAME)) or not is_safetensors_save(src) \
+            else read_safetensors_save(src)
         return write_plan(NAME, src, dst, md, plan_conversion(src, md), allow_skip=allow_skip, progress=progress,
                           started=started)
 
@@ -338,13 +340,17 @@ def assemble(src: str, md: DcpMetadata, planned: Planned) -> np.ndarray[Any, Any
         if common is None:
             continue
         ref = md.storage[(key, chunk.offsets)]
+        into = view[tuple(slice(o - r, o - r + n) for o, r, n in zip(common.offsets, region.offsets, common.lengths))]
+        if ref.raw:  # the chunk's elements themselves (a HuggingFaceStorageWriter save)
+            into[...] = _raw_chunk(src, ref, chunk.sizes, width)[
+                tuple(slice(o - c, o - c + n) for o, c, n in zip(common.offsets, chunk.offsets, common.lengths))]
+            continue
         with _archive(src, ref, key) as archive:
             stored = stored_tensor(archive)
             if stored.dtype != spec.dtype or stored.shape != chunk.sizes:
                 raise IntegrityError(
                     f"{archive.where}: the chunk at {list(chunk.offsets)} holds {stored.dtype}{list(stored.shape)}, "
                     f"the metadata says {spec.dtype}{list(chunk.sizes)}")
-            into = view[tuple(slice(o - r, o - r + n) for o, r, n in zip(common.offsets, region.offsets, common.lengths))]
             if common == box:
                 copy_tensor(archive, stored, into)
                 continue
@@ -352,6 +358,20 @@ def assemble(src: str, md: DcpMetadata, planned: Planned) -> np.ndarray[Any, Any
             copy_tensor(archive, stored, whole)
             into[...] = whole[tuple(slice(o - c, o - c + n) for o, c, n in zip(common.offsets, chunk.offsets, common.lengths))]
     return buf
+
+
+def _raw_chunk(src: str, ref: StorageRef, sizes: tuple[int, ...], width: int) -> np.ndarray[Any, Any]:
+    """A chunk stored as its raw elements, read whole (shape `sizes` plus the element bytes)."""
+    path = os.path.join(src, ref.path)
+    if ref.length != math.prod(sizes) * width:
+        raise IntegrityError(f"{path}: a chunk of {list(sizes)} stored in {ref.length} bytes")
+    data = np.empty((*sizes, width), dtype=np.uint8)
+    fd, _ = open_regular(path)
+    try:
+        pread_into(fd, data.reshape(-1).data, ref.offset, path)
+    finally:
+        os.close(fd)
+    return data
 
 
 def _common_step(steps: list[float]) -> int:

@@ -86,12 +86,14 @@ class TensorMeta:
 @dataclass(frozen=True, slots=True)
 class StorageRef:
     """Where a chunk's (or a value's) torch.save archive is: file, offset, length, and the
-    stream transforms (compression...) applied to it, if any."""
+    stream transforms (compression...) applied to it, if any. `raw`: the bytes are the chunk's
+    elements themselves in C order (a safetensors entry of a ``HuggingFaceStorageWriter`` save)."""
 
     path: str
     offset: int
     length: int
     transforms: tuple[str, ...]
+    raw: bool = False
 
 
 StorageKey = tuple[str, "tuple[int, ...] | None"]  # (flattened key, chunk offsets; None for a value)

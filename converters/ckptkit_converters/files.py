@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from ckptkit.errors import IntegrityError
+from ckptkit.io.safetensors import Header, header_length, parse_header
 from ckptkit.storage.local import open_regular
 
 from .torchsave import pread_into
@@ -26,3 +27,21 @@ def read_small(path: str, limit: int, what: str) -> bytes:
     finally:
         os.close(fd)
     return bytes(data)
+
+
+def safetensors_header(path: str) -> Header:
+    """The parsed and checked header of the safetensors file `path` (entries at absolute offsets).
+
+    Raises:
+        StorageError: the file is missing or not a regular file.
+        IntegrityError: a malformed or truncated header, entries past the file's end.
+    """
+    fd, size = open_regular(path)
+    try:
+        n = header_length(os.pread(fd, 8, 0), where=path)
+        text = os.pread(fd, n, 8)
+        if len(text) < n:
+            raise IntegrityError(f"{path}: the header is cut short at {8 + len(text)} of {8 + n} bytes (truncated?)")
+        return parse_header(text, where=path, file_size=size)
+    finally:
+        os.close(fd)

@@ -34,14 +34,14 @@ from dataclasses import dataclass, field
 from pydantic import JsonValue
 
 from ckptkit.errors import CkptkitError, IntegrityError, ManifestError
-from ckptkit.io.safetensors import Header, header_length, parse_header
+from ckptkit.io.safetensors import Header
 from ckptkit.layouts import Layout, builtin
 from ckptkit.manifest import CheckpointInfo, ModelInfo, strictjson
 from ckptkit.ops.convert import ConvertReport, Progress, TensorSpec, report_of, write_converted
 from ckptkit.state.tree import escape, unescape
 from ckptkit.storage.local import open_regular
 
-from .files import read_small
+from .files import read_small, safetensors_header
 from .torchsave import STATE_DICT_ALLOWED, StoredTensor, contiguous_range, open_archive, stored_object
 
 NAME = "hf"
@@ -255,23 +255,11 @@ def _entries(src: str, file: str, problems: list[str]) -> dict[str, _Entry] | No
 
 def _header(src: str, file: str, problems: list[str]) -> Header | None:
     """The parsed header of weights file `file`, or None with the problem recorded."""
-    path = os.path.join(src, file)
     try:
-        fd, size = open_regular(path)
-    except OSError as exc:
-        problems.append(f"{file}: missing or unreadable ({exc})")
-        return None
-    try:
-        n = header_length(os.pread(fd, 8, 0), where=path)
-        text = os.pread(fd, n, 8)
-        if len(text) < n:
-            raise IntegrityError(f"{path}: the header is cut short at {8 + len(text)} of {8 + n} bytes (truncated?)")
-        return parse_header(text, where=path, file_size=size)
+        return safetensors_header(os.path.join(src, file))
     except (CkptkitError, OSError) as exc:
-        problems.append(str(exc))
+        problems.append(f"{file}: missing or unreadable ({exc})" if isinstance(exc, OSError) else str(exc))
         return None
-    finally:
-        os.close(fd)
 
 
 def read_range(fd: int, begin: int, end: int, where: str) -> memoryview:

@@ -19,7 +19,9 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptkit
+from ckptkit.errors import IntegrityError
 from ckptkit.state.tree import split
+from ckptkit_converters.dcp import CONVERTER as DCP
 from ckptkit_converters.dcp import dcp_key, fqn_of, kind_of, optimizer_prefixes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -283,3 +285,54 @@ def test_entries_ckptkit_cannot_hold_are_skipped_only_when_allowed(tmp_path: Pat
     assert sorted(reasons) == ["extra.inf", "model.z"]
     assert "torch.complex64" in reasons["model.z"] and "not a finite number" in reasons["extra.inf"]
     assert ckptkit.read_manifest(tmp_path / "out").objects == {"extra/ok": 1}
+
+
+# --- saves written with HuggingFaceStorageWriter (safetensors shards, no .metadata) -----------
+
+HF_SAVES = ["dcp-hf-fsdp2", "dcp-hf-nodist"]
+
+
+def _hf_storage_oracle(src: Path) -> dict[str, torch.Tensor]:
+    """torch's own reader of such a save (HuggingFaceStorageReader), loaded whole."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        meta = HuggingFaceStorageReader(str(src)).read_metadata()
+        state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()}
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(src)), no_dist=True)
+    return state
+
+
+@pytest.mark.parametrize("name", HF_SAVES)
+def test_a_huggingface_storage_writer_save_equals_torchs_reader(name: str, tmp_path: Path, run_ckptkit: Any) -> None:
+    dst = tmp_path / "out"
+    proc = run_ckptkit("convert", "--json", str(FIXTURES / name), str(dst))
+    assert proc.returncode == 0, proc.stderr
+    assert "converting from dcp" in proc.stderr
+    assert not (FIXTURES / name / ".metadata").exists()
+    want, got = _hf_storage_oracle(FIXTURES / name), _converted(dst)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    chunks = {t["source"]: t["chunks"] for t in json.loads(proc.stdout)["tensors"]}
+    if name == "dcp-hf-fsdp2":  # one chunk per rank: uneven rows, column chunks
+        assert chunks["model.embed.weight"] == 2 and chunks["dtensor.cols"] == 2
+
+
+def test_a_huggingface_storage_writer_save_missing_a_middle_chunk_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from ckptkit_converters.files import safetensors_header
+
+    src = _copy("dcp-hf-fsdp2", tmp_path)
+    first = src / "shard-00001-model-00001-of-00001.safetensors"
+    metadata = safetensors_header(str(first)).metadata
+    tensors = load_file(str(first))
+    del tensors["model.embed.weight"]  # rows 0-5 of the embedding: its other chunk starts at row 6
+    info = json.loads(metadata["DCP_SHARDING_INFO"])
+    del info["model.embed.weight"]
+    save_file(tensors, str(first), metadata={**metadata, "DCP_SHARDING_INFO": json.dumps(info)})
+    with pytest.raises(IntegrityError, match="model.embed.weight"):
+        DCP.convert(str(src), str(tmp_path / "out"))
+    _assert_nothing_written(tmp_path, tmp_path / "out")
