@@ -10,7 +10,7 @@ runs of rows of a fused one (`Rows`), taken in order.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +72,17 @@ def name_map(tensors: Mapping[str, Any], expected: list[str]) -> dict[str, str]:
             all of them are listed.
     """
     params = sorted(fqn for fqn in tensors if fqn.startswith("model/"))
-    unmapped = [fqn for fqn in params if hf_name(fqn.removeprefix("model/")) is None]
+    refuse_unmapped([fqn for fqn in params if hf_name(fqn.removeprefix("model/")) is None], tensors, expected)
+    return {fqn: hf_name(fqn.removeprefix("model/")) or "" for fqn in params}
+
+
+def refuse_unmapped(unmapped: list[str], tensors: Mapping[str, Any], expected: Iterable[str]) -> None:
+    """Fail, listing them, when parameters have no Hugging Face name or the `expected` ones
+    (logical names, without ``model/``) are not all among `tensors`.
+
+    Raises:
+        LayoutError: either (both listed).
+    """
     missing = sorted(f"model/{n}" for n in expected if f"model/{n}" not in tensors)
     problems = []
     if unmapped:
@@ -81,7 +91,6 @@ def name_map(tensors: Mapping[str, Any], expected: list[str]) -> dict[str, str]:
         problems.append(f"{len(missing)} tensor(s) the model config needs are missing: {', '.join(missing[:20])}")
     if problems:
         raise LayoutError("cannot export: " + "; ".join(problems))
-    return {fqn: hf_name(fqn.removeprefix("model/")) or "" for fqn in params}
 
 
 def megatron_map(tensors: Mapping[str, Any], layout: Layout) -> dict[str, Piece]:
@@ -119,14 +128,7 @@ def megatron_map(tensors: Mapping[str, Any], layout: Layout) -> dict[str, Piece]
             out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = (fqn, ((0, f),)), (fqn, ((f, f),))
         else:
             unmapped.append(fqn)
-    missing = sorted(f"model/{n}" for n in layout.tensors() if f"model/{n}" not in tensors)
-    problems = []
-    if unmapped:
-        problems.append(f"{len(unmapped)} tensor(s) with no Hugging Face Llama name: {', '.join(unmapped[:20])}")
-    if missing:
-        problems.append(f"{len(missing)} tensor(s) the layout needs are missing: {', '.join(missing[:20])}")
-    if problems:
-        raise LayoutError("cannot export: " + "; ".join(problems))
+    refuse_unmapped(unmapped, tensors, layout.tensors())
     return out
 
 

@@ -73,7 +73,7 @@ from ckptkit.storage.local import open_regular
 
 from .files import read_small
 from .safepickle import Record, record_type
-from .torchsave import STATE_DICT_ALLOWED, Archive, StoredTensor, TorchDtype, copy_flat, copy_tensor, open_archive, stored_object
+from .torchsave import STATE_DICT_ALLOWED, Archive, StoredTensor, copy_flat, copy_tensor, open_archive, plain, stored_object
 
 NAME = "deepspeed"
 LATEST = "latest"
@@ -112,20 +112,6 @@ ALLOWED: dict[tuple[str, str], Any] = {
        for n in ("LossScaler", "DynamicLossScaler")},
     ("deepspeed.utils.tensor_fragment", "fragment_address"): record_type("deepspeed.utils.tensor_fragment.fragment_address"),
 }
-
-
-def _plain(value: Any) -> Any:
-    """`value` as JSON-like Python: tuples as lists, records as their state (or arguments),
-    torch dtypes as their names (``torch.float16``)."""
-    if isinstance(value, TorchDtype):
-        return f"torch.{value.name}"
-    if isinstance(value, Record):
-        return _plain(value.state if value.state is not None else list(value.args))
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k if isinstance(k, str) else str(k): _plain(v) for k, v in value.items()}
-    return value
 
 
 def _has_tensor(value: Any) -> bool:
@@ -173,7 +159,7 @@ class _Plan:
 
     def value(self, name: str, source: str, value: Any) -> None:
         """Keep a non-tensor value as JSON, or list it as skipped."""
-        converted = _plain(value)
+        converted = plain(value)
         problems = json_problems({name: converted})
         if problems:
             self.skipped.append(SkippedEntry(source=source, reason=f"not a tensor or a JSON value ({problems[0]})"))
@@ -583,14 +569,14 @@ def _plan_optimizer_values(plan: _Plan, files: _Files, shapes: list[dict[str, tu
     inner_key = INNER_KEYS[stage == 3]
     skip = {*FP32_KEYS, inner_key}
     scaler = optim[0][1].get("loss_scaler")
-    if isinstance(scaler, Record) and isinstance(scaler.state, dict) and not json_problems({"s": _plain(scaler.state)}):
-        if all(_plain(osd.get("loss_scaler")) == _plain(scaler) for _, osd in optim):
-            plan.info["loss_scaler"] = {"type": scaler.qualname, **_plain(scaler.state)}
+    if isinstance(scaler, Record) and isinstance(scaler.state, dict) and not json_problems({"s": plain(scaler.state)}):
+        if all(plain(osd.get("loss_scaler")) == plain(scaler) for _, osd in optim):
+            plan.info["loss_scaler"] = {"type": scaler.qualname, **plain(scaler.state)}
             skip.add("loss_scaler")
     for key in optim[0][1]:
         if key in skip:
             continue
-        values = [_plain(osd.get(key)) for _, osd in optim]
+        values = [plain(osd.get(key)) for _, osd in optim]
         same = all(v == values[0] for v in values)
         plan.value(f"deepspeed/optimizer/{escape(str(key))}", f"optimizer_state_dict.{key}", values[0] if same else values)
     steps = [[_scalar(files, path, state.get(g, {}).get("step")) for g in sorted(state)] for (path, _), state in
@@ -600,7 +586,7 @@ def _plan_optimizer_values(plan: _Plan, files: _Files, shapes: list[dict[str, tu
     groups = (optim[0][1].get(inner_key) or {}).get("param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise IntegrityError(f"{optim[0][0]}: no {inner_key}.param_groups")
-    options = [{k: v for k, v in _plain(g).items() if k != "params"} for g in groups]
+    options = [{k: v for k, v in plain(g).items() if k != "params"} for g in groups]
     plan.value("deepspeed/optimizer/param_groups", f"{inner_key}.param_groups", options)
     common = steps[0][0] if same and steps[0] and all(s == steps[0][0] for s in steps[0]) else None
     param_groups = [ParamGroup(params=tuple(g), options=o) for g, o in zip(shapes, options)] if len(shapes) == len(options) else []
@@ -658,10 +644,10 @@ def _plan_values(plan: _Plan, model: dict[str, Any], path: str, shapes: list[dic
             continue
         if key not in DS_KEYS:
             plan.walk(value, f"client/{escape(str(key))}", str(key), path, "other")
-        elif key == "ds_config" and isinstance(value, dict) and not json_problems({key: _plain(value)}):
-            plan.info["config"] = {"ds_config": _plain(value)}
-        elif key == "lr_scheduler" and isinstance(value, dict) and not _has_tensor(value) and not json_problems({key: _plain(value)}):
-            plan.info["scheduler"] = _plain(value)
+        elif key == "ds_config" and isinstance(value, dict) and not json_problems({key: plain(value)}):
+            plan.info["config"] = {"ds_config": plain(value)}
+        elif key == "lr_scheduler" and isinstance(value, dict) and not _has_tensor(value) and not json_problems({key: plain(value)}):
+            plan.info["scheduler"] = plain(value)
         elif key == "param_shapes":
             plan.value("deepspeed/param_shapes", key, [{n: list(s) for n, s in g.items()} for g in shapes] if stage else value)
         else:

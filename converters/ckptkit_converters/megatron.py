@@ -58,7 +58,7 @@ from .dcp import Named, Naming, plan_conversion, write_plan
 from .dcp_metadata import ALLOWED, METADATA_NAME, DcpMetadata, TensorMeta, read_metadata
 from .files import read_small
 from .safepickle import Record, record_type
-from .torchsave import TORCH_DTYPES, TorchDtype, open_archive, stored_object
+from .torchsave import TORCH_DTYPES, TorchDtype, open_archive, plain, stored_object
 
 NAME = "megatron"
 MCORE_METADATA = "metadata.json"
@@ -87,19 +87,6 @@ COMMON_ALLOWED: dict[tuple[str, str], Any] = {
     ("argparse", "Namespace"): _Namespace,
     **{("torch", name): TorchDtype(name) for name in TORCH_DTYPES},
 }
-
-
-def _plain(value: Any) -> Any:
-    """`value` as JSON-like Python: tuples as lists, a Namespace as its fields, dtypes by name."""
-    if isinstance(value, TorchDtype):
-        return f"torch.{value.name}"
-    if isinstance(value, Record):
-        return _plain(value.state if value.state is not None else list(value.args))
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k if isinstance(k, str) else str(k): _plain(v) for k, v in value.items()}
-    return value
 
 
 def checkpoint_directory(src: str) -> str:
@@ -220,7 +207,7 @@ class MegatronConverter:
             raise ManifestError(f"{path}: the distributed optimizer's dp_reshardable format (flat per-rank buffers), which "
                                 f"this converter does not read; save with fully_reshardable")
         info, step = _info(common, plan.objects, plan.object_sources, plan.skipped)
-        config = model_config(_plain(common.get("args")))
+        config = model_config(plain(common.get("args")))
         layout = None
         if config is not None:
             described = builtin("megatron-gpt", config)
@@ -271,23 +258,23 @@ def _info(common: dict[str, Any], objects: dict[str, JsonValue], sources: dict[s
           skipped: list[SkippedEntry]) -> tuple[CheckpointInfo, int | None]:
     """Fold ``common.pt`` into objects (``megatron/...``) and the manifest's info and step."""
     for key, value in common.items():
-        name, plain = f"megatron/{escape(str(key))}", _plain(value)
-        problems = json_problems({name: plain})
+        name, converted = f"megatron/{escape(str(key))}", plain(value)
+        problems = json_problems({name: converted})
         if problems:
             skipped.append(SkippedEntry(source=f"{COMMON}:{key}", reason=f"not a JSON value ({problems[0]})"))
             continue
-        objects[name], sources[name] = plain, f"{COMMON}:{key}"
+        objects[name], sources[name] = converted, f"{COMMON}:{key}"
     fields: dict[str, Any] = {}
-    args = _plain(common.get("args"))
+    args = plain(common.get("args"))
     if isinstance(args, dict) and not json_problems({"args": args}):
         fields["config"] = {"args": args}
-    scheduler = _plain(common.get("opt_param_scheduler"))
+    scheduler = plain(common.get("opt_param_scheduler"))
     if isinstance(scheduler, dict) and not json_problems({"s": scheduler}):
         fields["scheduler"] = scheduler
     groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
     step: int | None = None
     if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
-        options = [{k: v for k, v in _plain(g).items() if k != "params"} for g in groups]
+        options = [{k: v for k, v in plain(g).items() if k != "params"} for g in groups]
         steps = {g.get("step") for g in options}
         common_step = next(iter(steps)) if len(steps) == 1 else None
         if isinstance(common_step, (int, float)) and float(common_step).is_integer() and common_step >= 0:

@@ -26,7 +26,7 @@ import numpy as np
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit.manifest.dtypes import itemsize
 
-from .safepickle import Allowlist, record_type, unpickle
+from .safepickle import Allowlist, Record, record_type, unpickle
 
 # The largest data.pkl read: a tensor's description is about 150 bytes, a value's a few KiB.
 PICKLE_LIMIT = 64 << 20
@@ -313,6 +313,22 @@ def stored_value(archive: Archive) -> Any:
     return unpickle(archive.read("data.pkl", PICKLE_LIMIT), _VALUE_ALLOWED, where=where)
 
 
+def plain(value: Any) -> Any:
+    """An unpickled value as JSON-like Python: tuples as lists, non-string keys as strings,
+    torch dtypes by name (``torch.float16``), a stand-in `Record` as its state (or, with none,
+    the arguments it was built with). Tensors and other objects stay as they are (and are then
+    not JSON)."""
+    if isinstance(value, TorchDtype):
+        return f"torch.{value.name}"
+    if isinstance(value, Record):
+        return plain(value.state if value.state is not None else list(value.args))
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(k): plain(v) for k, v in value.items()}
+    return value
+
+
 def _check_byteorder(archive: Archive) -> None:
     if archive.has("byteorder") and archive.read("byteorder", 64) != b"little":
         raise IntegrityError(f"{archive.where}: a big-endian torch.save archive; only little-endian ones are read")
@@ -396,5 +412,5 @@ def pread_into(fd: int, view: memoryview, offset: int, where: str) -> None:
 
 __all__ = [
     "OTHER_TORCH_DTYPES", "STATE_DICT_ALLOWED", "TENSOR_ALLOWED", "TORCH_DTYPES", "StateDict", "Archive", "StoredTensor", "TorchDtype", "contiguous_range",
-    "copy_flat", "copy_tensor", "open_archive", "pread_into", "stored_object", "stored_tensor", "stored_value",
+    "copy_flat", "copy_tensor", "open_archive", "plain", "pread_into", "stored_object", "stored_tensor", "stored_value",
 ]

@@ -24,17 +24,13 @@ from ckptkit.state.tree import split
 from ckptkit_converters.dcp import CONVERTER as DCP
 from ckptkit_converters.dcp import dcp_key, fqn_of, kind_of, optimizer_prefixes
 
+from .checks import assert_nothing_written, one_line_error
+
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures"
 DCP_FIXTURES = ["dcp-fsdp2-fp32", "dcp-fsdp2-bf16", "dcp-nodist"]
 SCHEMA = REPO / "schemas" / "cli" / "convert.v1.schema.json"
 
-
-def _one_line_error(stderr: str) -> str:
-    lines = stderr.splitlines()
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("ckptkit: error: ") and "Traceback" not in stderr
-    return lines[0]
 
 
 def _oracle(src: Path, tmp_path: Path) -> dict[str, Any]:
@@ -71,10 +67,6 @@ def _save_dcp(state: dict[str, Any], path: Path) -> Path:
 def _copy(name: str, tmp_path: Path) -> Path:
     return Path(shutil.copytree(FIXTURES / name, tmp_path / name))
 
-
-def _assert_nothing_written(tmp_path: Path, dst: Path) -> None:
-    assert not dst.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{dst.name}.tmp-")]
 
 
 # --- every fixture, bitwise -------------------------------------------------------------------
@@ -176,14 +168,14 @@ def test_auto_on_a_directory_that_is_no_checkpoint_fails_in_one_line(tmp_path: P
     (tmp_path / "src" / "notes.txt").write_text("hello")
     proc = run_ckptkit("convert", str(tmp_path / "src"), str(tmp_path / "out"))
     assert proc.returncode == 1
-    assert "not a checkpoint any converter recognises (tried: dcp, deepspeed, hf, megatron)" in _one_line_error(proc.stderr)
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert "not a checkpoint any converter recognises (tried: dcp, deepspeed, hf, megatron)" in one_line_error(proc.stderr)
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 def test_unknown_source_format_is_bad_usage(tmp_path: Path, run_ckptkit: Any) -> None:
     proc = run_ckptkit("convert", "--from", "nope", str(FIXTURES / "dcp-nodist"), str(tmp_path / "out"))
     assert proc.returncode == 2
-    assert "choose auto or one of: dcp" in _one_line_error(proc.stderr)
+    assert "choose auto or one of: dcp" in one_line_error(proc.stderr)
 
 
 def test_an_existing_destination_is_refused(tmp_path: Path, run_ckptkit: Any) -> None:
@@ -203,8 +195,8 @@ def test_a_truncated_distcp_file_fails_in_one_line_and_leaves_no_destination(tmp
     os.truncate(part, part.stat().st_size // 2)
     proc = run_ckptkit("convert", "--from", "dcp", str(src), str(tmp_path / "out"))
     assert proc.returncode == 1
-    assert "__1_0.distcp" in _one_line_error(proc.stderr) and "truncated" in proc.stderr
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert "__1_0.distcp" in one_line_error(proc.stderr) and "truncated" in proc.stderr
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 def test_a_missing_distcp_file_fails_in_one_line_and_leaves_no_destination(tmp_path: Path, run_ckptkit: Any) -> None:
@@ -212,8 +204,8 @@ def test_a_missing_distcp_file_fails_in_one_line_and_leaves_no_destination(tmp_p
     (src / "__0_0.distcp").unlink()
     proc = run_ckptkit("convert", "--from", "dcp", str(src), str(tmp_path / "out"))
     assert proc.returncode == 1
-    assert "__0_0.distcp: missing" in _one_line_error(proc.stderr)
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert "__0_0.distcp: missing" in one_line_error(proc.stderr)
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 def test_a_chunk_damaged_after_others_were_written_leaves_no_destination(tmp_path: Path, run_ckptkit: Any) -> None:
@@ -224,8 +216,8 @@ def test_a_chunk_damaged_after_others_were_written_leaves_no_destination(tmp_pat
     part.write_bytes(bytes(data))
     proc = run_ckptkit("convert", "--from", "dcp", str(src), str(tmp_path / "out"))
     assert proc.returncode == 1
-    assert "__1_0.distcp" in _one_line_error(proc.stderr)
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert "__1_0.distcp" in one_line_error(proc.stderr)
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 # --- hostile input: no code runs --------------------------------------------------------------
@@ -250,10 +242,10 @@ def test_a_crafted_metadata_pickle_is_refused_and_runs_nothing(via: str, tmp_pat
     (src / ".metadata").write_bytes(pickle.dumps(payload))
     proc = run_ckptkit("convert", "--from", "dcp", str(src), str(tmp_path / "out"))
     assert proc.returncode == 1
-    line = _one_line_error(proc.stderr)
+    line = one_line_error(proc.stderr)
     assert f"refused to unpickle {'posix.system' if via == 'os.system' else 'builtins.exec'}" in line
     assert not marker.exists()
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 def test_a_hostile_value_saved_by_dcp_is_refused_or_skipped_and_runs_nothing(tmp_path: Path, run_ckptkit: Any) -> None:
@@ -264,7 +256,7 @@ def test_a_hostile_value_saved_by_dcp_is_refused_or_skipped_and_runs_nothing(tmp
     assert refused.returncode == 1
     assert "extra.evil" in refused.stderr and "refused to unpickle posix.system" in refused.stderr
     assert "--allow-skip" in refused.stderr.splitlines()[-1]
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert_nothing_written(tmp_path, tmp_path / "out")
     allowed = run_ckptkit("convert", "--allow-skip", "--json", str(src), str(tmp_path / "out"))
     assert allowed.returncode == 0, allowed.stderr
     skipped = json.loads(allowed.stdout)["skipped"]
@@ -335,4 +327,4 @@ def test_a_huggingface_storage_writer_save_missing_a_middle_chunk_is_refused(tmp
     save_file(tensors, str(first), metadata={**metadata, "DCP_SHARDING_INFO": json.dumps(info)})
     with pytest.raises(IntegrityError, match="model.embed.weight"):
         DCP.convert(str(src), str(tmp_path / "out"))
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert_nothing_written(tmp_path, tmp_path / "out")

@@ -21,6 +21,8 @@ import ckptkit
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit_converters.deepspeed import CONVERTER, cast_float32, tag_directory
 
+from .checks import assert_nothing_written, one_line_error
+
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures" / "deepspeed"
 SCHEMA = REPO / "schemas" / "cli" / "convert.v1.schema.json"
@@ -44,16 +46,6 @@ def _copy(name: str, tmp_path: Path) -> Path:
     return Path(shutil.copytree(FIXTURES / name, tmp_path / name))
 
 
-def _one_line_error(stderr: str) -> str:
-    lines = stderr.splitlines()
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("ckptkit: error: ") and "Traceback" not in stderr
-    return lines[0]
-
-
-def _assert_nothing_written(tmp_path: Path, dst: Path) -> None:
-    assert not dst.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{dst.name}.tmp-")]
 
 
 def _stage_dtype(name: str) -> tuple[int, torch.dtype]:
@@ -175,7 +167,7 @@ def test_stage3_reshards_to_zero1_at_another_dp_size_keeping_every_moment(tmp_pa
     assert run_ckptkit("diff", str(converted), str(resharded)).returncode == 0
     refused = run_ckptkit("reshard", str(converted), str(tmp_path / "tp2"), "--tp", "2", "--no-latest")
     assert refused.returncode == 1 and "tensor-parallel" in refused.stderr
-    _assert_nothing_written(tmp_path, tmp_path / "tp2")
+    assert_nothing_written(tmp_path, tmp_path / "tp2")
 
 
 # --- damaged input ----------------------------------------------------------------------------
@@ -188,8 +180,8 @@ def test_a_truncated_rank_file_fails_in_one_line_and_leaves_no_destination(tmp_p
     os.truncate(part, part.stat().st_size - 200)
     proc = run_ckptkit("convert", "--from", "deepspeed", str(src), str(tmp_path / "out"))
     assert proc.returncode == 1
-    assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" in _one_line_error(proc.stderr)
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" in one_line_error(proc.stderr)
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 @needs_entry_point
@@ -203,8 +195,8 @@ def test_a_missing_rank_file_fails_in_one_line(name: str, remove: str, says: str
     (src / "global_step3" / remove).unlink()
     proc = run_ckptkit("convert", "--from", "deepspeed", str(src), str(tmp_path / "out"))
     assert proc.returncode == 1
-    assert says in _one_line_error(proc.stderr)
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert says in one_line_error(proc.stderr)
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 def test_partitions_of_another_save_are_inconsistent(tmp_path: Path) -> None:
@@ -213,7 +205,7 @@ def test_partitions_of_another_save_are_inconsistent(tmp_path: Path) -> None:
     shutil.copy(other, src / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")  # rank 1 of 3, not of 2
     with pytest.raises(IntegrityError, match="partition"):
         CONVERTER.convert(str(src), str(tmp_path / "out"))
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 def test_latest_naming_a_missing_tag_is_refused(tmp_path: Path) -> None:
@@ -246,9 +238,9 @@ def test_a_crafted_model_states_pickle_is_refused_and_runs_nothing(tmp_path: Pat
                src / "global_step3" / "mp_rank_00_model_states.pt")
     proc = run_ckptkit("convert", "--from", "deepspeed", str(src), str(tmp_path / "out"))
     assert proc.returncode == 1
-    assert "refused to unpickle posix.system" in _one_line_error(proc.stderr)
+    assert "refused to unpickle posix.system" in one_line_error(proc.stderr)
     assert not marker.exists()
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 def test_a_pipeline_parallel_save_is_refused_by_name(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ import torch
 import ckptkit
 from ckptkit_converters.hf import CONVERTER, fqn_of, hf_key
 
+from .checks import assert_nothing_written
+
 transformers = pytest.importorskip("transformers")
 
 # The CLI and ckptkit.convert find converters through installed metadata: the hf entry point
@@ -47,10 +49,6 @@ def _saved(family: str, tmp_path: Path, dtype: torch.dtype = torch.float32) -> t
     model.save_pretrained(path, max_shard_size="20KB")
     return path, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-
-def _assert_nothing_written(tmp_path: Path, dst: Path) -> None:
-    assert not dst.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{dst.name}.tmp-")]
 
 
 CASES = [("llama", torch.float32), ("llama", torch.bfloat16), ("qwen2", torch.float32), ("gpt2", torch.float32)]
@@ -146,7 +144,7 @@ def test_a_truncated_shard_is_refused_and_nothing_is_written(tmp_path: Path) -> 
     with pytest.raises(ckptkit.IntegrityError) as err:
         CONVERTER.convert(str(src), str(dst))
     assert shard.name in str(err.value) and "\n" not in str(err.value)
-    _assert_nothing_written(tmp_path, dst)
+    assert_nothing_written(tmp_path, dst)
 
 
 def _pickled(family: str, tmp_path: Path, shard: str | None) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -192,7 +190,7 @@ def test_a_crafted_pickle_in_pytorch_model_bin_is_refused_and_runs_nothing(tmp_p
     with pytest.raises(ckptkit.ManifestError, match="refused to unpickle posix.system") as err:
         CONVERTER.convert(str(src), str(dst))
     assert "\n" not in str(err.value) and not marker.exists()
-    _assert_nothing_written(tmp_path, dst)
+    assert_nothing_written(tmp_path, dst)
 
 
 @needs_entry_point
@@ -212,7 +210,7 @@ def test_the_cli_refuses_a_truncated_shard_in_one_line(tmp_path: Path, run_ckptk
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("ckptkit: error: ") and "Traceback" not in proc.stderr
-    _assert_nothing_written(tmp_path, dst)
+    assert_nothing_written(tmp_path, dst)
 
 
 @pytest.mark.parametrize(("family", "dtype", "tp", "pp"), [

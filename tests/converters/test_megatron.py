@@ -20,6 +20,8 @@ import ckptkit
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit_converters.megatron import CONVERTER, checkpoint_directory, layer_key
 
+from .checks import assert_nothing_written, one_line_error
+
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures" / "megatron"
 SAVES = ["gpt-tp2-dp2", "gpt-tp2-dp2-bf16"]
@@ -31,16 +33,6 @@ def _copy(name: str, tmp_path: Path) -> Path:
     return Path(shutil.copytree(FIXTURES / name, tmp_path / name))
 
 
-def _one_line_error(stderr: str) -> str:
-    lines = stderr.splitlines()
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("ckptkit: error: ") and "Traceback" not in stderr
-    return lines[0]
-
-
-def _assert_nothing_written(tmp_path: Path, dst: Path) -> None:
-    assert not dst.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{dst.name}.tmp-")]
 
 
 def _per_layer(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -113,8 +105,8 @@ def test_a_missing_rank_file_fails_in_one_line_and_leaves_no_destination(tmp_pat
     (src / "__1_0.distcp").unlink()
     proc = run_ckptkit("convert", "--from", "megatron", str(src), str(tmp_path / "out"))
     assert proc.returncode == 1
-    assert "__1_0.distcp: missing" in _one_line_error(proc.stderr)
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert "__1_0.distcp: missing" in one_line_error(proc.stderr)
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 def test_a_truncated_rank_file_is_refused(tmp_path: Path) -> None:
@@ -122,7 +114,7 @@ def test_a_truncated_rank_file_is_refused(tmp_path: Path) -> None:
     os.truncate(src / "__0_1.distcp", (src / "__0_1.distcp").stat().st_size // 2)
     with pytest.raises(IntegrityError, match="truncated"):
         CONVERTER.convert(str(src), str(tmp_path / "out"))
-    _assert_nothing_written(tmp_path, tmp_path / "out")
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 def test_another_backend_and_a_legacy_checkpoint_are_refused_by_name(tmp_path: Path) -> None:
@@ -172,7 +164,7 @@ def test_reshard_with_the_megatron_layout_and_back_keeps_every_tensor(tmp_path: 
         assert proc.returncode == 0 and "equal" in proc.stdout, proc.stdout + proc.stderr
     odd = run_ckptkit("reshard", str(converted), str(tmp_path / "tp4"), "--tp", "4", "--layout", str(layout), "--no-latest")
     assert odd.returncode == 1 and "query groups" in odd.stderr  # 2 groups cannot be cut 4 ways
-    _assert_nothing_written(tmp_path, tmp_path / "tp4")
+    assert_nothing_written(tmp_path, tmp_path / "tp4")
 
 
 def test_exported_to_hugging_face_the_logits_match_megatrons_forward(tmp_path: Path, run_ckptkit: Any) -> None:
