@@ -44,7 +44,7 @@ Names (``<name>`` is DeepSpeed's, e.g. ``blocks.0.fc1.weight``):
 Refused (one line, nothing written): a pipeline-parallel save (``layer_*`` files), more than one
 model-parallel rank (DeepSpeed records no split dimension per parameter), missing rank files,
 partitions that do not add up, a class outside `ALLOWED`. Skipped with a reason (fails without
-``allow_skip``): values that are neither tensors nor JSON, frozen parameters of ZeRO-3.
+``allow_skip``): values that are neither tensors nor JSON.
 """
 
 from __future__ import annotations
@@ -338,7 +338,8 @@ def plan_conversion(tag_dir: str, files: _Files) -> _Plan:
         if missing:
             raise IntegrityError(f"{tag_dir}: no model-states file of data-parallel rank(s) {missing} (a ZeRO-3 save has one per rank)")
     shapes = _param_shapes(model, model_path) if stage else []
-    _plan_module(plan, model, model_path, shapes, stage, optim)
+    rank_models = [(found.z3_model[(d, 0)], files.load(found.z3_model[(d, 0)])) for d in range(len(optim))] if stage == 3 else []
+    _plan_module(plan, model, model_path, shapes, stage, optim, _z3_frozen(model, rank_models) if stage == 3 else {})
     if stage:
         _plan_partitions(plan, files, shapes, stage, optim)
     elif model.get("optimizer") is not None:
@@ -397,23 +398,53 @@ def _param_shapes(model: dict[str, Any], path: str) -> list[dict[str, tuple[int,
 
 
 def _plan_module(plan: _Plan, model: dict[str, Any], path: str, shapes: list[dict[str, tuple[int, ...]]], stage: int,
-                 optim: list[tuple[str, dict[str, Any]]]) -> None:
+                 optim: list[tuple[str, dict[str, Any]]], frozen: dict[str, tuple[Piece, ...]]) -> None:
+    """Every entry of the module's state dict; under ZeRO-3 each trainable parameter from its
+    fp32 master and each frozen one from its per-rank fragments (`frozen`)."""
     params = {n: s for g in shapes for n, s in g.items()}
+    places = _z3_places(shapes, len(optim)) if stage == 3 else {}
+    frozen_shapes = model.get("frozen_param_shapes") or {}
     buffers = set(model.get("buffer_names") or ())
     for key, value in model["module"].items():
         name = f"model/{escape(str(key))}"
         kind = "buffer" if key in buffers else "param"
-        if stage == 3 and key in params:
+        if stage == 3 and (key in params or key in frozen):
             if not isinstance(value, StoredTensor):
                 raise IntegrityError(f"{path}: module entry {key} is not a tensor")
-            pieces = _z3_pieces(key, _z3_places(shapes, len(optim))[key], optim, FP32_KEYS[1], None)
+            if key in frozen:
+                plan.tensor(name, f"{key} (frozen: the ranks' fragments)", kind, tuple(frozen_shapes[key]), value.dtype,
+                            Recipe(None, frozen[key], value.dtype))
+                continue
+            pieces = _z3_pieces(key, places[key], optim, FP32_KEYS[1], None)
             plan.tensor(name, f"{key} (the fp32 master, cast to {value.dtype}: ZeRO-3 saves no {value.dtype} copy)",
                         kind, params[key], value.dtype, Recipe(None, pieces, "float32"))
         else:
             plan.walk(value, name, str(key), path, kind)
-    if stage == 3 and (model.get("frozen_param_shapes") or {}):
-        plan.skipped.append(SkippedEntry(source="frozen_param_fragments",
-                                         reason="frozen parameters of a ZeRO-3 save (fragments per rank) are not converted yet"))
+
+
+def _z3_frozen(model: dict[str, Any], rank_models: list[tuple[str, dict[str, Any]]]) -> dict[str, tuple[Piece, ...]]:
+    """Each frozen parameter of a ZeRO-3 save as pieces of the ranks' ``frozen_param_fragments``
+    (``ceil(numel / dp)`` elements on each rank in turn, the last padded).
+
+    Raises:
+        IntegrityError: a rank's fragment is missing or too short.
+    """
+    shapes = model.get("frozen_param_shapes") or {}
+    world = len(rank_models)
+    out = {}
+    for key, shape in shapes.items():
+        numel = math.prod(shape)
+        per = -(-numel // world)
+        pieces = []
+        for r, (path, tree) in enumerate(rank_models):
+            count = max(0, min(per, numel - r * per))
+            fragment = (tree.get("frozen_param_fragments") or {}).get(key)
+            if not isinstance(fragment, StoredTensor) or len(fragment.shape) != 1 or fragment.shape[0] < count:
+                raise IntegrityError(f"{path}: no fragment of {count} elements of the frozen parameter {key}")
+            if count:
+                pieces.append(Piece(path, fragment, 0, count))
+        out[key] = tuple(pieces)
+    return out
 
 
 def _plan_partitions(plan: _Plan, files: _Files, shapes: list[dict[str, tuple[int, ...]]], stage: int,
@@ -640,8 +671,8 @@ def _check_partitions(shapes: list[dict[str, tuple[int, ...]]], stage: int, opti
 def _plan_values(plan: _Plan, model: dict[str, Any], path: str, shapes: list[dict[str, tuple[int, ...]]], stage: int) -> None:
     """DeepSpeed's other values (info, ``deepspeed/...``) and the client state (``client/...``)."""
     for key, value in model.items():
-        if key in ("module", "optimizer"):
-            continue
+        if key in ("module", "optimizer") or (key == "frozen_param_fragments" and stage == 3):
+            continue  # converted as tensors (ZeRO-3's frozen fragments: into the frozen parameters)
         if key not in DS_KEYS:
             plan.walk(value, f"client/{escape(str(key))}", str(key), path, "other")
         elif key == "ds_config" and isinstance(value, dict) and not json_problems({key: plain(value)}):
