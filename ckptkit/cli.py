@@ -353,15 +353,22 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
               help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp, deepspeed, hf, megatron).")
 @click.option("--allow-skip", is_flag=True,
               help="Convert what can be converted and list the rest as skipped (default: any such entry fails).")
+@click.option("--layout", "layout_file", default=None,
+              help="A layout file for the model, recorded in DST (default: the one the converter knows, if any).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the convert report).")
-def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, as_json: bool) -> None:
+def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout_file: str | None, as_json: bool) -> None:
     """Convert another tool's checkpoint at SRC (a torch DCP, DeepSpeed, Hugging Face or Megatron-Core directory) into a ckptkit checkpoint at DST.
 
     Every tensor and value of SRC is converted or listed as skipped with a reason; an entry
-    that cannot be converted fails the conversion unless --allow-skip. Exit 0 when DST is
-    committed, 1 on a ckptkit error (unknown format, unsafe or damaged source, DST exists;
-    DST does not appear), 2 on bad usage.
+    that cannot be converted fails the conversion unless --allow-skip. --layout records the
+    model's layout (e.g. `ckptkit layout builtin megatron-gpt model.json`), so that reshard and
+    export need no --layout. Exit 0 when DST is committed, 1 on a ckptkit error (unknown
+    format, unsafe or damaged source, a layout that does not fit, DST exists; DST does not
+    appear), 2 on bad usage.
     """
+    from .layouts import load_layout
+
+    layout = load_layout(layout_file) if layout_file is not None else None
     names = ckptkit.list_converters()
     if source_format != "auto" and source_format not in names:
         _fail(f"--from: no converter for {source_format!r}; choose auto or one of: {', '.join(names) or 'none installed'}", 2)
@@ -378,7 +385,7 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, as_jso
             bar[0].update(done - bar[0].pos)
 
         report = ckptkit.convert(src, dst, source_format=source_format, allow_skip=allow_skip,
-                                 progress=progress if show else None)
+                                 progress=progress if show else None, layout=layout)
     if as_json:
         _emit_json(report)
         return

@@ -98,7 +98,8 @@ class Converter(Protocol):
 
     ``detect`` must be cheap (file names, a few small reads) and never raise for a path that
     is not its format; ``convert`` commits ``dst`` through `write_converted` or raises a
-    ``CkptkitError`` leaving nothing at ``dst``.
+    ``CkptkitError`` leaving nothing at ``dst``; a given ``layout`` is recorded instead of the
+    one the converter would (it is passed only when given).
     """
 
     name: str
@@ -106,7 +107,8 @@ class Converter(Protocol):
 
     def detect(self, path: str) -> bool: ...
 
-    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None) -> ConvertReport: ...
+    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
+                layout: Layout | None = None) -> ConvertReport: ...
 
 
 def _entry_points() -> dict[str, metadata.EntryPoint]:
@@ -162,7 +164,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
 def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], *, source_format: str = "auto", allow_skip: bool = False,
-    progress: Progress | None = None,
+    progress: Progress | None = None, layout: Layout | None = None,
 ) -> ConvertReport:
     """Convert another tool's checkpoint at `src` into a committed ckptkit checkpoint at `dst`.
 
@@ -173,10 +175,13 @@ def convert(
         allow_skip: convert what can be converted and list the rest as skipped; by default an
             entry that cannot be converted fails the conversion before anything is written.
         progress: called with (bytes written, bytes in all) as tensors are written.
+        layout: the model's layout, recorded in the checkpoint instead of the one the converter
+            finds (if any), so that ``reshard`` and ``export`` need no ``--layout``.
 
     Raises:
         ManifestError: unknown format, unreadable or refused source metadata, or entries that
             cannot be converted (all are listed).
+        LayoutError: `layout` does not fit the converted tensors (nothing is written).
         IntegrityError: source files missing, truncated or inconsistent with their metadata.
         CheckpointExistsError: something exists at `dst`, or `dst` lies inside `src`.
         StorageError: a read or write failed; nothing was committed.
@@ -188,7 +193,9 @@ def convert(
         a, b = os.path.realpath(src_text), os.path.realpath(dst_text)
         if b == a or b.startswith(a.rstrip("/") + "/"):
             raise CheckpointExistsError(f"{dst_text}: the destination may not be or lie inside the source {src_text}")
-    return converter.convert(src_text, dst_text, allow_skip=allow_skip, progress=progress)
+    if layout is None:
+        return converter.convert(src_text, dst_text, allow_skip=allow_skip, progress=progress)
+    return converter.convert(src_text, dst_text, allow_skip=allow_skip, progress=progress, layout=layout)
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,8 +159,10 @@ class DcpConverter:
             return False
         return (distcp and METADATA_NAME in names and not MEGATRON_FILES <= names) or is_safetensors_save(path)
 
-    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None) -> ConvertReport:
-        """Convert the DCP directory `src` into the committed ckptkit checkpoint `dst`.
+    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
+                layout: Layout | None = None) -> ConvertReport:
+        """Convert the DCP directory `src` into the committed ckptkit checkpoint `dst` (recording
+        `layout`, if given: DCP records none).
 
         Raises:
             ManifestError: ``.metadata`` refused (a class outside the allowlist, named) or
@@ -175,7 +177,7 @@ class DcpConverter:
         md = read_metadata(src) if os.path.exists(os.path.join(src, METADATA_NAME)) or not is_safetensors_save(src) \
             else read_safetensors_save(src)
         return write_plan(NAME, src, dst, md, plan_conversion(src, md), allow_skip=allow_skip, progress=progress,
-                          started=started)
+                          started=started, layout=layout)
 
 
 def write_plan(

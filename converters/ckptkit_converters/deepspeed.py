@@ -279,8 +279,10 @@ class DeepSpeedConverter:
         except (IntegrityError, ManifestError, OSError):
             return False
 
-    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None) -> ConvertReport:
-        """Convert the DeepSpeed checkpoint `src` into the committed ckptkit checkpoint `dst`.
+    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
+                layout: Layout | None = None) -> ConvertReport:
+        """Convert the DeepSpeed checkpoint `src` into the committed ckptkit checkpoint `dst`
+        (recording `layout` if given, else the ``deepspeed`` one).
 
         Raises:
             ManifestError: a pickle needs a class outside `ALLOWED` (named); entries that
@@ -300,7 +302,7 @@ class DeepSpeedConverter:
             recipes = {spec.name: recipe for spec, recipe in plan.tensors}
             committed = write_converted(
                 dst, [spec for spec, _ in plan.tensors], lambda spec: assemble(files, spec, recipes[spec.name]),
-                objects=plan.objects, step=lambda: plan.step, info=CheckpointInfo(**plan.info), layout=plan.layout,
+                objects=plan.objects, step=lambda: plan.step, info=CheckpointInfo(**plan.info), layout=layout or plan.layout,
                 progress=progress)
         finally:
             files.close()

@@ -108,8 +108,10 @@ class HfConverter:
             return False
         return CONFIG in names and bool(names & {SINGLE, INDEX, *PICKLED})
 
-    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None) -> ConvertReport:
-        """Convert the Hugging Face model directory `src` into the committed ckptkit checkpoint `dst`.
+    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
+                layout: Layout | None = None) -> ConvertReport:
+        """Convert the Hugging Face model directory `src` into the committed ckptkit checkpoint `dst`
+        (recording `layout` if given, else the family's built-in one).
 
         `allow_skip` has no effect: every tensor of a weights file converts.
 
@@ -136,7 +138,7 @@ class HfConverter:
         objects: dict[str, JsonValue] = {"hf/tied_weights": dict(source.tied)} if source.tied else {}
         try:
             committed = write_converted(dst, [spec for spec, _ in source.tensors], read, objects=objects, step=lambda: 0,
-                                        info=info_of(source), layout=layout_of(source.config),
+                                        info=info_of(source), layout=layout or layout_of(source.config),
                                         tokenizer=source.tokenizer, progress=progress)
         finally:
             for fd in fds.values():

@@ -48,7 +48,7 @@ from pydantic import JsonValue
 from ckptkit.boxes import Box
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit.manifest import CheckpointInfo
-from ckptkit.layouts import builtin, fit_problems
+from ckptkit.layouts import Layout, builtin, fit_problems
 from ckptkit.manifest.model import ModelInfo, OptimizerInfo, ParamGroup
 from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry
 from ckptkit.state.tree import escape, json_problems
@@ -186,8 +186,10 @@ class MegatronConverter:
             return False
         return ({MCORE_METADATA, COMMON, METADATA_NAME} <= names or LATEST in names) or _legacy(path)
 
-    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None) -> ConvertReport:
-        """Convert the Megatron checkpoint `src` into the committed ckptkit checkpoint `dst`.
+    def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
+                layout: Layout | None = None) -> ConvertReport:
+        """Convert the Megatron checkpoint `src` into the committed ckptkit checkpoint `dst`
+        (recording `layout` if given, else ``megatron-gpt`` when Megatron-LM's args describe it).
 
         Raises:
             ManifestError: a pickle needs a class outside the allowlists (named); a format this
@@ -203,12 +205,12 @@ class MegatronConverter:
         md = read_metadata(path, METADATA_ALLOWED)
         plan = plan_conversion(path, md, MegatronNaming())
         common = _common(path)
-        if common.get("optimizer", {}).get("param_state_sharding_type") == "dp_reshardable":
+        optimizer = common.get("optimizer")
+        if isinstance(optimizer, dict) and optimizer.get("param_state_sharding_type") == "dp_reshardable":
             raise ManifestError(f"{path}: the distributed optimizer's dp_reshardable format (flat per-rank buffers), which "
                                 f"this converter does not read; save with fully_reshardable")
         info, step = _info(common, plan.objects, plan.object_sources, plan.skipped)
-        config = model_config(plain(common.get("args")))
-        layout = None
+        config = None if layout is not None else model_config(plain(common.get("args")))
         if config is not None:
             described = builtin("megatron-gpt", config)
             if not fit_problems(described, {t.spec.name: t.spec.shape for t in plan.tensors}):

@@ -225,3 +225,31 @@ def test_a_pipeline_parallel_save_comes_across_with_global_layer_numbers(tmp_pat
     assert all(torch.equal(got[k], want[k]) for k in want)
     # layer 1 lives on the second pipeline stage, saved there at its global offset
     assert "model/decoder.layers.1.mlp.linear_fc2.weight" in {t.name for t in report.tensors}
+
+
+@needs_entry_point
+def test_a_layout_given_at_convert_time_is_recorded_for_reshard_and_export(tmp_path: Path, run_ckptkit: Any) -> None:
+    layout = _layout_file(tmp_path, run_ckptkit)
+    dst = tmp_path / "converted"
+    proc = run_ckptkit("convert", str(FIXTURES / "gpt-tp2-dp2"), str(dst), "--layout", str(layout))
+    assert proc.returncode == 0, proc.stderr
+    manifest = ckptkit.read_manifest(dst)
+    assert manifest.layout is not None and manifest.layout["name"] == "megatron-gpt"
+    resharded = run_ckptkit("reshard", str(dst), str(tmp_path / "tp2"), "--tp", "2", "--no-latest")
+    assert resharded.returncode == 0, resharded.stderr
+    exported = run_ckptkit("export", str(tmp_path / "tp2"), str(tmp_path / "hf"), "--format", "hf", "--dtype", "fp32")
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "hf" / "config.json").exists()
+
+
+@needs_entry_point
+def test_a_layout_that_does_not_fit_fails_in_one_line_and_writes_nothing(tmp_path: Path, run_ckptkit: Any) -> None:
+    (tmp_path / "model.json").write_text(json.dumps({"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+                                                     "ffn_hidden_size": 24, "vocab_size": 40}))
+    layout = run_ckptkit("layout", "builtin", "megatron-gpt", str(tmp_path / "model.json"))
+    (tmp_path / "layout.json").write_text(layout.stdout)
+    proc = run_ckptkit("convert", "--from", "megatron", str(FIXTURES / "gpt-tp2-dp2"), str(tmp_path / "out"),
+                       "--layout", str(tmp_path / "layout.json"))
+    assert proc.returncode == 1
+    assert "does not fit" in one_line_error(proc.stderr)
+    assert_nothing_written(tmp_path, tmp_path / "out")
