@@ -54,7 +54,16 @@ from ckptkit.ops.convert import (
 from ckptkit.state.tree import escape, json_problems, unescape
 from ckptkit.storage.local import open_regular
 
-from .dcp_metadata import METADATA_NAME, DcpMetadata, StorageRef, TensorMeta, read_metadata
+from .dcp_metadata import (
+    METADATA_NAME,
+    RANK_METADATA,
+    DcpMetadata,
+    StorageRef,
+    TensorMeta,
+    rank_metadata_files,
+    read_metadata,
+    read_rank_metadata,
+)
 from .dcp_safetensors import is_safetensors_save, read_safetensors_save
 from .torchsave import copy_tensor, open_archive, pread_into, stored_tensor, stored_value
 
@@ -142,22 +151,25 @@ class DcpConverter:
     """The ``dcp`` converter (registered in the ``ckptkit.converters`` entry-point group)."""
 
     name = NAME
-    description = "torch.distributed.checkpoint directory (.metadata and .distcp files: FSDP2, DTensor, no_dist saves)"
+    description = ("torch.distributed.checkpoint directory (.metadata or per-rank metadata and .distcp files: FSDP2, DTensor, "
+                   "no_dist saves; or HuggingFaceStorageWriter safetensors)")
 
     def detect(self, path: str) -> bool:
-        """Whether `path` is a DCP directory: a ``.metadata`` and ``.distcp`` files (and not
-        Megatron's torch_dist format, which adds ``metadata.json`` and ``common.pt``)."""
+        """Whether `path` is a DCP directory: ``.distcp`` files with a ``.metadata`` or the ranks'
+        ``__<rank>.metadata`` (and not Megatron's torch_dist format, which adds ``metadata.json``
+        and ``common.pt``), or a ``HuggingFaceStorageWriter`` save."""
         names: set[str] = set()
         distcp = False
         try:
             with os.scandir(path) as entries:
                 for entry in entries:
                     distcp = distcp or entry.name.endswith(".distcp")
-                    if entry.name == METADATA_NAME or entry.name in MEGATRON_FILES:
+                    if entry.name == METADATA_NAME or entry.name in MEGATRON_FILES or RANK_METADATA.match(entry.name):
                         names.add(entry.name)
         except OSError:
             return False
-        return (distcp and METADATA_NAME in names and not MEGATRON_FILES <= names) or is_safetensors_save(path)
+        per_rank = any(RANK_METADATA.match(n) for n in names)
+        return (distcp and (METADATA_NAME in names or per_rank) and not MEGATRON_FILES <= names) or is_safetensors_save(path)
 
     def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
                 layout: Layout | None = None) -> ConvertReport:
@@ -174,10 +186,21 @@ class DcpConverter:
         started = time.perf_counter()
         if not os.path.isdir(src):
             raise IntegrityError(f"{src}: no such directory")
-        md = read_metadata(src) if os.path.exists(os.path.join(src, METADATA_NAME)) or not is_safetensors_save(src) \
-            else read_safetensors_save(src)
+        md = _metadata_of(src)
         return write_plan(NAME, src, dst, md, plan_conversion(src, md), allow_skip=allow_skip, progress=progress,
                           started=started, layout=layout)
+
+
+def _metadata_of(src: str) -> DcpMetadata:
+    """The save's metadata: ``.metadata``; else the ranks' ``__<rank>.metadata`` (a save without
+    collectives); else a ``HuggingFaceStorageWriter`` save's safetensors headers."""
+    if os.path.exists(os.path.join(src, METADATA_NAME)):
+        return read_metadata(src)
+    if rank_metadata_files(src):
+        return read_rank_metadata(src)
+    if is_safetensors_save(src):
+        return read_safetensors_save(src)
+    return read_metadata(src)  # fails, naming the missing .metadata
 
 
 def write_plan(

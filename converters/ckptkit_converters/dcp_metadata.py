@@ -11,6 +11,7 @@ into the frozen dataclasses below, checking every field.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -123,6 +124,55 @@ def read_metadata(directory: str, allowed: Mapping[tuple[str, str], Any] = ALLOW
     return parse_metadata(unpickle(bytes(data), allowed, where=path), where=path)
 
 
+RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+
+
+def rank_metadata_files(directory: str) -> list[str]:
+    """The per-rank metadata files of a save without collectives (``__<rank>.metadata``), by rank."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = sorted((int(m.group(1)), n) for n in names if (m := RANK_METADATA.match(n)))
+    return [n for _, n in found]
+
+
+def read_rank_metadata(directory: str, allowed: Mapping[tuple[str, str], Any] = ALLOWED) -> DcpMetadata:
+    """Read and merge the ``__<rank>.metadata`` files a ``dcp.save(..., use_collectives=False)``
+    leaves (each rank's own chunks and values, nothing shared): every tensor's chunks are
+    joined; a chunk or value that several ranks saved is taken from the lowest rank (without
+    collectives each rank writes its copy of replicated state).
+
+    Raises:
+        ManifestError: a file refused or malformed (as `read_metadata`), or ranks that disagree
+            on a tensor's dtype or global shape, or call one key a tensor and a value.
+    """
+    entries: dict[str, TensorMeta | None] = {}
+    storage: dict[StorageKey, StorageRef] = {}
+    version = None
+    for name in rank_metadata_files(directory):
+        path = os.path.join(directory, name)
+        md = parse_metadata(unpickle(bytes(read_small(path, METADATA_LIMIT, "DCP metadata")), allowed, where=path), where=path)
+        version = version or md.version
+        for key, meta in md.entries.items():
+            if key not in entries:
+                entries[key] = meta
+                continue
+            have = entries[key]
+            if (have is None) != (meta is None):
+                raise ManifestError(f"{path}: {key} is a tensor on one rank and a value on another")
+            if have is not None and meta is not None:
+                if (have.dtype, have.shape) != (meta.dtype, meta.shape):
+                    raise ManifestError(f"{path}: {key} is {meta.dtype.name}{list(meta.shape)} here, "
+                                        f"{have.dtype.name}{list(have.shape)} on a lower rank")
+                known = {c.offsets for c in have.chunks}
+                entries[key] = TensorMeta(have.dtype, have.shape,
+                                          have.chunks + tuple(c for c in meta.chunks if c.offsets not in known))
+        for index, ref in md.storage.items():
+            storage.setdefault(index, ref)
+    return DcpMetadata(entries, storage, version)
+
+
 def parse_metadata(obj: Any, *, where: str) -> DcpMetadata:
     """Read the unpickled stand-in of ``Metadata`` into a `DcpMetadata`, checking every field."""
     fields = _fields(obj, "Metadata", where)
@@ -223,4 +273,4 @@ def _plain_file(name: str) -> bool:
     return bool(name) and name.isprintable() and "/" not in name and "\\" not in name and not name.startswith(".")
 
 
-__all__ = ["ALLOWED", "METADATA_NAME", "Chunk", "DcpMetadata", "StorageRef", "TensorMeta", "parse_metadata", "read_metadata"]
+__all__ = ["ALLOWED", "METADATA_NAME", "rank_metadata_files", "read_rank_metadata", "Chunk", "DcpMetadata", "StorageRef", "TensorMeta", "parse_metadata", "read_metadata"]

@@ -328,3 +328,30 @@ def test_a_huggingface_storage_writer_save_missing_a_middle_chunk_is_refused(tmp
     with pytest.raises(IntegrityError, match="model.embed.weight"):
         DCP.convert(str(src), str(tmp_path / "out"))
     assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_a_save_without_collectives_merges_the_ranks_metadata(tmp_path: Path, run_ckptkit: Any) -> None:
+    """``dcp.save(use_collectives=False)``: no ``.metadata``, each rank its own; the state is the
+    one ``dcp-fsdp2-fp32`` holds (saved in the same run), so torch's consolidation of that is the oracle."""
+    src = FIXTURES / "dcp-fsdp2-percall"
+    assert not (src / ".metadata").exists() and (src / "__1.metadata").exists()
+    dst = tmp_path / "out"
+    proc = run_ckptkit("convert", "--json", str(src), str(dst))
+    assert proc.returncode == 0, proc.stderr
+    want, got = _oracle(FIXTURES / "dcp-fsdp2-fp32", tmp_path), _converted(dst)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == (list(value) if isinstance(value, tuple) else value), key
+    chunks = {t["source"]: t["chunks"] for t in json.loads(proc.stdout)["tensors"]}
+    assert chunks["model.embed.weight"] == 2  # one from each rank's metadata
+
+
+def test_ranks_that_disagree_on_a_tensor_are_refused(tmp_path: Path) -> None:
+    src = _copy("dcp-fsdp2-percall", tmp_path)
+    (src / "__1.metadata").write_bytes((FIXTURES / "dcp-fsdp2-bf16" / ".metadata").read_bytes())  # another save's
+    with pytest.raises(ckptkit.ManifestError, match="lower rank"):
+        DCP.convert(str(src), str(tmp_path / "out"))
+    assert_nothing_written(tmp_path, tmp_path / "out")
