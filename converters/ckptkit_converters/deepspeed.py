@@ -54,8 +54,8 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -182,27 +182,44 @@ class _Plan:
 
 
 class _Files:
-    """The source's archives, each opened once and read in place."""
+    """The source's archives, each one's zip directory read once; at most `MAX_OPEN` files are
+    open at a time (a save over thousands of ranks has more files than a process may open), the
+    least recently used closed first and reopened when needed. Use an `Archive` from `archive`
+    at once: its file descriptor is closed when it is evicted."""
+
+    MAX_OPEN = 128
 
     def __init__(self) -> None:
-        self.open: dict[str, Archive] = {}
+        self.known: dict[str, Archive] = {}
+        self.open: OrderedDict[str, int] = OrderedDict()
 
     def archive(self, path: str) -> Archive:
-        if path not in self.open:
-            fd, size = open_regular(path)
-            try:
-                self.open[path] = open_archive(fd, 0, size, path)
-            except BaseException:
-                os.close(fd)
-                raise
-        return self.open[path]
+        if path in self.open:
+            self.open.move_to_end(path)
+            return self.known[path]
+        if len(self.open) >= self.MAX_OPEN:
+            _, fd = self.open.popitem(last=False)
+            os.close(fd)
+        fd, size = open_regular(path)
+        try:
+            known = self.known.get(path)
+            if known is None:
+                known = open_archive(fd, 0, size, path)
+            elif size != known.start + known.length:
+                raise IntegrityError(f"{path}: {size} bytes now, {known.length} when it was first read (changed meanwhile?)")
+            self.known[path] = replace(known, fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.open[path] = fd
+        return self.known[path]
 
     def load(self, path: str) -> Any:
         return stored_object(self.archive(path), ALLOWED)
 
     def close(self) -> None:
-        for archive in self.open.values():
-            os.close(archive.fd)
+        for fd in self.open.values():
+            os.close(fd)
         self.open.clear()
 
 
@@ -340,7 +357,8 @@ def plan_conversion(tag_dir: str, files: _Files) -> _Plan:
         if missing:
             raise IntegrityError(f"{tag_dir}: no model-states file of data-parallel rank(s) {missing} (a ZeRO-3 save has one per rank)")
     shapes = _param_shapes(model, model_path) if stage else []
-    rank_models = [(found.z3_model[(d, 0)], files.load(found.z3_model[(d, 0)])) for d in range(len(optim))] if stage == 3 else []
+    rank_models = [(found.z3_model[(d, 0)], model if d == 0 else files.load(found.z3_model[(d, 0)]))
+                   for d in range(len(optim))] if stage == 3 else []
     _plan_module(plan, model, model_path, shapes, stage, optim, _z3_frozen(model, rank_models) if stage == 3 else {})
     if stage:
         _plan_partitions(plan, files, shapes, stage, optim)
@@ -513,10 +531,13 @@ def _z12_pieces(name: str, place: tuple[int, int, int], optim: list[tuple[str, d
     """Parameter `name` of a ZeRO-1/2 save, at `place` (group, offset, numel) in its group's
     flat buffer, which the ranks' partitions cut rank after rank."""
     g, offset, numel = place
+    size = _z12_partition(optim[0][1], g, optim[0][0])[1]  # the same on every rank (`_check_partitions`)
     pieces = []
-    for r, (path, osd) in enumerate(optim):
+    first, last = offset // max(size, 1), (offset + numel - 1) // max(size, 1)
+    for r in range(first, min(last, len(optim) - 1) + 1) if numel else ():  # the ranks the parameter meets
+        path, osd = optim[r]
         flat = _flats(osd, key, fp32_key, _inner_state(path, osd, 1), path)[g]
-        real, size = _z12_partition(osd, g, path)
+        real, _ = _z12_partition(osd, g, path)
         lo, hi = max(offset, r * size), min(offset + numel, r * size + real)
         if lo < hi:
             if flat.shape[0] < hi - r * size:

@@ -274,3 +274,16 @@ def test_the_cast_from_fp32_rounds_as_torch_does(dtype: torch.dtype, name: str) 
     assert np.array_equal(got.view(np.int16)[finite], want[finite])
     if dtype == torch.bfloat16:
         assert np.isnan(torch.from_numpy(got.view(np.int16)).view(torch.bfloat16).float().numpy()[~finite]).all()
+
+
+def test_more_rank_files_than_may_be_open_at_once_convert_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptkit_converters import deepspeed
+
+    monkeypatch.setattr(deepspeed._Files, "MAX_OPEN", 2)  # 6 files: each reopened as its turn comes
+    dst = tmp_path / "out"
+    CONVERTER.convert(str(FIXTURES / "zero3-bf16-dp3"), str(dst))
+    state, oracle = ckptkit.load(dst), _oracle("zero3-bf16-dp3")
+    for key, want in oracle.items():
+        group, pname = key.split("/", 1)
+        got = state["model"][pname] if group == "model" else state["optimizer"][group][pname]
+        assert torch.equal(got, want), key
