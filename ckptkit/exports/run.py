@@ -186,8 +186,8 @@ def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Lay
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
         tensors: list[ExportedTensor] = []
-        stream = source.stream([pieces[n][0] for shard in shards for n in shard.names], lambda fqn: out_dtype)
-        files = [_write_shard(source, dst, tmp, shard, pieces, shapes, stream, out_dtype, tensors) for shard in shards]
+        feed = _Sources(source, [pieces[n][0] for shard in shards for n in shard.names], out_dtype)
+        files = [_write_shard(source, dst, tmp, shard, pieces, shapes, feed, out_dtype, tensors) for shard in shards]
         index = {"metadata": {"total_size": sum(nbytes.values())},
                  "weight_map": {name: shard.file for shard in shards for name in shard.names}}
         extra = {
@@ -211,19 +211,41 @@ def _piece_shape(shape: tuple[int, ...], rows: hf.Rows) -> tuple[int, ...]:
     return shape if rows is None else (sum(n for _, n in rows), *shape[1:])
 
 
+class _Sources:
+    """The source tensors of the exported ones, in the order they are needed: each read (and
+    converted) once, and kept only until its last exported tensor (q, k and v of a fused
+    tensor) has taken its rows."""
+
+    def __init__(self, source: Source, needed: list[str], dtype: str) -> None:
+        self.uses: dict[str, int] = {}
+        for fqn in needed:
+            self.uses[fqn] = self.uses.get(fqn, 0) + 1
+        self.stream = source.stream(list(self.uses), lambda fqn: dtype)  # first-use order
+        self.held: dict[str, Any] = {}
+
+    def take(self, fqn: str) -> Any:
+        if fqn not in self.held:
+            got, data = next(self.stream)
+            assert got == fqn
+            self.held[fqn] = data
+        data = self.held[fqn]
+        self.uses[fqn] -= 1
+        if not self.uses[fqn]:
+            del self.held[fqn]
+        return data
+
+
 def _write_shard(
     source: Source, dst: Storage, tmp: str, shard: hf.Shard, pieces: dict[str, hf.Piece], shapes: dict[str, tuple[int, ...]],
-    stream: Iterator[tuple[str, Any]], out_dtype: str, report: list[ExportedTensor],
+    feed: _Sources, out_dtype: str, report: list[ExportedTensor],
 ) -> ExportedFile:
-    """Write one safetensors shard from the next tensors of `stream` (the sources of `shard`'s
-    tensors, in order), each cut to its rows."""
+    """Write one safetensors shard from its tensors' sources, each cut to its rows."""
     manifest = source.manifest
 
     def bodies() -> Iterator[memoryview]:
         for name in shard.names:
-            fqn, data = next(stream)
-            want, rows = pieces[name]
-            assert fqn == want
+            fqn, rows = pieces[name]
+            data = feed.take(fqn)
             if rows is not None:  # runs of rows of a fused tensor, in order
                 whole = data.reshape(manifest.tensors[fqn].shape[0], -1)
                 data = np.concatenate([whole[a:a + n] for a, n in rows]).reshape(-1)

@@ -253,3 +253,22 @@ def test_a_layout_that_does_not_fit_fails_in_one_line_and_writes_nothing(tmp_pat
     assert proc.returncode == 1
     assert "does not fit" in one_line_error(proc.stderr)
     assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_the_export_reads_each_fused_tensor_once(tmp_path: Path, run_ckptkit: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptkit.exports.source import Source
+    from ckptkit.layouts import load_layout
+
+    layout = load_layout(_layout_file(tmp_path, run_ckptkit))
+    converted = tmp_path / "converted"
+    CONVERTER.convert(str(FIXTURES / "gpt-tp2-dp2"), str(converted))
+    reads: list[str] = []
+    plain_read = Source.read
+
+    def counted(self: Source, fqn: str, dtype: str | None = None) -> Any:
+        reads.append(fqn)
+        return plain_read(self, fqn, dtype)
+
+    monkeypatch.setattr(Source, "read", counted)
+    report = ckptkit.export(converted, tmp_path / "hf", format="hf", dtype="fp32", layout=layout)
+    assert len(report.tensors) == 21 and len(reads) == len(set(reads)) == 15  # q, k, v from one read; gate, up too
