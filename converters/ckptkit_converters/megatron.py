@@ -97,12 +97,26 @@ def checkpoint_directory(src: str) -> str:
         IntegrityError: neither.
         ManifestError: a legacy Megatron-LM checkpoint, or another sharded backend.
     """
+    path = iteration_directory(src)
+    if legacy(path):
+        raise ManifestError(f"{path}: a legacy Megatron-LM checkpoint (mp_rank_XX/{LEGACY_FILE}), not torch_dist")
+    return path
+
+
+def iteration_directory(src: str) -> str:
+    """The checkpoint directory of `src`: `src` itself when it holds a checkpoint (torch_dist, or
+    legacy ``mp_rank_XX`` directories), else the iteration directory its
+    ``latest_checkpointed_iteration.txt`` names.
+
+    Raises:
+        IntegrityError: neither.
+        ManifestError: another sharded backend.
+    """
     if os.path.isfile(os.path.join(src, MCORE_METADATA)):
         _check_backend(src)
         return src
-    if _legacy(src):
-        raise ManifestError(f"{src}: a legacy Megatron-LM checkpoint (mp_rank_XX/{LEGACY_FILE}), which this converter "
-                            f"does not read yet; save with --ckpt-format torch_dist")
+    if legacy(src):
+        return src
     latest = os.path.join(src, LATEST)
     if not os.path.isfile(latest):
         raise IntegrityError(f"{src}: no {MCORE_METADATA} and no {LATEST}")
@@ -115,10 +129,11 @@ def checkpoint_directory(src: str) -> str:
         raise IntegrityError(f"{latest}: names no iteration ({text!r})")
     if not os.path.isdir(path):
         raise IntegrityError(f"{latest}: names {os.path.basename(path)}, which is not there")
-    return checkpoint_directory(path)
+    return iteration_directory(path)
 
 
-def _legacy(path: str) -> bool:
+def legacy(path: str) -> bool:
+    """Whether `path` holds a legacy Megatron-LM checkpoint (``mp_rank_XX[_YYY]/model_optim_rng.pt``)."""
     try:
         return any(n.startswith("mp_rank_") and os.path.isfile(os.path.join(path, n, LEGACY_FILE)) for n in os.listdir(path))
     except OSError:
@@ -184,7 +199,7 @@ class MegatronConverter:
             names = set(os.listdir(path))
         except OSError:
             return False
-        return ({MCORE_METADATA, COMMON, METADATA_NAME} <= names or LATEST in names) or _legacy(path)
+        return ({MCORE_METADATA, COMMON, METADATA_NAME} <= names or LATEST in names) or legacy(path)
 
     def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
                 layout: Layout | None = None) -> ConvertReport:
@@ -201,7 +216,11 @@ class MegatronConverter:
         started = time.perf_counter()
         if not os.path.isdir(src):
             raise IntegrityError(f"{src}: no such directory")
-        path = checkpoint_directory(src)
+        path = iteration_directory(src)
+        if legacy(path):
+            from .megatron_legacy import convert_legacy  # noqa: PLC0415 (it imports this module)
+
+            return convert_legacy(path, dst, allow_skip=allow_skip, progress=progress, layout=layout, started=started)
         md = read_metadata(path, METADATA_ALLOWED)
         plan = plan_conversion(path, md, MegatronNaming())
         common = _common(path)
@@ -293,4 +312,4 @@ def _info(common: dict[str, Any], objects: dict[str, JsonValue], sources: dict[s
 CONVERTER = MegatronConverter()
 
 __all__ = ["COMMON_ALLOWED", "CONVERTER", "METADATA_ALLOWED", "NAME", "MegatronConverter", "MegatronNaming",
-           "checkpoint_directory", "layer_key", "model_config"]
+           "checkpoint_directory", "iteration_directory", "layer_key", "legacy", "model_config"]
