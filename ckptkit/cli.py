@@ -166,7 +166,8 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, include_rng: bool, limit:
 @click.option("--zero", default=0, show_default=True, type=int, help="Target ZeRO stage (0-3).")
 @click.option("--threads", default=4, show_default=True, type=click.IntRange(1, 64), help="Files written at once per process.")
 @click.option("--no-check", is_flag=True, help="Do not check the source checksums while copying.")
-@click.option("--no-latest", is_flag=True, help="Leave the latest pointer of DST's root where it is.")
+@click.option("--no-latest", is_flag=True,
+              help="Leave the latest pointer of DST's root where it is (it only ever moves to a higher step, and only in a run root).")
 @click.option("--layout", "layout_file", default=None, help="A layout file for the model (default: the one SRC records).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def reshard_cmd(
@@ -211,6 +212,19 @@ def reshard_cmd(
     )
     if report.kept:
         click.echo(f"kept with their saved boxes: {', '.join(report.kept)}")
+    click.echo(_latest_note(report, no_latest))
+
+
+def _latest_note(report: ckptkit.ReshardReport, no_latest: bool) -> str:
+    """Say what became of the destination root's ``latest`` pointer."""
+    root = os.path.dirname(report.destination.rstrip("/")) or "."
+    if report.latest_moved:
+        return f"{root}/latest now names {os.path.basename(report.destination)}"
+    if no_latest:
+        return f"{root}/latest left as it was (--no-latest)"
+    if report.latest:
+        return f"{root}/latest left at {report.latest} (it names a step at or above {report.step})"
+    return f"no latest pointer written: {root} is not a run root (it holds other files and no latest)"
 
 
 @cli.group("layout")

@@ -28,6 +28,7 @@ from ..storage import Storage, check_key, open_storage
 LATEST_NAME = "latest"
 LATEST_LIMIT = 4096
 LEASES_NAME = ".leases"  # read leases (ckptkit.writer.retention); not a leftover
+RUN_NAME = "run.json"  # the run a root belongs to (ckptkit.io.run); not a leftover
 _TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<id>[0-9a-f]+)$")
 
 
@@ -176,6 +177,32 @@ def write_latest(root: Storage, name: str) -> None:
     root.write(LATEST_NAME, [f"{name}\n{checksum_of(name.encode('utf-8'))}\n".encode()])
 
 
+def latest_step(root: Storage) -> int | None:
+    """The step of the committed checkpoint the root's ``latest`` names; None when it names none
+    (no pointer, a damaged one, or a name that is not committed)."""
+    try:
+        name = read_latest(root)
+    except (IntegrityError, StorageError):
+        return None
+    return step_of(root, name) if name else None
+
+
+def moves_forward(current: int | None, step: int) -> bool:
+    """Whether ``latest`` may move from the checkpoint at step `current` (None: it names none) to
+    one at `step`: only to a higher step, so that no command sends a run back in time."""
+    return current is None or step > current
+
+
+def is_run_root(root: Storage) -> bool:
+    """Whether a root is a run's: it holds a ``latest`` pointer or a run record, or nothing at
+    all (a new root; never the working directory, where a bare destination name lands)."""
+    if root.exists(LATEST_NAME) or root.exists(RUN_NAME):
+        return True
+    if root.capabilities.local_files and os.path.realpath(root.root) == os.path.realpath(os.getcwd()):
+        return False
+    return not [key for key in root.list("", recursive=False) if key.rstrip("/") != LEASES_NAME]
+
+
 def _plain_name(name: str) -> bool:
     """A checkpoint name: one path segment, printable, not hidden, not `.` or `..`."""
     return bool(name) and name.isprintable() and "/" not in name and "\\" not in name and not name.startswith(".")
@@ -230,7 +257,7 @@ def list_root(path: str | os.PathLike[str]) -> Listing:
     leftovers: list[Entry] = []
     for child in storage.list("", recursive=False):
         name = child.rstrip("/")
-        if name in (LATEST_NAME, LEASES_NAME):
+        if name in (LATEST_NAME, LEASES_NAME, RUN_NAME):
             continue
         if not child.endswith("/"):
             leftovers.append(Entry(name, False, reason="stray file"))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..errors import CheckpointExistsError, StorageError
 from ..manifest import MANIFEST_NAME
 from ..storage import Storage
-from .catalog import LATEST_NAME, Location, temp_name, write_latest
+from .catalog import LATEST_NAME, Location, latest_step, moves_forward, temp_name, write_latest
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +91,14 @@ def refuse_existing(loc: Location) -> None:
 
 
 def commit(
-    loc: Location, stage: Staging, marker: bytes, *, update_latest: bool, marker_name: str = MANIFEST_NAME
-) -> None:
+    loc: Location, stage: Staging, marker: bytes, *, update_latest: bool, marker_name: str = MANIFEST_NAME,
+    step: int | None = None,
+) -> bool:
     """Commit what was written under `stage`: write its marker (the manifest, or an export's
     report) and rename it to its name (or, where the storage cannot rename, create the marker
     only if none exists, then drop this writer's claim), then (with `update_latest`) move the
-    root's latest pointer to it.
+    root's latest pointer to it if its `step` is higher than the one ``latest`` names (or
+    ``latest`` names no committed checkpoint). Returns whether ``latest`` was moved.
 
     Raises:
         CheckpointExistsError: another writer committed the same name first.
@@ -119,8 +121,10 @@ def commit(
                 loc.storage.delete(loc.key(CLAIM_NAME))
             except StorageError:
                 pass  # committed all the same; a claim left behind only keeps others from writing here
-    if update_latest:
-        _move_latest(loc)
+    if not update_latest or (step is not None and not moves_forward(latest_step(loc.storage), step)):
+        return False
+    _move_latest(loc)
+    return True
 
 
 def _move_latest(loc: Location) -> None:

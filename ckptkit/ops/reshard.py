@@ -27,14 +27,14 @@ from pydantic import BaseModel, ConfigDict
 
 from .. import __version__
 from ..boxes import Box, flat_range_to_boxes
-from ..io.catalog import Location, locate, refuse_nesting, still_committed
+from ..io.catalog import Location, is_run_root, locate, read_latest, refuse_nesting, still_committed
 from ..io.commit import Staging, commit, discard, refuse_existing, staging
 from ..io.checksum import hasher_for
 from ..io.read import PIECE, SMALL_RUN, Reader, byte_shape
 from ..io.write import Written, write_safetensors
 from .collective import default_collective, guard, unwrap
 from ..manifest.dtypes import itemsize
-from ..errors import IntegrityError
+from ..errors import IntegrityError, StorageError
 from ..layouts import Layout, layout_for
 from ..manifest import FileEntry, Manifest, Producer, Topology, manifest_to_json
 from ..io.payload import open_checkpoint, read_checked
@@ -66,6 +66,8 @@ class ReshardReport(BaseModel):
     bytes_written: int
     bytes_read: int
     source_checked: bool
+    latest_moved: bool  # the destination root's latest pointer now names the destination
+    latest: str | None  # what the destination root's latest pointer names afterwards (null: none)
     seconds: float
 
 
@@ -101,7 +103,10 @@ def reshard(
         max_file_bytes: start a new payload file when one would grow past this.
         check_source: check every source file's checksum while copying; the destination is
             committed only if they all match.
-        update_latest: move the latest pointer of `dst`'s root to it.
+        update_latest: move the latest pointer of `dst`'s root to it, when that root is a run's
+            (it holds ``latest`` or a run record, or is new) and the step is higher than the
+            one ``latest`` names; a reshard never moves ``latest`` back, nor writes one into a
+            directory that is not a run root (such as the working directory).
         layout: where the target's ranks hold which boxes (default: the layout the source records, or
             the built-in layout of the family its ``info.model`` names); the target records it.
         storage, dst_storage: read `src` / write `dst` through these backends (names under their roots).
@@ -143,7 +148,7 @@ def write_reshard(
     topology = plan.topology
     dst_loc = locate(dst, dst_storage)
     refuse_nesting(src_loc, dst_loc)
-    uid = unwrap(coll.broadcast(guard(lambda: _claim(dst_loc)) if coll.rank == 0 else None))
+    uid, run_root = unwrap(coll.broadcast(guard(lambda: _claim(dst_loc)) if coll.rank == 0 else None))
     stage = staging(dst_loc, uid)
     mine = [job for job in plan.jobs if job.rank % coll.world_size == coll.rank]
     checked = [i for i, f in enumerate(manifest.files) if f.role == "tensors" and i % coll.world_size == coll.rank]
@@ -154,10 +159,10 @@ def write_reshard(
         results = coll.gather(written)
         outcome: tuple[str, Any] = ("ok", None)
         if results is not None:
-            outcome = guard(lambda: _commit(results, plan, src_loc, manifest, dst_loc, stage, update_latest))
+            outcome = guard(lambda: _commit(results, plan, src_loc, manifest, dst_loc, stage, update_latest and run_root))
             if outcome[0] != "ok":
                 discard(dst_loc.storage, stage)
-        bytes_read = unwrap(coll.broadcast(outcome))
+        bytes_read, moved, latest = unwrap(coll.broadcast(outcome))
     except BaseException:
         if coll.world_size == 1:  # interrupted: leave no temporary directory behind
             discard(dst_loc.storage, stage)
@@ -174,14 +179,17 @@ def write_reshard(
         bytes_written=plan.nbytes,
         bytes_read=bytes_read,
         source_checked=check_source,
+        latest_moved=moved,
+        latest=latest,
         seconds=round(time.perf_counter() - started, 3),
     )
 
 
-def _claim(loc: Location) -> str:
-    """Check that the destination is free; return the id of the files being written."""
+def _claim(loc: Location) -> tuple[str, bool]:
+    """Check that the destination is free; return the id of the files being written and whether
+    the destination's root is a run root (decided before anything is written into it)."""
     refuse_existing(loc)
-    return uuid.uuid4().hex[:12]
+    return uuid.uuid4().hex[:12], is_run_root(loc.storage)
 
 
 def _write_jobs(
@@ -283,7 +291,8 @@ def _pieces(reader: Reader, item: ItemDesc, target: TargetPlan, piece: np.ndarra
 
 def _commit(
     results: list[Any], plan: ReshardPlan, src_loc: Location, manifest: Manifest, loc: Location, stage: Staging, update_latest: bool
-) -> int:
+) -> tuple[int, bool, str | None]:
+    """Commit the target; return the bytes read, whether ``latest`` moved and what it names."""
     failed = [(r, res[1]) for r, res in enumerate(results) if res[0] != "ok"]
     if failed:
         said = [message if len(results) == 1 else f"rank {r}: {message}" for r, (_, message) in failed]
@@ -306,8 +315,15 @@ def _commit(
         tokenizer=None if manifest.tokenizer is None else manifest.tokenizer.model_copy(
             update={"files": tuple(stage.path(f) for f in manifest.tokenizer.files)}),
     )
-    commit(loc, stage, manifest_to_json(target), update_latest=update_latest)
-    return sum(res[1][1] for res in results)
+    moved = commit(loc, stage, manifest_to_json(target), update_latest=update_latest, step=manifest.step)
+    return sum(res[1][1] for res in results), moved, _latest_name(loc.storage)
+
+
+def _latest_name(root: Storage) -> str | None:
+    try:
+        return read_latest(root) or None
+    except (IntegrityError, StorageError):
+        return None
 
 
 def _copy_asset(src_loc: Location, dst: Storage, stage: Staging, entry: FileEntry) -> FileEntry:

@@ -77,7 +77,8 @@ def save(
         max_file_bytes: start a new payload file when a rank's file would grow past this.
         io_threads: files each rank writes in parallel; a rank's payload is split into this
             many files of about equal size once it holds 64 MiB per file.
-        update_latest: move the root's ``latest`` pointer to this checkpoint.
+        update_latest: move the root's ``latest`` pointer to this checkpoint, if `step` is higher
+            than the step of the one it names (``latest`` never moves back).
         storage: write through this backend; `path` is then the checkpoint's name under its root.
         layout: the model's layout (``ckptkit.layouts``), recorded in the manifest so that the
             checkpoint can be resharded offline to any topology the layout allows; checked
@@ -232,7 +233,7 @@ def _commit(
         tokenizer=tok_info,
         layout=None if layout is None else layout.to_json(),
     )
-    commit(loc, stage, manifest_to_json(manifest), update_latest=update_latest)
+    commit(loc, stage, manifest_to_json(manifest), update_latest=update_latest, step=step)
     return manifest
 
 
