@@ -18,6 +18,7 @@ from .errors import (
     IntegrityError,
     LayoutError,
     ManifestError,
+    RunError,
     StorageError,
 )
 from .manifest import (
@@ -31,6 +32,7 @@ from .manifest import (
     ParamGroup,
     Topology,
 )
+from .io.run_record import RunRecord, read_run
 from .ops.provenance import code_version
 from .state.sharded import ShardedTensor
 
@@ -73,6 +75,8 @@ __all__ = [
     "OptimizerInfo",
     "ParamGroup",
     "ReshardReport",
+    "RunError",
+    "RunRecord",
     "SaveHandle",
     "ShardedTensor",
     "Storage",
@@ -92,6 +96,7 @@ __all__ = [
     "open",
     "open_storage",
     "read_manifest",
+    "read_run",
     "reshard",
     "save",
     "verify",

@@ -420,7 +420,8 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(0), help="Global step to stop at.")
 @click.option("--save-every", default=0, show_default=True, type=click.IntRange(0), help="Save every K steps and at the end (0: never).")
 @click.option("--out", default="runs/train", show_default=True, help="Directory of the run's checkpoints.")
-@click.option("--resume", default=None, help="A checkpoint to resume from, or 'latest' (under --out).")
+@click.option("--resume", default=None, help="A checkpoint to resume from, or 'latest' (under --out); nothing to resume is an error.")
+@click.option("--resume-if-present", is_flag=True, help="With --resume latest: start a new run when --out holds no checkpoint yet.")
 @click.option("--model", default="tiny", show_default=True, type=click.Choice(["tiny", "small", "base"]))
 @click.option("--seed", default=1234, show_default=True, type=int)
 @click.option("--log-jsonl", default=None, help="Append one JSON object per step (and per save, with \"event\": \"save\") to this file.")
@@ -433,13 +434,24 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
 @click.option("--tie-embeddings", is_flag=True, help="Share the embedding and output head weights (pp 1 only).")
 @click.option("--quiet", is_flag=True, help="Print nothing per step.")
 def train_cmd(**options: Any) -> None:
-    """Train the reference Llama-style model with TP x PP x DP (ZeRO 0-3), checkpointing through ckptkit."""
+    """Train the reference Llama-style model with TP x PP x DP (ZeRO 0-3), checkpointing through ckptkit.
+
+    A new run (no --resume) into an --out that holds checkpoints is refused before anything is
+    written: continue that run with --resume latest, or choose another --out.
+    """
     from .trainer.train import config_from, launch, prepare
 
     quiet = options.pop("quiet")
     cfg = config_from(**options, echo=not quiet)
-    prepare(cfg)
-    launch(cfg)
+    start = prepare(cfg)
+    first = os.environ.get("RANK", "0") == "0"
+    if start.resume is not None and first:
+        click.echo(f"ckptkit: train: {start.banner}", err=True)
+    if start.resume is not None and start.step >= cfg.steps:
+        if first:
+            click.echo(f"ckptkit: train: {start.resume} is at step {start.step}, which is --steps: nothing to train", err=True)
+        return
+    launch(cfg, start)
 
 
 @cli.command("demo")

@@ -29,3 +29,7 @@ class CheckpointNotFoundError(CkptkitError, FileNotFoundError):
 
 class CheckpointExistsError(CkptkitError, FileExistsError):
     """A committed checkpoint already exists where a new one would be written."""
+
+
+class RunError(CkptkitError, ValueError):
+    """A training run cannot start as asked (resumed past its last step, or with another model)."""

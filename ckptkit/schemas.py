@@ -1,4 +1,4 @@
-"""Generate the published JSON Schemas (manifest, layout and CLI reports) from the pydantic models.
+"""Generate the published JSON Schemas (manifest, layout, run record and CLI reports) from the pydantic models.
 
 Run ``python -m ckptkit.schemas [DIR]`` to rewrite them (default: ./schemas); a test
 regenerates them and fails on any difference. Never edit the files by hand.
@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from .exports.run import ExportReport
+from .io.run_record import RunRecord
 from .ops.convert import ConvertReport
 from .ops.inspect import InspectReport
 from .layouts import layout_json_schema
@@ -24,6 +25,9 @@ from .ops.verify import VerifyReport
 def all_schemas() -> dict[str, dict[str, Any]]:
     """Return relative file path -> JSON Schema for every published document."""
     out = {f"manifest/v{SCHEMA_MAJOR}.schema.json": manifest_json_schema(), "layout/v1.schema.json": layout_json_schema()}
+    run = RunRecord.model_json_schema()
+    run["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    out["run/v1.schema.json"] = run
     for name, model in (("verify", VerifyReport), ("inspect", InspectReport), ("ls", ListingReport), ("reshard", ReshardReport),
                         ("export", ExportReport), ("convert", ConvertReport)):
         schema = model.model_json_schema()

@@ -56,6 +56,7 @@ class TrainConfig:
     save_every: int = 0
     out: str = "runs/train"
     resume: str | None = None
+    resume_if_present: bool = False  # --resume latest with nothing to resume starts a new run
     model: str = "tiny"
     seed: int = 1234
     seq_len: int = 32

@@ -24,8 +24,7 @@ def run(out_dir: str, echo: Callable[[str], None]) -> bool:
                       resume="latest" if start else None, log_jsonl=os.path.join(out_dir, "train.jsonl"), echo=True)
     echo(f"$ ckptkit train --tp 2 --pp 2 --dp 2 --zero 1 --steps {cfg.steps} --save-every {SAVE_EVERY} "
          f"--out {run_dir}{' --resume latest' if start else ''}")
-    prepare(cfg)
-    launch(cfg)
+    launch(cfg, prepare(cfg))
     listing = list_checkpoints(run_dir)
     echo(f"\n$ ckptkit ls {run_dir}")
     for e in listing.checkpoints:

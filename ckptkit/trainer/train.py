@@ -1,14 +1,15 @@
 """The training loop of one rank, checkpointing through ckptkit, and starting the ranks.
 
-Call order for a run: ``prepare`` (checks the topology before any process starts), then
-``launch`` (spawns the ranks on this machine, or runs as one rank under torchrun), whose ranks
-run ``run_rank``.
+Call order for a run: ``prepare`` (checks the topology and decides where the run starts,
+``start.plan_start``, before any process starts), then ``launch`` with what it returned (spawns
+the ranks on this machine, or runs as one rank under torchrun), whose ranks run ``run_rank``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from dataclasses import replace
 from typing import Any
@@ -35,6 +36,7 @@ from .checkpointing import derived_seed, restore_rng, rng_state, rng_targets, se
 from .config import ModelConfig, TrainConfig, check_topology, model_config
 from .data import Dataset, Sampler, Tokenizer, load_dataset
 from .engine import Engine
+from .start import Start, plan_start, rng_topology, same_rng_topology
 from .mesh import Mesh, build_groups
 
 
@@ -43,34 +45,25 @@ def max_world() -> int:
     return max(8, 4 * (os.cpu_count() or 1))
 
 
-def prepare(cfg: TrainConfig) -> ModelConfig:
-    """Return the model config after checking the whole run; raises LayoutError before any process starts."""
+def prepare(cfg: TrainConfig) -> Start:
+    """Check the whole run and decide where it starts, before any process starts.
+
+    Raises:
+        LayoutError: the topology cannot run the model.
+        CheckpointExistsError, CheckpointNotFoundError, RunError: see `start.plan_start`.
+    """
     model = model_config(cfg.model, vocab_size=Tokenizer().vocab_size, tie_embeddings=cfg.tie_embeddings)
     check_topology(cfg, model, max_world=max_world() if "RANK" not in os.environ else None)
-    if cfg.resume:
-        resume_path(cfg)  # fails early when there is nothing to resume
-    return model
+    return plan_start(cfg)
 
 
-def resume_path(cfg: TrainConfig) -> str | None:
-    """Return the checkpoint to resume from: a path, or ``latest`` under ``--out`` (None if none yet)."""
-    if not cfg.resume:
-        return None
-    if cfg.resume == "latest":
-        try:
-            if not ckptkit.list_checkpoints(cfg.out).latest:
-                return None
-        except CheckpointNotFoundError:  # no root yet (a local directory or an object store prefix)
-            return None
-        return str(ckptkit.open(cfg.out).location)
-    return str(ckptkit.open(cfg.resume).location)
-
-
-def launch(cfg: TrainConfig) -> None:
+def launch(cfg: TrainConfig, start: Start | None = None) -> None:
     """Start the ranks: under torchrun (RANK set) run as this rank, else spawn them here.
 
-    The trainer computes on the CPU (gloo) for now, also under torchrun.
+    `start` is what `prepare` returned (default: decided here). The trainer computes on the
+    CPU (gloo) for now, also under torchrun.
     """
+    start = start if start is not None else plan_start(cfg)
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
         try:
@@ -79,45 +72,54 @@ def launch(cfg: TrainConfig) -> None:
                     f"torchrun started {dist.get_world_size()} ranks but tp x pp x dp = {cfg.world_size}"
                 )
             torch.set_num_threads(1)
-            run_rank(dist.get_rank(), dist.get_world_size(), cfg)
+            run_rank(dist.get_rank(), dist.get_world_size(), cfg, start)
         finally:
             dist.destroy_process_group()
         return
     from .launch import run_ranks
 
     if cfg.world_size == 1:
-        _single(cfg)
+        _single(cfg, start)
     else:
-        run_ranks(run_rank, cfg.world_size, cfg)
+        run_ranks(run_rank, cfg.world_size, cfg, start)
 
 
-def _single(cfg: TrainConfig) -> None:
+def _single(cfg: TrainConfig, start: Start) -> None:
     from .launch import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         torch.set_num_threads(1)
-        run_rank(0, 1, cfg)
+        run_rank(0, 1, cfg, start)
     finally:
         dist.destroy_process_group()
 
 
-def run_rank(rank: int, world: int, cfg: TrainConfig) -> None:
+def run_rank(rank: int, world: int, cfg: TrainConfig, plan: Start | None = None) -> None:
     """Train on this rank from the start or a checkpoint up to global step ``cfg.steps``."""
+    plan = plan if plan is not None else plan_start(cfg)
+    say = _phase if cfg.echo and rank == 0 else (lambda text: None)
     mesh = Mesh(cfg.tp, cfg.dp, cfg.pp, rank)
     tokenizer = Tokenizer()
     model = model_config(cfg.model, vocab_size=tokenizer.vocab_size, tie_embeddings=cfg.tie_embeddings)
+    say("preparing the data")
     dataset, dataset_id = load_dataset(cfg.corpus, tokenizer, cfg.seq_len, seed=cfg.seed)
     seed_rngs(cfg.seed * 1_000_003 + rank)  # distinct streams per rank from the start
+    say(f"building the {cfg.model} model on {world} rank(s)")
     engine = Engine(cfg, model, mesh, build_groups(mesh))
     sampler = Sampler(dataset.num_samples, cfg.seed)
-    start = _resume(cfg, engine, sampler, rank, world)
+    if plan.resume is not None:
+        say(f"loading {plan.resume}")
+    start = _resume(plan.resume, cfg, engine, sampler, rank, world)
+    say(f"training steps {start + 1}-{cfg.steps}")
     log = None
     if cfg.log_jsonl and rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.log_jsonl)), exist_ok=True)
         log = open(cfg.log_jsonl, "a", encoding="utf-8")
     saves: list[SaveHandle] = []
-    with tempfile.TemporaryDirectory() as tok_dir, CheckpointManager(cfg.out, sync=cfg.sync_save, layout=model.layout()) as manager:
+    with tempfile.TemporaryDirectory() as tok_dir, CheckpointManager(
+        cfg.out, sync=cfg.sync_save, run=plan.run, layout=model.layout()
+    ) as manager:
         tokenizer.save(tok_dir)
         for step in range(start + 1, cfg.steps + 1):
             ids = sampler.next_ids(cfg.global_batch)
@@ -183,7 +185,7 @@ def _info(cfg: TrainConfig, engine: Engine, sampler: Sampler, dataset: Dataset, 
         scheduler={"type": "warmup-cosine", "lr": cfg.lr, "min_lr": cfg.min_lr, "warmup_steps": cfg.warmup_steps,
                    "total_steps": cfg.total_steps, "step": engine.optimizer.step},
         rng={"streams": ",".join(sorted(rng_state(0, 1))), "layout": "rng/<stream> is [world_size, state bytes], row = rank",
-             "topology": _rng_topology(cfg.tp, cfg.pp, cfg.dp)},
+             "topology": rng_topology(cfg.tp, cfg.pp, cfg.dp)},
         data_progress=DataProgress(seed=cfg.seed, epoch=sampler.epoch, consumed_samples=sampler.consumed_samples,
                                    consumed_tokens=sampler.consumed_tokens),
         code=code_version(os.path.dirname(os.path.abspath(__file__))),
@@ -202,19 +204,15 @@ def _save(manager: CheckpointManager, cfg: TrainConfig, engine: Engine, sampler:
     return manager.save(step, state, topology=topo, info=_info(cfg, engine, sampler, dataset, dataset_id), tokenizer=tok_dir)
 
 
-def _resume(cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world: int) -> int:
-    """Load the checkpoint to resume from into this rank's buffers; return its step (0 when none)."""
-    path = resume_path(cfg)
+def _resume(path: str | None, cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world: int) -> int:
+    """Load the checkpoint at `path` into this rank's buffers; return its step (0 when none)."""
     if path is None:
         return 0
     checkpoint = ckptkit.open(path)  # one manifest read for the metadata and the tensors
     manifest = checkpoint.manifest
     target = tensor_state(list(engine.units.values()))
     # The RNG rows belong to the ranks that saved them, which a reshard does not change.
-    saved = (manifest.info.rng or {}).get("topology")
-    if saved is None:
-        saved = _rng_topology(manifest.topology.tp, manifest.topology.pp, manifest.topology.dp)
-    same_topology = saved == _rng_topology(cfg.tp, cfg.pp, cfg.dp)
+    same_topology = same_rng_topology(manifest, cfg)
     if same_topology:
         target["rng"] = rng_targets(rank, world)
     else:  # every rank reads every saved stream and derives its own from them
@@ -238,9 +236,9 @@ def _resume(cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world
     return manifest.step
 
 
-def _rng_topology(tp: int, pp: int, dp: int) -> dict[str, Any]:
-    """The topology whose ranks the saved RNG rows belong to (ZeRO does not change the streams)."""
-    return {"world_size": tp * pp * dp, "tp": tp, "pp": pp, "dp": dp}
+def _phase(text: str) -> None:
+    """Say what the start-up is doing (rank 0; building a large model takes a while)."""
+    print(f"ckptkit: train: {text}", file=sys.stderr, flush=True)
 
 
 def config_from(**options: Any) -> TrainConfig:

@@ -33,6 +33,7 @@ import torch
 
 from . import retention
 from ..io.catalog import LATEST_NAME, read_latest, step_of
+from ..io.run_record import RunRecord, record_run
 from ..errors import CheckpointNotFoundError, CkptkitError, LayoutError
 from ..manifest import MANIFEST_NAME, CheckpointInfo, Manifest, Topology
 from ..state.sharded import ShardedTensor
@@ -87,6 +88,8 @@ class CheckpointManager:
             background saves, so every rank must construct the manager.
         name_format: checkpoint names, formatted with ``step``.
         sync: save in the caller's thread (for comparison); handles are done at return.
+        run: the run these checkpoints belong to, recorded as the root's ``run.json`` after the
+            first commit (``ckptkit.RunRecord``; None: record nothing).
         save_options: passed to every ``ckptkit.save`` (max_file_bytes, io_threads, layout).
 
     Use as a context manager, or call `close`, so the last save is committed.
@@ -102,6 +105,7 @@ class CheckpointManager:
         process_group: Any = None,
         name_format: str = "step_{step:08d}",
         sync: bool = False,
+        run: RunRecord | None = None,
         **save_options: Any,
     ) -> None:
         if keep_last is not None and keep_last < 1:
@@ -114,6 +118,8 @@ class CheckpointManager:
         self.name_format = name_format
         self.sync = sync
         self.save_options = save_options
+        self.run = run
+        self._run_recorded = run is None
         self._group, self._rank = _background_group(process_group)
         self._buffers = _Buffers()
         self._pinned: set[int] = set()
@@ -319,6 +325,7 @@ class CheckpointManager:
             start = time.perf_counter()
             manifest = save(state, handle.name, step=handle.step, storage=self.storage, process_group=self._group, **options)
             if self._rank == 0:
+                self._record_run()
                 self._retain()
             handle.background_s = time.perf_counter() - start
             handle.committed.set_result(manifest)
@@ -334,6 +341,17 @@ class CheckpointManager:
             self.apply_retention()
         except CkptkitError as exc:
             warnings.warn(f"ckptkit: retention after a commit failed (nothing was deleted after it): {exc}", stacklevel=2)
+
+    def _record_run(self) -> None:
+        """Record the run in the root after its first commit here (a failure is a warning: the
+        checkpoint is committed all the same)."""
+        if self._run_recorded or self.run is None:
+            return
+        try:
+            record_run(self.storage, self.run)
+            self._run_recorded = True
+        except CkptkitError as exc:
+            warnings.warn(f"ckptkit: {self.root}: the run record was not written: {exc}", stacklevel=2)
 
     def _committed(self) -> list[tuple[str, int]]:
         out = []

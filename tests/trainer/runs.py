@@ -15,8 +15,7 @@ def train(out: Path, combo: tuple[int, int, int, int], steps: int, resume: str |
     log = out.with_suffix(".jsonl")
     cfg = config_from(tp=tp, pp=pp, dp=dp, zero=zero, steps=steps, save_every=4, out=str(out),
                       log_jsonl=str(log), resume=resume, **options)
-    prepare(cfg)
-    launch(cfg)
+    launch(cfg, prepare(cfg))
     return [r for r in _records(log) if "event" not in r]
 
 
