@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .ops.convert import ConvertReport, convert, detect_format, list_converters
     from .ops.diff import DiffReport, diff
     from .exports.run import ExportReport, export
-    from .ops.inspect import InspectReport, inspect
+    from .ops.inspect import InspectReport, human_bytes, inspect
     from .layouts import Layout
     from .ops.load import Checkpoint, load, open
     from .writer.manager import CheckpointManager, SaveHandle
@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     from .ops.reshard import ReshardReport, reshard
     from .ops.save import save
     from .ops.verify import VerifyReport, verify
+    from .writer.clean import CleanReport, clean
+    from .writer.prune import PruneReport, prune
 
 __all__ = [
     "Checkpoint",
@@ -58,6 +60,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CkptkitError",
+    "CleanReport",
     "CodeVersion",
     "ConvertReport",
     "DataProgress",
@@ -74,6 +77,7 @@ __all__ = [
     "ModelInfo",
     "OptimizerInfo",
     "ParamGroup",
+    "PruneReport",
     "ReshardReport",
     "RunError",
     "RunRecord",
@@ -84,17 +88,20 @@ __all__ = [
     "Topology",
     "VerifyReport",
     "__version__",
+    "clean",
     "code_version",
     "convert",
     "detect_format",
     "diff",
     "export",
+    "human_bytes",
     "inspect",
     "list_checkpoints",
     "list_converters",
     "load",
     "open",
     "open_storage",
+    "prune",
     "read_manifest",
     "read_run",
     "reshard",
@@ -110,7 +117,9 @@ _LAZY = {
     "SaveHandle": "writer.manager", "verify": "ops.verify", "VerifyReport": "ops.verify", "inspect": "ops.inspect",
     "InspectReport": "ops.inspect", "reshard": "ops.reshard", "ReshardReport": "ops.reshard", "ListingReport": "ops.listing",
     "Layout": "layouts", "convert": "ops.convert", "ConvertReport": "ops.convert", "detect_format": "ops.convert",
-    "list_converters": "ops.convert",
+    "list_converters": "ops.convert", "clean": "writer.clean", "CleanReport": "writer.clean", "prune": "writer.prune",
+    "PruneReport": "writer.prune",
+    "human_bytes": "ops.inspect",
 }
 
 
@@ -139,13 +148,14 @@ def read_manifest(path: str | os.PathLike[str], *, storage: Storage | None = Non
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> ListingReport:
-    """Return the committed checkpoints under a root by step, its ``latest`` pointer, and the
-    leftovers of interrupted saves.
+    """Return what a root holds: its committed checkpoints by step (with topology, size and
+    time), its ``latest`` pointer and run record, the other directories named for what they are
+    (exports, other tools' checkpoints), the leftovers of interrupted saves, and warnings (such
+    as a ``latest`` that names no committed checkpoint).
 
     Raises:
         CheckpointNotFoundError: the root does not exist.
     """
-    from .io.catalog import list_root
-    from .ops.listing import listing_report
+    from .ops.listing import list_root
 
-    return listing_report(list_root(root))
+    return list_root(root)

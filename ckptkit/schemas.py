@@ -20,6 +20,8 @@ from .manifest import SCHEMA_MAJOR, manifest_json_schema
 from .ops.listing import ListingReport
 from .ops.reshard import ReshardReport
 from .ops.verify import VerifyReport
+from .writer.clean import CleanReport
+from .writer.prune import PruneReport
 
 
 def all_schemas() -> dict[str, dict[str, Any]]:
@@ -29,7 +31,7 @@ def all_schemas() -> dict[str, dict[str, Any]]:
     run["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     out["run/v1.schema.json"] = run
     for name, model in (("verify", VerifyReport), ("inspect", InspectReport), ("ls", ListingReport), ("reshard", ReshardReport),
-                        ("export", ExportReport), ("convert", ConvertReport)):
+                        ("export", ExportReport), ("convert", ConvertReport), ("clean", CleanReport), ("prune", PruneReport)):
         schema = model.model_json_schema()
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         out[f"cli/{name}.v1.schema.json"] = schema

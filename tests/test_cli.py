@@ -160,7 +160,7 @@ def test_ls_json_matches_published_schema(root_with_leftovers: Path) -> None:
 def test_ls_marks_the_latest_checkpoint(root_with_leftovers: Path) -> None:
     result = _invoke("ls", str(root_with_leftovers))
     assert result.exit_code == 0
-    assert "step_00000005\tstep 5  <- latest" in result.stdout.splitlines()
+    assert "step_00000005\tstep 5\ttp=1 pp=1 dp=1 zero=0\t1.7 KiB\t2025-01-01T00:00:00+00:00\t<- latest" in result.stdout.splitlines()
 
 
 def test_ls_names_an_interrupted_save_as_leftover(root_with_leftovers: Path) -> None:
@@ -168,6 +168,6 @@ def test_ls_names_an_interrupted_save_as_leftover(root_with_leftovers: Path) -> 
     assert ".step_00000009.tmp-abc123\tleftover: uncommitted save of step_00000009" in result.stdout.splitlines()
 
 
-def test_ls_names_a_directory_without_manifest_as_leftover(root_with_leftovers: Path) -> None:
+def test_ls_names_a_directory_of_payloads_without_manifest_as_leftover(root_with_leftovers: Path) -> None:
     result = _invoke("ls", str(root_with_leftovers))
-    assert "step_00000007\tleftover: no manifest.json" in result.stdout.splitlines()
+    assert "step_00000007\tleftover: no manifest.json (an interrupted save)" in result.stdout.splitlines()

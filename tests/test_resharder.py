@@ -15,7 +15,6 @@ import ckptkit
 from ckptkit import ShardedTensor
 from ckptkit.ops import reshard as resharder
 from ckptkit.boxes import Box, flat_range_to_boxes
-from ckptkit.io.catalog import list_root
 from ckptkit.errors import CheckpointExistsError, LayoutError, StorageError
 from ckptkit.layouts import Layout, Param, StateGroup, TensorPart, TPCut, Unit
 from ckptkit.manifest import Topology
@@ -180,7 +179,7 @@ def test_an_existing_destination_is_refused_before_writing(tmp_path) -> None:  #
     with pytest.raises(CheckpointExistsError, match="uncommitted directory already exists"):
         resharder.reshard("src", tmp_path / "dst", Topology(world_size=1), layout=_layout_one_rank(src), storage=src)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"] and (tmp_path / "dst" / "note").read_text() == "mine"
-    assert list_root(tmp_path).latest == ""
+    assert ckptkit.list_checkpoints(tmp_path).latest is None
 
 
 def test_a_layout_that_cannot_hold_the_topology_fails_before_writing() -> None:

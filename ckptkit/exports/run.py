@@ -23,13 +23,12 @@ import numpy as np
 from . import hf
 from .convert import CONVERSIONS
 from ..io.catalog import locate, refuse_nesting, still_committed
-from ..io.commit import commit, discard, staging
+from ..io.commit import REPORT_NAME, commit, discard, staging
 from ..io.checksum import checksum_of
 from ..io.write import write_safetensors
 from ..manifest.dtypes import itemsize
 from ..errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError
 from .source import (
-    REPORT_NAME,
     ExportedFile,
     ExportedTensor,
     ExportReport,

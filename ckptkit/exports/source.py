@@ -15,12 +15,12 @@ from pydantic import BaseModel, ConfigDict
 from .convert import convert
 from ..io.catalog import Location
 from ..io.checksum import checksum_of
+from ..io.commit import REPORT_NAME
 from ..manifest.dtypes import itemsize
 from ..manifest import Manifest, Topology
 from ..io.read import Reader
 from ..storage import Storage
 
-REPORT_NAME = "export_report.json"
 READ_THREADS = 4
 AHEAD_THREADS = 3
 AHEAD_BYTES = 128 << 20

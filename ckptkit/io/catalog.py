@@ -1,10 +1,10 @@
-"""Where checkpoints are: locating one, the naming rules, the latest pointer, listing a root (the
-commit itself is ``ckptkit.io.commit``).
+"""Where checkpoints are: locating one, the naming rules, the latest pointer, what a run root is
+(listing a root is ``ckptkit.ops.listing``; the commit itself is ``ckptkit.io.commit``).
 
 A checkpoint named NAME under a root is committed when ``NAME/manifest.json`` exists. It is
 written as ``.NAME.tmp-<id>/`` and renamed to NAME after its manifest is durable (where the
-storage can rename); then ``latest`` is replaced atomically with NAME. Anything else under
-the root is a leftover: readers ignore it and ``ckptkit ls`` names it.
+storage can rename); then ``latest`` is replaced atomically with NAME, if NAME's step is
+higher. Readers ignore anything else under the root; ``ckptkit ls`` names it.
 
 ``latest`` holds two lines: NAME, and the checksum of NAME (so that a damaged pointer never
 names another checkpoint silently). A pointer of one line (written before the checksum) is read
@@ -29,7 +29,7 @@ LATEST_NAME = "latest"
 LATEST_LIMIT = 4096
 LEASES_NAME = ".leases"  # read leases (ckptkit.writer.retention); not a leftover
 RUN_NAME = "run.json"  # the run a root belongs to (ckptkit.io.run); not a leftover
-_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<id>[0-9a-f]+)$")
+TEMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<id>[0-9a-f]+)$")  # ".NAME.tmp-<id>": a save being written, or an interrupted one
 
 
 def temp_name(name: str, uid: str) -> str:
@@ -224,65 +224,11 @@ def refuse_nesting(src: Location, dst: Location) -> None:
         raise CheckpointExistsError(f"{dst}: the destination may not be, contain or lie inside the source {src}")
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One name under a root: a committed checkpoint (with its step) or a leftover and why."""
-
-    name: str
-    committed: bool
-    step: int | None = None
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Listing:
-    """What a root holds: committed checkpoints by step, leftovers, and the latest pointer."""
-
-    root: str
-    checkpoints: tuple[Entry, ...]
-    leftovers: tuple[Entry, ...]
-    latest: str
-
-
-def list_root(path: str | os.PathLike[str]) -> Listing:
-    """List the committed checkpoints and the leftovers under a root.
-
-    Raises:
-        CheckpointNotFoundError: the root does not exist.
-    """
-    storage = open_storage(path)
-    if not _root_exists(storage):
-        raise CheckpointNotFoundError(f"{path}: no such directory")
-    committed: list[Entry] = []
-    leftovers: list[Entry] = []
-    for child in storage.list("", recursive=False):
-        name = child.rstrip("/")
-        if name in (LATEST_NAME, LEASES_NAME, RUN_NAME):
-            continue
-        if not child.endswith("/"):
-            leftovers.append(Entry(name, False, reason="stray file"))
-            continue
-        tmp = _TMP.match(name)
-        if tmp:
-            leftovers.append(Entry(name, False, reason=f"uncommitted save of {tmp['name']}"))
-            continue
-        if not storage.exists(f"{name}/{MANIFEST_NAME}"):
-            if storage.is_prefix(name):  # an object store may list a prefix whose keys are gone
-                leftovers.append(Entry(name, False, reason=f"no {MANIFEST_NAME}"))
-            continue
-        step, problem = _step(storage, name)
-        if problem:
-            leftovers.append(Entry(name, False, reason=f"unreadable {MANIFEST_NAME}: {problem}"))
-        else:
-            committed.append(Entry(name, True, step=step))
-    committed.sort(key=lambda e: (e.step if e.step is not None else -1, e.name))
-    return Listing(str(path), tuple(committed), tuple(leftovers), read_latest(storage))
-
-
-def _root_exists(storage: Storage) -> bool:
+def root_exists(storage: Storage) -> bool:
+    """Whether a root exists (on an object store: while it holds keys)."""
     if storage.capabilities.local_files:
         return os.path.isdir(storage.root)
-    return bool(storage.list("", recursive=False))  # elsewhere a root exists while it holds keys
+    return bool(storage.list("", recursive=False))
 
 
 def step_of(storage: Storage, name: str) -> int | None:
@@ -291,15 +237,23 @@ def step_of(storage: Storage, name: str) -> int | None:
 
 
 def _step(storage: Storage, name: str) -> tuple[int | None, str]:
-    """The step of checkpoint `name`, or None and why its manifest cannot be read. Lighter than
-    parsing the manifest (no schema validation), but size-capped and checked against its seal."""
+    """The step of checkpoint `name`, or None and why its manifest cannot be read."""
+    raw, problem = sealed_manifest(storage, name)
+    if raw is None:
+        return None, problem
+    step = raw.get("step")
+    return (step, "") if type(step) is int else (None, "no step")
+
+
+def sealed_manifest(storage: Storage, name: str) -> tuple[dict[str, object] | None, str]:
+    """The raw manifest of checkpoint `name` (None, and why, when it cannot be read). Lighter
+    than parsing it (no schema validation), but size-capped and checked against its seal."""
     loc = Location(storage, name)
     try:
         raw = strictjson.loads(manifest_bytes(loc))
         if not isinstance(raw, dict):
             return None, "not a JSON object"
         check_seal(raw, check_version(raw, source=MANIFEST_NAME), source=MANIFEST_NAME)
-        step = raw.get("step")
-        return (step, "") if type(step) is int else (None, "no step")
+        return raw, ""
     except (StorageError, ManifestError, ValueError) as exc:
         return None, str(exc).removeprefix(f"{MANIFEST_NAME}: ")

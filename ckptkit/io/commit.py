@@ -45,6 +45,7 @@ class Staging:
 
 
 CLAIM_NAME = ".ckptkit-claim"
+REPORT_NAME = "export_report.json"  # an export's marker: written last, it commits the export
 
 
 def staging(loc: Location, uid: str, *, fixed_paths: bool = False) -> Staging:

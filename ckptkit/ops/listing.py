@@ -1,38 +1,224 @@
-"""Report models for CLI JSON output that are not owned by another module (their schemas are published)."""
+"""What a root holds: its committed checkpoints (step, topology, size, time), the other
+directories named for what they are, the leftovers of interrupted saves, and what is wrong with
+its ``latest`` pointer (no torch).
+
+`classify` is pure: from the names a directory holds it says what the directory is. Only
+interrupted saves (``.NAME.tmp-<id>``, or ckptkit payload files with no manifest) are
+leftovers, the things ``ckptkit clean`` removes; exports, other tools' checkpoints and unknown
+directories are named and left alone.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import os
+import re
+from collections.abc import Collection
+from typing import Literal
 
-from ..io.catalog import Listing
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import CheckpointNotFoundError, IntegrityError, StorageError
+from ..io.catalog import (
+    LATEST_NAME,
+    LEASES_NAME,
+    RUN_NAME,
+    TEMP_PATTERN,
+    locate,
+    read_latest,
+    root_exists,
+    sealed_manifest,
+)
+from ..io.commit import CLAIM_NAME, REPORT_NAME
+from ..io.run_record import RunRecord, read_run
+from ..manifest import MANIFEST_NAME, Topology
+from ..storage import Storage, open_storage
+
+Kind = Literal["checkpoint", "damaged", "run-root", "hf-export", "dcp-export", "zarr-export", "hf", "dcp", "deepspeed", "megatron",
+               "leftover", "unknown"]
+# Payload files ckptkit writes (rank00000.safetensors, rank00000-1.safetensors) and the
+# per-writer prefix of an object store's in-place save: their presence without a manifest
+# means a save (or a deletion) was interrupted.
+_PAYLOAD = re.compile(r"^(rank\d{5}(-\d+)?\.safetensors|[0-9a-f]{12}/|tokenizer/)$")
+DESCRIPTIONS: dict[str, str] = {
+    "checkpoint": "a committed ckptkit checkpoint",
+    "damaged": "a checkpoint whose manifest.json cannot be read (ckptkit verify it)",
+    "run-root": "a root of ckptkit checkpoints (ckptkit ls it)",
+    "hf-export": "a Hugging Face model directory written by ckptkit export",
+    "dcp-export": "a torch DCP checkpoint written by ckptkit export",
+    "zarr-export": "the zarr form written by ckptkit export",
+    "hf": "a Hugging Face model directory",
+    "dcp": "a torch.distributed.checkpoint (DCP) directory (ckptkit convert reads it)",
+    "deepspeed": "a DeepSpeed save (ckptkit convert reads it)",
+    "megatron": "a Megatron save (ckptkit convert reads it)",
+    "unknown": "not a checkpoint ckptkit knows",
+}
 
 
-class ListedCheckpoint(BaseModel):
+class _Report(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListedCheckpoint(_Report):
     name: str
     step: int | None
+    topology: Topology | None  # None when the manifest does not hold a readable one
+    bytes: int | None  # the payload files' total size as the manifest lists them
+    created_at: str | None
+    latest: bool  # the root's latest pointer names it
 
 
-class Leftover(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class Other(_Report):
+    """A directory or file under the root that is not a committed checkpoint nor a leftover."""
+
+    name: str
+    kind: Kind
+    detail: str
+
+
+class Leftover(_Report):
+    """What an interrupted save left: ``ckptkit clean`` removes it."""
+
     name: str
     reason: str
 
 
-class ListingReport(BaseModel):
+class ListingReport(_Report):
     """What ``ckptkit ls --json`` prints."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     root: str
-    latest: str
+    kind: Kind  # what ROOT itself is: a run root, or (given by mistake) a checkpoint, an export...
+    latest: str | None  # the name ``latest`` holds (null: no pointer, or a damaged one)
+    run: RunRecord | None
     checkpoints: list[ListedCheckpoint]
+    others: list[Other]
     leftovers: list[Leftover]
+    warnings: list[str]
 
 
-def listing_report(listing: Listing) -> ListingReport:
-    return ListingReport(
-        root=listing.root,
-        latest=listing.latest,
-        checkpoints=[ListedCheckpoint(name=e.name, step=e.step) for e in listing.checkpoints],
-        leftovers=[Leftover(name=e.name, reason=e.reason) for e in listing.leftovers],
-    )
+def classify(names: Collection[str]) -> Kind:
+    """Say what a directory is from the names it holds (directories end with ``/``)."""
+    has = set(names).__contains__
+    if has(MANIFEST_NAME):
+        return "zarr-export" if has(REPORT_NAME) and has("zarr.json") else "checkpoint"
+    if has(REPORT_NAME):
+        return "dcp-export" if has(".metadata") else "hf-export"
+    if has("config.json") and any(n.endswith((".safetensors", ".bin")) or n.endswith(".index.json") for n in names):
+        return "hf"
+    if has("latest_checkpointed_iteration.txt") or has("common.pt") and has("metadata.json"):
+        return "megatron"
+    if has(".metadata") or any(re.fullmatch(r"__\d+\.metadata", n) for n in names):
+        return "dcp"
+    if has("latest") and any(n.startswith("global_step") for n in names) or any(n.endswith("model_states.pt") for n in names):
+        return "deepspeed"
+    if has(LATEST_NAME) or has(RUN_NAME):
+        return "run-root"
+    if any(_PAYLOAD.match(n) for n in names) or has(CLAIM_NAME):
+        return "leftover"
+    return "unknown"
+
+
+def list_root(path: str | os.PathLike[str]) -> ListingReport:
+    """List what the root `path` holds.
+
+    Raises:
+        CheckpointNotFoundError: the root does not exist.
+    """
+    storage = open_storage(path)
+    if not root_exists(storage):
+        raise CheckpointNotFoundError(f"{path}: no such directory")
+    children = storage.list("", recursive=False)
+    kind = classify(children)
+    latest, warnings = _latest(storage)
+    if kind not in ("run-root", "unknown", "leftover"):  # ROOT is itself a checkpoint or an export
+        warnings.append(f"{path} is {DESCRIPTIONS[kind]}, not a root of checkpoints; "
+                        + ("ckptkit inspect it, or ckptkit ls its parent" if kind == "checkpoint" else "ckptkit ls its parent"))
+        loc = locate(path)
+        itself = _checkpoint(loc.storage, loc.name, None)[0] if kind == "checkpoint" else None
+        return ListingReport(root=str(path), kind=kind, latest=latest, run=None, checkpoints=[itself] if itself else [],
+                             others=[], leftovers=[], warnings=warnings)
+    checkpoints: list[ListedCheckpoint] = []
+    others: list[Other] = []
+    leftovers: list[Leftover] = []
+    for child in children:
+        _entry(storage, child, latest, checkpoints, others, leftovers)
+    checkpoints.sort(key=lambda c: (c.step if c.step is not None else -1, c.name))
+    warnings += _latest_warnings(latest, checkpoints, bool(leftovers))
+    run, problem = _run(storage)
+    warnings += [problem] if problem else []
+    return ListingReport(root=str(path), kind="run-root", latest=latest, run=run, checkpoints=checkpoints, others=others,
+                         leftovers=leftovers, warnings=warnings)
+
+
+def _entry(storage: Storage, child: str, latest: str | None, checkpoints: list[ListedCheckpoint], others: list[Other],
+           leftovers: list[Leftover]) -> None:
+    """Sort one name under the root into checkpoints, others or leftovers."""
+    name = child.rstrip("/")
+    if name in (LATEST_NAME, LEASES_NAME, RUN_NAME):
+        return
+    if not child.endswith("/"):
+        others.append(Other(name=name, kind="unknown", detail="a file"))
+        return
+    tmp = TEMP_PATTERN.match(name)
+    if tmp:
+        leftovers.append(Leftover(name=name, reason=f"uncommitted save of {tmp['name']}"))
+        return
+    kind = classify([key.removeprefix(f"{name}/") for key in storage.list(name, recursive=False)])
+    if kind == "checkpoint":
+        listed, problem = _checkpoint(storage, name, latest)
+        if listed is not None:
+            checkpoints.append(listed)
+        else:  # a manifest is there: not a leftover, and nothing that clean removes
+            others.append(Other(name=name, kind="damaged", detail=f"unreadable {MANIFEST_NAME}: {problem}"))
+    elif kind == "leftover":
+        leftovers.append(Leftover(name=name, reason=f"no {MANIFEST_NAME} (an interrupted save)"))
+    elif kind == "unknown" and not storage.capabilities.local_files and not storage.is_prefix(name):
+        return  # an object store may list a prefix whose keys are gone
+    else:
+        others.append(Other(name=name, kind=kind, detail=DESCRIPTIONS[kind]))
+
+
+def _checkpoint(storage: Storage, name: str, latest: str | None) -> tuple[ListedCheckpoint | None, str]:
+    raw, problem = sealed_manifest(storage, name)
+    if raw is None:
+        return None, problem
+    step = raw.get("step")
+    try:
+        topology = Topology.model_validate(raw.get("topology"))
+    except ValidationError:
+        topology = None
+    files = raw.get("files")
+    sizes = [f.get("size") for f in files if isinstance(f, dict)] if isinstance(files, list) else []
+    created = raw.get("created_at")
+    return ListedCheckpoint(
+        name=name, step=step if type(step) is int else None, topology=topology,
+        bytes=sum(n for n in sizes if type(n) is int) if sizes else None,
+        created_at=created if isinstance(created, str) else None, latest=name == latest,
+    ), ""
+
+
+def _latest(storage: Storage) -> tuple[str | None, list[str]]:
+    try:
+        return read_latest(storage) or None, []
+    except (IntegrityError, StorageError) as exc:
+        return None, [f"{LATEST_NAME} is damaged: {exc}"]
+
+
+def _latest_warnings(latest: str | None, checkpoints: list[ListedCheckpoint], leftovers: bool) -> list[str]:
+    names = {c.name for c in checkpoints}
+    out = []
+    if latest is not None and latest not in names:
+        out.append(f"{LATEST_NAME} names {latest}, which is not a committed checkpoint here: "
+                   "--resume latest fails until a new save moves it")
+    elif latest is None and checkpoints:
+        out.append(f"no {LATEST_NAME} pointer, though {len(checkpoints)} checkpoint(s) are committed: "
+                   "resume one by its path")
+    if leftovers:
+        out.append("leftovers of interrupted saves: ckptkit clean removes them")
+    return out
+
+
+def _run(storage: Storage) -> tuple[RunRecord | None, str]:
+    try:
+        return read_run(storage), ""
+    except (IntegrityError, StorageError) as exc:
+        return None, str(exc)

@@ -29,7 +29,7 @@ def run(out_dir: str, echo: Callable[[str], None]) -> bool:
     echo(f"\n$ ckptkit ls {run_dir}")
     for e in listing.checkpoints:
         echo(f"  {e.name}  step {e.step}{'  <- latest' if e.name == listing.latest else ''}")
-    latest = os.path.join(run_dir, listing.latest)
+    latest = os.path.join(run_dir, listing.latest or listing.checkpoints[-1].name)
     previous = os.path.join(run_dir, listing.checkpoints[-2].name) if len(listing.checkpoints) > 1 else latest
     echo(f"\n$ ckptkit inspect {latest}\n" + inspect(latest).render())
     report = verify(latest)

@@ -109,6 +109,27 @@ def lease(storage: Storage, name: str) -> Iterator[None]:
     finally:
         with contextlib.suppress(StorageError):
             storage.delete(key)
+        drop_if_empty(storage, name)
+
+
+def drop_if_empty(storage: Storage, name: str) -> None:
+    """Remove the lease folder of checkpoint `name` if it holds nothing (a local directory; an
+    object store has no empty folders). Only an empty directory is removed, atomically, so a
+    lease another reader takes meanwhile is never deleted with it."""
+    if not storage.capabilities.local_files:
+        return
+    with contextlib.suppress(OSError):
+        os.rmdir(storage.local_path(f"{LEASES}/{name}"))
+
+
+def stale(storage: Storage) -> list[str]:
+    """The keys of leases and deletion marks under the root whose process (of this host) no
+    longer runs."""
+    try:
+        keys = storage.list(LEASES)
+    except StorageError:
+        return []
+    return [key for key in keys if not _live(storage, key)]
 
 
 def _delete(storage: Storage, name: str) -> bool:

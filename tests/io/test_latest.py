@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.io.catalog import is_run_root, list_root, moves_forward, read_latest
+from ckptkit.io.catalog import is_run_root, moves_forward, read_latest
 from ckptkit.layouts import Layout, Param, StateGroup, TensorPart, TPCut, Unit
 from ckptkit.manifest import Topology
 from ckptkit.storage import open_storage
@@ -44,7 +44,7 @@ def test_a_save_at_a_lower_step_does_not_move_latest_back(tmp_path: Path) -> Non
     _save(tmp_path, 20)
     _save(tmp_path, 10)
     assert _latest(tmp_path) == "step_00000020"
-    assert [e.name for e in list_root(tmp_path).checkpoints] == ["step_00000010", "step_00000020"]
+    assert [e.name for e in ckptkit.list_checkpoints(tmp_path).checkpoints] == ["step_00000010", "step_00000020"]
 
 
 def test_a_save_moves_latest_past_a_pointer_that_names_nothing(tmp_path: Path) -> None:
