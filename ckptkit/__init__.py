@@ -41,6 +41,7 @@ from .storage import Storage, open_storage
 if TYPE_CHECKING:
     from .ops.convert import ConvertReport, convert, detect_format, list_converters
     from .ops.diff import DiffReport, diff
+    from .ops.failure import ErrorReport
     from .exports.run import ExportReport, export
     from .ops.inspect import InspectReport, human_bytes, inspect
     from .layouts import Layout
@@ -66,6 +67,7 @@ __all__ = [
     "DataProgress",
     "DataVersion",
     "DiffReport",
+    "ErrorReport",
     "ExportReport",
     "InspectReport",
     "IntegrityError",
@@ -119,7 +121,7 @@ _LAZY = {
     "Layout": "layouts", "convert": "ops.convert", "ConvertReport": "ops.convert", "detect_format": "ops.convert",
     "list_converters": "ops.convert", "clean": "writer.clean", "CleanReport": "writer.clean", "prune": "writer.prune",
     "PruneReport": "writer.prune",
-    "human_bytes": "ops.inspect",
+    "human_bytes": "ops.inspect", "ErrorReport": "ops.failure",
 }
 
 

@@ -1,7 +1,17 @@
 """The ``ckptkit`` command: a thin click layer over the library.
 
-Exit codes: 0 success; 1 a ckptkit error (or, for verify, problems found); 2 bad usage or,
-for verify, no checkpoint at the path; 3 an internal error (a bug: please report it).
+Exit codes, the same for the same mistake in every command:
+
+- 0: success (verify: sound; diff: equal).
+- 1: a ckptkit error (a damaged or refused checkpoint, an existing destination, an impossible
+  layout, a run that cannot start as asked); verify: problems found; diff: the checkpoints differ.
+- 2: bad usage (an unknown option, a missing argument, a value out of range, options that do
+  not go together), or no checkpoint (or root) at a path the command was given.
+- 3: an internal error (a bug: please report it; CKPTKIT_DEBUG=1 shows the traceback).
+- 130: interrupted.
+
+Every error is one line on stderr; with ``--json`` a failed command also prints an error object
+(``schemas/cli/error.v1.schema.json``) on stdout.
 """
 
 from __future__ import annotations
@@ -11,8 +21,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import click
 
@@ -20,8 +29,7 @@ import ckptkit
 
 from . import CheckpointNotFoundError, CkptkitError, LayoutError
 
-F = TypeVar("F", bound=Callable[..., Any])
-T = TypeVar("T")
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def parse_size(text: str) -> int:
@@ -38,17 +46,55 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * units[match.group(2)])
 
 
-def _fail(message: str, code: int) -> NoReturn:
-    click.echo(f"ckptkit: error: {message}", err=True)
+def exit_code_of(exc: BaseException) -> int:
+    """The exit code of a failure (see the module docstring)."""
+    if isinstance(exc, (CheckpointNotFoundError, click.UsageError)):
+        return EXIT_USAGE
+    if isinstance(exc, click.ClickException):
+        return int(exc.exit_code)
+    return EXIT_FAILED if isinstance(exc, CkptkitError) else EXIT_INTERNAL
+
+
+class Failure(click.ClickException):
+    """A command failed: what to say, the exit code, and whether it was asked for JSON. Shown
+    the same by the entry point and by click's standalone mode."""
+
+    def __init__(self, error: str, message: str, code: int, as_json: bool) -> None:
+        super().__init__(message)
+        self.error, self.as_json = error, as_json
+        self.exit_code = code  # type: ignore[misc]  # click declares it per class; a failure sets its own
+
+    def show(self, file: Any = None) -> None:
+        if self.as_json:
+            _emit_json(ckptkit.ErrorReport(error=self.error, message=self.message, exit_code=self.exit_code))
+        click.echo(f"ckptkit: error: {self.message}", err=True)
+
+
+class _Command(click.Command):
+    """A command whose ckptkit errors become a `Failure` that knows whether --json was given."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (CkptkitError, click.UsageError) as exc:
+            message = exc.format_message() if isinstance(exc, click.UsageError) else str(exc)
+            error = "UsageError" if isinstance(exc, click.UsageError) else type(exc).__name__
+            raise Failure(error, message, exit_code_of(exc), bool(ctx.params.get("as_json"))) from exc
+
+
+class _Group(click.Group):
+    command_class = _Command
+    group_class = type
+
+
+def _fail(message: str, code: int, *, error: str = "CkptkitError", as_json: bool = False) -> NoReturn:
+    Failure(error, message, code, as_json).show()
     sys.exit(code)
 
 
-def _needs_checkpoint(fn: Callable[[], T]) -> T:
-    """Run `fn`; no committed checkpoint where one was named is bad usage: exit 2."""
-    try:
-        return fn()
-    except CheckpointNotFoundError as exc:
-        _fail(str(exc), 2)
+def _usage(message: str) -> NoReturn:
+    """Refuse options that do not go together (exit 2, like any bad usage)."""
+    raise click.UsageError(message)
 
 
 def _emit_json(model: Any) -> None:
@@ -56,7 +102,7 @@ def _emit_json(model: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckptkit")
 def cli() -> None:
     """Checkpoints for sharded large-model training: list, inspect, verify, diff, reshard, export, convert, layout, clean, prune, train, demo."""
@@ -157,7 +203,7 @@ def verify_cmd(path: str, quick: bool, as_json: bool, workers: int) -> None:
     Exit 0 when sound, 1 when problems were found, 2 on bad usage or when PATH holds no
     committed checkpoint.
     """
-    report = _needs_checkpoint(lambda: _with_progress(path, quick, workers, show=not as_json and sys.stderr.isatty()))
+    report = _with_progress(path, quick, workers, show=not as_json and sys.stderr.isatty())
     if as_json:
         _emit_json(report)
     else:
@@ -186,7 +232,7 @@ def _with_progress(path: str, quick: bool, workers: int, *, show: bool) -> ckptk
 @click.option("--atol", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Absolute tolerance.")
 @click.option("--rtol", default=0.0, show_default=True, type=click.FloatRange(min=0), help="Relative tolerance.")
 @click.option("--include-rng", is_flag=True, help="Also compare RNG states (they differ between topologies).")
-@click.option("--limit", default=10, show_default=True, type=click.IntRange(0), help="Differences to print.")
+@click.option("--limit", default=10, show_default=True, type=click.IntRange(0), help="Differences to print (and to list in --json).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def diff_cmd(a: str, b: str, atol: float, rtol: float, include_rng: bool, limit: int, as_json: bool) -> None:
     """Compare checkpoints A and B as logical tensors, whatever their topologies.
@@ -195,9 +241,9 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, include_rng: bool, limit:
     1 when different, 2 on bad usage or when A or B holds no committed checkpoint.
     """
     kinds = ("param", "optimizer", "buffer", "other") + (("rng",) if include_rng else ())
-    report = _needs_checkpoint(lambda: ckptkit.diff(a, b, atol=atol, rtol=rtol, kinds=kinds))
+    report = ckptkit.diff(a, b, atol=atol, rtol=rtol, kinds=kinds)
     if as_json:
-        _emit_json(report)
+        _emit_json(report.model_copy(update={"differences": report.differences[:limit]}))
     else:
         for d in report.differences[:limit]:
             detail = f"{d.mismatched}/{d.numel} differ, max abs {d.max_abs:.3g}, max rel {d.max_rel:.3g}" if d.numel else d.problem
@@ -240,16 +286,14 @@ def reshard_cmd(
     from .layouts import load_layout
 
     if zero not in (0, 1, 2, 3):
-        _fail(f"zero stage {zero} is not one of 0, 1, 2, 3", 2)
+        _usage(f"--zero: stage {zero} is not one of 0, 1, 2, 3")
     layout = load_layout(layout_file) if layout_file is not None else None
     target = ckptkit.Topology(world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp, zero_stage=zero)
     dist = _init_torchrun()
     rank = dist.get_rank() if dist is not None else 0
     try:
-        report = _needs_checkpoint(
-            lambda: ckptkit.reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest,
-                            layout=layout)
-        )
+        report = ckptkit.reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest,
+                                 layout=layout)
     finally:
         if dist is not None:
             dist.destroy_process_group()
@@ -297,7 +341,7 @@ def layout_show_cmd(path: str) -> None:
     """
     from .layouts import layout_for
 
-    checkpoint = _needs_checkpoint(lambda: ckptkit.open(path))
+    checkpoint = ckptkit.open(path)
     click.echo(json.dumps(layout_for(checkpoint.manifest, where=str(checkpoint.location)).to_json(), indent=2))
 
 
@@ -319,9 +363,9 @@ def layout_builtin_cmd(family: str, config: str) -> None:
         with open(config, "rb") as f:
             values = json.loads(f.read(1 << 20))
     except (OSError, ValueError) as exc:
-        _fail(f"{config}: cannot read a JSON model config ({exc})", 1)
+        raise LayoutError(f"{config}: cannot read a JSON model config ({exc})") from None
     if not isinstance(values, dict):
-        _fail(f"{config}: a model config is a JSON object", 1)
+        raise LayoutError(f"{config}: a model config is a JSON object")
     click.echo(json.dumps(builtin(family, values).to_json(), indent=2))
 
 
@@ -344,7 +388,7 @@ def layout_check_cmd(file: str, tp: int | None, pp: int | None, dp: int | None, 
         with open(file, "rb") as f:
             data = f.read(1 << 26)
     except OSError as exc:
-        _fail(f"{file}: cannot read the layout file ({exc.strerror or exc})", 1)
+        raise LayoutError(f"{file}: cannot read the layout file ({exc.strerror or exc})") from None
     problems = layout_problems(data)
     if not problems and any(n is not None for n in (tp, pp, dp, cp, zero)):
         t, p, d, c = tp or 1, pp or 1, dp or 1, cp or 1
@@ -391,18 +435,18 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     try:
         size = parse_size(max_shard_size)
     except CkptkitError as exc:
-        _fail(f"--max-shard-size: {exc}", 2)
+        _usage(f"--max-shard-size: {exc}")
     if fmt == "zarr" and dtype is not None:
-        _fail("--dtype: the zarr form keeps every tensor in its saved dtype", 2)
+        _usage("--dtype: the zarr form keeps every tensor in its saved dtype")
     if fmt == "hf" and include_optimizer:
-        _fail("--include-optimizer: the hf format holds model weights only (use --format dcp or zarr)", 2)
+        _usage("--include-optimizer: the hf format holds model weights only (use --format dcp or zarr)")
     if fmt != "hf" and layout_file is not None:
-        _fail("--layout: names the model for --format hf; dcp and zarr keep the checkpoint's names", 2)
+        _usage("--layout: names the model for --format hf; dcp and zarr keep the checkpoint's names")
     from .layouts import load_layout
 
     layout = load_layout(layout_file) if layout_file is not None else None
-    report = _needs_checkpoint(lambda: ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size,
-                                              include_optimizer=include_optimizer, layout=layout))
+    report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
+                            layout=layout)
     if as_json:
         _emit_json(report)
         return
@@ -439,7 +483,7 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
     layout = load_layout(layout_file) if layout_file is not None else None
     names = ckptkit.list_converters()
     if source_format != "auto" and source_format not in names:
-        _fail(f"--from: no converter for {source_format!r}; choose auto or one of: {', '.join(names) or 'none installed'}", 2)
+        _usage(f"--from: no converter for {source_format!r}; choose auto or one of: {', '.join(names) or 'none installed'}")
     if source_format == "auto":
         source_format = ckptkit.detect_format(src)
         click.echo(f"ckptkit: {src}: converting from {source_format} ({names[source_format]})", err=True)
@@ -511,7 +555,7 @@ def train_cmd(**options: Any) -> None:
 @cli.command("demo")
 @click.argument("out_dir", default="demo-out", required=False)
 def demo_cmd(out_dir: str) -> None:
-    """Save a small sharded checkpoint from 4 ranks into OUT_DIR, then list, inspect, verify and load it."""
+    """Train the tiny model on 8 ranks (TP 2 x PP 2 x DP 2, ZeRO-1) into OUT_DIR, then list, inspect, verify, diff and reload what it saved."""
     from .trainer.demo import run
 
     ok = run(out_dir, click.echo)
@@ -519,24 +563,28 @@ def demo_cmd(out_dir: str) -> None:
 
 
 def main() -> None:
-    """Entry point: run the CLI, turning ckptkit errors into one-line messages."""
+    """Entry point: run the CLI, turning every failure into one line (and, with --json, an error object)."""
     try:
-        cli.main(standalone_mode=False)
+        cli.main(prog_name="ckptkit", standalone_mode=False)
+    except Failure as failure:
+        failure.show()
+        sys.exit(failure.exit_code)
     except click.exceptions.Abort:
-        _fail("aborted", 1)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
+        _fail("aborted", EXIT_FAILED)
+    except click.ClickException as exc:  # bad usage found while parsing, before the command ran
+        where = f" (see '{exc.ctx.command_path} --help')" if isinstance(exc, click.UsageError) and exc.ctx else ""
+        _fail(exc.format_message().rstrip(".") + where, exit_code_of(exc), error="UsageError", as_json="--json" in sys.argv[1:])
     except CkptkitError as exc:
-        _fail(str(exc), 1)
+        _fail(str(exc), exit_code_of(exc), error=type(exc).__name__)
     except KeyboardInterrupt:
-        _fail("interrupted", 130)
+        _fail("interrupted", EXIT_INTERRUPTED)
     except SystemExit:
         raise
     except Exception as exc:  # a bug, not a user mistake: say so in one line
         if os.environ.get("CKPTKIT_DEBUG"):
             raise
-        _fail(f"internal error: {type(exc).__name__}: {exc} (set CKPTKIT_DEBUG=1 for a traceback)", 3)
+        _fail(f"internal error: {type(exc).__name__}: {exc} (set CKPTKIT_DEBUG=1 for a traceback)", EXIT_INTERNAL,
+              error="InternalError", as_json="--json" in sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class CkptkitError(Exception):
     """Base class of every error ckptkit raises on purpose."""
@@ -32,4 +34,17 @@ class CheckpointExistsError(CkptkitError, FileExistsError):
 
 
 class RunError(CkptkitError, ValueError):
-    """A training run cannot start as asked (resumed past its last step, or with another model)."""
+    """A training run cannot start as asked (nothing to resume, resumed past its last step, or
+    with another model)."""
+
+
+SHOWN = 10  # problems a message lists before it counts the rest
+WIDTH = 300  # characters of one problem a message shows
+
+
+def summarize(problems: Sequence[str], *, limit: int = SHOWN, width: int = WIDTH) -> str:
+    """Join the first `limit` problems, each cut at `width` characters, and count the rest: an
+    error message stays one readable line however many findings there are."""
+    shown = [p if len(p) <= width else p[: width - 3] + "..." for p in problems[:limit]]
+    more = len(problems) - len(shown)
+    return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")

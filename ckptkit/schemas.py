@@ -14,6 +14,8 @@ from typing import Any
 from .exports.run import ExportReport
 from .io.run_record import RunRecord
 from .ops.convert import ConvertReport
+from .ops.diff import DiffReport
+from .ops.failure import ErrorReport
 from .ops.inspect import InspectReport
 from .layouts import layout_json_schema
 from .manifest import SCHEMA_MAJOR, manifest_json_schema
@@ -31,7 +33,8 @@ def all_schemas() -> dict[str, dict[str, Any]]:
     run["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     out["run/v1.schema.json"] = run
     for name, model in (("verify", VerifyReport), ("inspect", InspectReport), ("ls", ListingReport), ("reshard", ReshardReport),
-                        ("export", ExportReport), ("convert", ConvertReport), ("clean", CleanReport), ("prune", PruneReport)):
+                        ("export", ExportReport), ("convert", ConvertReport), ("clean", CleanReport), ("prune", PruneReport), ("diff", DiffReport),
+                        ("error", ErrorReport)):
         schema = model.model_json_schema()
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         out[f"cli/{name}.v1.schema.json"] = schema

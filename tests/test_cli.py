@@ -69,16 +69,16 @@ def test_verify_of_missing_path_exits_2_with_one_line_error(tmp_path: Path, run_
     assert "no such checkpoint" in proc.stderr
 
 
-def test_inspect_of_missing_path_exits_1_with_one_line_error(tmp_path: Path, run_ckptkit: Any) -> None:
+def test_inspect_of_missing_path_exits_2_with_one_line_error(tmp_path: Path, run_ckptkit: Any) -> None:
     proc = run_ckptkit("inspect", str(tmp_path / "nothing-here"))
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     _assert_one_line_error(proc.stderr)
     assert "no such checkpoint" in proc.stderr
 
 
-def test_ls_of_missing_root_exits_1_with_one_line_error(tmp_path: Path, run_ckptkit: Any) -> None:
+def test_ls_of_missing_root_exits_2_with_one_line_error(tmp_path: Path, run_ckptkit: Any) -> None:
     proc = run_ckptkit("ls", str(tmp_path / "nothing-here"))
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     _assert_one_line_error(proc.stderr)
     assert "no such directory" in proc.stderr
 

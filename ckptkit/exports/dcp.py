@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .convert import output_dtype
 from ..io.checksum import Hasher
-from ..errors import CkptkitError, LayoutError, StorageError
+from ..errors import CkptkitError, LayoutError, StorageError, summarize
 from .source import (
     ExportedFile,
     ExportedTensor,
@@ -52,7 +52,7 @@ def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -
             clashes.append(f"{keys[key]!r} and {fqn!r} are both {key!r}")
         keys[key] = fqn
     if clashes:
-        raise LayoutError("tensor names collide as DCP keys: " + "; ".join(clashes[:10]))
+        raise LayoutError("tensor names collide as DCP keys: " + summarize(clashes))
     skipped = sorted(set(manifest.tensors) - set(chosen))
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LayoutError
+from ..errors import LayoutError, summarize
 from ..layouts import Layout
 from ..manifest import CheckpointInfo
 from ..state.tree import unescape
@@ -90,7 +90,7 @@ def refuse_unmapped(unmapped: list[str], tensors: Mapping[str, Any], expected: I
     if missing:
         problems.append(f"{len(missing)} tensor(s) the model config needs are missing: {', '.join(missing[:20])}")
     if problems:
-        raise LayoutError("cannot export: " + "; ".join(problems))
+        raise LayoutError("cannot export: " + summarize(problems))
 
 
 def megatron_map(tensors: Mapping[str, Any], layout: Layout) -> dict[str, Piece]:

@@ -30,7 +30,7 @@ from ..boxes import Box
 from ..io.checksum import checksum_of
 from ..io.write import hash_padded
 from ..manifest.dtypes import itemsize
-from ..errors import LayoutError, StorageError
+from ..errors import LayoutError, StorageError, summarize
 from .source import (
     ExportedFile,
     ExportedTensor,
@@ -99,7 +99,7 @@ def plan_arrays(tensors: dict[str, TensorEntry], chunk_bytes: int = CHUNK_BYTES)
     problems = [p for fqn in tensors for p in _name_problems(fqn)]
     problems += [f"{fqn}: dtype {t.dtype} has no zarr data type" for fqn, t in tensors.items() if t.dtype not in ZARR_DTYPES]
     if problems:
-        raise LayoutError(f"cannot write the zarr form: {len(problems)} problem(s): " + "; ".join(problems[:20]))
+        raise LayoutError(f"cannot write the zarr form: {len(problems)} problem(s): " + summarize(problems))
     return [_plan_array(fqn, tensors[fqn], chunk_bytes) for fqn in sorted(tensors)]
 
 

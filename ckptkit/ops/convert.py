@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, JsonValue
 
 from .. import __version__
 from ..boxes import full_box
-from ..errors import CheckpointExistsError, IntegrityError, LayoutError, ManifestError
+from ..errors import CheckpointExistsError, IntegrityError, LayoutError, ManifestError, summarize
 from ..io.catalog import locate
 from ..io.commit import commit, discard, refuse_existing, staging
 from ..io.write import Written, write_safetensors, write_small
@@ -281,10 +281,10 @@ def write_converted(
     """
     problems = name_problems([t.name for t in tensors] + list(objects))
     if problems:
-        raise ManifestError(f"{dst}: names collide: " + "; ".join(problems[:10]))
+        raise ManifestError(f"{dst}: names collide: " + summarize(problems))
     fit = [] if layout is None else fit_problems(layout, {t.name: t.shape for t in tensors})
     if layout is not None and fit:
-        raise LayoutError(f"{dst}: the layout {layout.name!r} does not fit the converted tensors: " + "; ".join(fit[:20]))
+        raise LayoutError(f"{dst}: the layout {layout.name!r} does not fit the converted tensors: " + summarize(fit))
     loc = locate(dst, storage)
     specs = {t.name: t for t in tensors}
     meta = {t.name: ItemDesc(t.name, t.dtype, t.shape, full_box(t.shape)) for t in tensors}

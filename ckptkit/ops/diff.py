@@ -37,7 +37,8 @@ class DiffReport(BaseModel):
     rtol: float
     kinds: list[str]
     tensors_compared: int
-    differences: list[TensorDiff]
+    differences: list[TensorDiff]  # the largest first; ``ckptkit diff --json`` keeps the first --limit
+    differences_total: int  # how many tensors differ (also those left out of `differences`)
     objects_equal: bool
 
 
@@ -79,7 +80,8 @@ def diff(
     objects_equal = man_a.objects == man_b.objects
     return DiffReport(
         a=str(loc_a), b=str(loc_b), equal=not diffs and objects_equal, atol=atol, rtol=rtol, kinds=list(kinds),
-        tensors_compared=len(names_a & names_b), differences=diffs, objects_equal=objects_equal,
+        tensors_compared=len(names_a & names_b), differences=diffs, differences_total=len(diffs),
+        objects_equal=objects_equal,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..io.catalog import Location, still_committed
-from ..errors import LayoutError
+from ..errors import LayoutError, summarize
 from ..io.read import Reader
 from ..manifest import Manifest
 from ..plan.load import plan_load
@@ -129,4 +129,4 @@ def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]
             if p.local.dtype != torch_dtype(entry.dtype):
                 problems.append(f"{fqn}: target dtype {p.local.dtype}, checkpoint {entry.dtype}")
     if problems:
-        raise LayoutError(f"cannot load into target: {len(problems)} problem(s): " + "; ".join(problems[:20]))
+        raise LayoutError(f"cannot load into target: {len(problems)} problem(s): " + summarize(problems))

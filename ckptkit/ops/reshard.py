@@ -34,7 +34,7 @@ from ..io.read import PIECE, SMALL_RUN, Reader, byte_shape
 from ..io.write import Written, write_safetensors
 from .collective import default_collective, guard, unwrap
 from ..manifest.dtypes import itemsize
-from ..errors import IntegrityError, StorageError
+from ..errors import IntegrityError, StorageError, summarize
 from ..layouts import Layout, layout_for
 from ..manifest import FileEntry, Manifest, Producer, Topology, manifest_to_json
 from ..io.payload import open_checkpoint, read_checked
@@ -218,7 +218,7 @@ def _write_jobs(
         written = list(pool.map(write, order))
         problems = findings.result()
     if problems:
-        raise IntegrityError("the source does not match its manifest: " + "; ".join(problems[:10]))
+        raise IntegrityError("the source does not match its manifest: " + summarize(problems))
     return written, reader.bytes_read
 
 
@@ -296,7 +296,7 @@ def _commit(
     failed = [(r, res[1]) for r, res in enumerate(results) if res[0] != "ok"]
     if failed:
         said = [message if len(results) == 1 else f"rank {r}: {message}" for r, (_, message) in failed]
-        unwrap(("error", (failed[0][1][0], "nothing committed: " + "; ".join(said))))
+        unwrap(("error", (failed[0][1][0], "nothing committed: " + summarize(said))))
     written = {w.path: w for res in results for w in res[1][0]}
     files = [written[f.path].entry(stage.path(f.path)) for f in plan.save.all_files()]
     index = {f.path: i for i, f in enumerate(plan.save.all_files())}

@@ -18,7 +18,7 @@ from ..boxes import Box
 from ..io.catalog import Location, locate
 from ..io.commit import Staging, commit, discard, refuse_existing, staging
 from .collective import Collective, default_collective, guard, unwrap
-from ..errors import CkptkitError, LayoutError, StorageError
+from ..errors import CkptkitError, LayoutError, StorageError, summarize
 from ..layouts import Layout, fit_problems, topology_problems
 from ..manifest import (
     KINDS,
@@ -142,7 +142,7 @@ def _describe(
                 descs.append(item)
         problems = json_problems(objects)
         if problems:
-            raise LayoutError("values must be tensors or JSON: " + "; ".join(problems[:10]))
+            raise LayoutError("values must be tensors or JSON: " + summarize(problems))
     except CkptkitError as exc:
         return {}, [], {}, f"{type(exc).__name__}: {exc}"
     return local, descs, objects, ""
@@ -158,7 +158,7 @@ def _plan(
 ) -> tuple[SavePlan, str, Topology]:
     errors = [f"rank {r}: {err}" for r, (_, _, err) in enumerate(gathered) if err]
     if errors:
-        raise LayoutError("; ".join(errors))
+        raise LayoutError(summarize(errors))
     differing = [r for r, (_, digest, _) in enumerate(gathered) if digest != gathered[0][1]]
     if differing:
         raise LayoutError(f"non-tensor values differ from rank 0's on ranks {differing}; save per-rank values as tensors")
@@ -178,7 +178,7 @@ def _plan(
 def _check_layout(layout: Layout, topology: Topology, shapes: dict[str, tuple[int, ...]]) -> None:
     problems = fit_problems(layout, shapes) + topology_problems(layout, topology)
     if problems:
-        raise LayoutError(f"the layout {layout.name!r} does not fit this save: " + "; ".join(problems[:20]))
+        raise LayoutError(f"the layout {layout.name!r} does not fit this save: " + summarize(problems))
 
 
 def _write_files(
@@ -211,7 +211,7 @@ def _commit(
 ) -> Manifest:
     errors = [f"rank {r}: {res[1]}" for r, res in enumerate(results) if res[0] != "ok"]
     if errors:
-        raise StorageError("payload writes failed, nothing committed: " + "; ".join(errors))
+        raise StorageError("payload writes failed, nothing committed: " + summarize(errors))
     written = {w.path: w for _, ws in results for w in ws}
     files = [written[f.path].entry(stage.path(f.path)) for f in plan.all_files()]
     index = {f.path: i for i, f in enumerate(plan.all_files())}

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..boxes import Box, in_bounds
-from ..errors import LayoutError
+from ..errors import LayoutError, summarize
 from ..manifest import BoxShards, Manifest, TensorEntry
 from ..manifest.shards import Shard, iter_shards, shards_overlapping
 
@@ -174,5 +174,5 @@ def plan_load(manifest: Manifest, requests: Sequence[tuple[str, Box]], *, lookup
             problems.append(f"{fqn}: the checkpoint's shards cover {covered} of the {volume} elements requested")
         targets.append(TargetPlan(fqn, box, reads))
     if problems:
-        raise LayoutError(f"cannot load: {len(problems)} problem(s): " + "; ".join(problems[:20]))
+        raise LayoutError(f"cannot load: {len(problems)} problem(s): " + summarize(problems))
     return LoadPlan(tuple(targets))

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..boxes import Box, in_bounds, tiling_problems
-from ..errors import LayoutError
+from ..errors import LayoutError, summarize
 from ..layouts import Holders, Layout, holders, placed_tensors, topology_problems
 from ..manifest import Manifest, Topology
 from .load import ShardLookup, TargetPlan, plan_load
@@ -64,10 +64,10 @@ def plan_reshard(
     """
     problems = topology_problems(layout, topology)
     if problems:
-        raise LayoutError(f"cannot reshard to {topology.describe()}: " + "; ".join(problems))
+        raise LayoutError(f"cannot reshard to {topology.describe()}: " + summarize(problems))
     placed, problems = placed_tensors(layout, {fqn: t.shape for fqn, t in manifest.tensors.items()})
     if problems:
-        raise LayoutError(f"the layout does not match the saved tensors: {len(problems)} problem(s): " + "; ".join(problems))
+        raise LayoutError(f"the layout does not match the saved tensors: {len(problems)} problem(s): " + summarize(problems))
     with collector_paused():
         by_tensor = {fqn: boxes for fqn, boxes in holders(layout, topology).items() if fqn in placed}
         return plan_placement(manifest, by_tensor, topology, files_per_rank=files_per_rank,
@@ -106,7 +106,7 @@ def plan_placement(
     if problems:
         raise LayoutError(
             f"the layout does not match the saved tensors: {len(problems)} problem(s): "
-            + "; ".join(problems[:20])
+            + summarize(problems)
         )
     save = plan_files(by_tensor, meta, world, max_file_bytes=max_file_bytes, files_per_rank=files_per_rank)
     jobs = [FileJob(rank, f) for rank, files in enumerate(save.files) for f in files]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..boxes import Box, tiling_problems
 from ..manifest.dtypes import itemsize
-from ..errors import LayoutError
+from ..errors import LayoutError, summarize
 from ..manifest import TensorEntry
 from ..manifest.shards import Shard, compact_shards, grid_cuts_of
 
@@ -79,7 +79,7 @@ def plan_save(
         for problem in tiling_problems(meta[fqn].shape, list(boxes)):
             problems.append(f"{fqn}: {problem}")
     if problems:
-        raise LayoutError(f"cannot save: {len(problems)} problem(s): " + "; ".join(problems[:20]))
+        raise LayoutError(f"cannot save: {len(problems)} problem(s): " + summarize(problems))
     return plan_files(holders, meta, len(ranks), max_file_bytes=max_file_bytes, files_per_rank=files_per_rank)
 
 

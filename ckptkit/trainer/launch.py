@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -33,6 +34,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
     port = free_port()
+    # When one rank fails torch stops the others and logs a line per rank ("Terminating process
+    # ... via signal SIGTERM"); the one error this raises says what happened. The spawned ranks
+    # inherit the environment.
+    quieted = "TORCH_CPP_LOG_LEVEL" not in os.environ
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # nor the peers' c10d warnings, stack and all
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="ckptkit-ranks-") as errors:
         try:
             mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
@@ -41,6 +50,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
             )
         except (ProcessRaisedException, ProcessExitedException) as exc:
             raise CkptkitError(_first_failure(errors) or f"rank {exc.error_index} failed") from exc
+        finally:
+            spawn_log.setLevel(level)
+            if quieted:
+                os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
 def _first_failure(directory: str) -> str:

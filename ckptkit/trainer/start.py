@@ -35,9 +35,9 @@ def plan_start(cfg: TrainConfig) -> Start:
     Raises:
         CheckpointExistsError: a new run into a root holding checkpoints (of another run), or a
             resume that would save a step already committed there.
-        CheckpointNotFoundError: ``--resume`` names nothing to resume (``latest`` of a root with
-            no checkpoint, unless ``resume_if_present``; or a path with no checkpoint).
-        RunError: the checkpoint is past ``--steps``, or of another model size.
+        CheckpointNotFoundError: ``--resume`` names a path that holds no checkpoint.
+        RunError: ``--resume latest`` with nothing to resume (unless ``resume_if_present``), or
+            the checkpoint is past ``--steps``, or of another model size.
     """
     root = ckptkit.open_storage(cfg.out)
     committed = _committed(cfg.out)
@@ -50,7 +50,7 @@ def plan_start(cfg: TrainConfig) -> Start:
             raise CheckpointExistsError(f"{cfg.out} holds {len(committed)} checkpoint(s) but no latest pointer; "
                                         f"resume one by its path (--resume {os.path.join(cfg.out, name)}) or choose another --out")
         if cfg.resume and not cfg.resume_if_present:
-            raise CheckpointNotFoundError(
+            raise RunError(
                 f"{cfg.out}: no checkpoint to resume (--resume latest, and no latest there); "
                 "drop --resume to start a new run, or add --resume-if-present")
         return Start(RunRecord.start(model=_model(cfg), topology=_topology(cfg)))

@@ -1,0 +1,136 @@
+"""The CLI contract across commands: one exit code per mistake, one-line errors, an error object
+with --json, a schema for every --json output, summaries instead of endless lines."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+
+import ckptkit
+from ckptkit import ShardedTensor
+
+SCHEMAS = Path(__file__).resolve().parents[1] / "schemas" / "cli"
+GOLDEN_V1 = Path(__file__).resolve().parents[1] / "fixtures" / "v1"
+
+# Each command given a path that holds nothing (the same mistake): exit 2.
+MISSING = {
+    "ls": ["ls", "{p}"],
+    "inspect": ["inspect", "{p}"],
+    "verify": ["verify", "{p}"],
+    "diff": ["diff", "{p}", "{p}"],
+    "reshard": ["reshard", "{p}", "{p}-out", "--tp", "2"],
+    "export": ["export", "{p}", "{p}-out"],
+    "clean": ["clean", "{p}"],
+    "prune": ["prune", "{p}", "--keep-last", "1"],
+}
+
+
+def _schema(name: str) -> dict[str, Any]:
+    return json.loads((SCHEMAS / f"{name}.v1.schema.json").read_text(encoding="utf-8"))
+
+
+def _one_line(stderr: str) -> str:
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptkit: error: ") and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", sorted(MISSING))
+def test_a_path_that_holds_nothing_exits_2_everywhere(command: str, tmp_path: Path, run_ckptkit: Any) -> None:
+    args = [a.format(p=tmp_path / "nothing") for a in MISSING[command]]
+    proc = run_ckptkit(*args)
+    assert proc.returncode == 2, proc.stderr
+    _one_line(proc.stderr)
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("command", sorted(MISSING))
+def test_a_failing_command_with_json_prints_an_error_object(command: str, tmp_path: Path, run_ckptkit: Any) -> None:
+    args = [a.format(p=tmp_path / "nothing") for a in MISSING[command]] + ["--json"]
+    proc = run_ckptkit(*args)
+    doc = json.loads(proc.stdout)
+    jsonschema.validate(doc, _schema("error"))
+    assert (doc["ok"], doc["error"], doc["exit_code"]) == (False, "CheckpointNotFoundError", proc.returncode)
+    assert _one_line(proc.stderr) == f"ckptkit: error: {doc['message']}"
+
+
+def test_bad_usage_is_one_line_and_an_error_object_with_json(run_ckptkit: Any) -> None:
+    proc = run_ckptkit("verify", "--json")
+    assert proc.returncode == 2
+    assert _one_line(proc.stderr) == "ckptkit: error: Missing argument 'PATH' (see 'ckptkit verify --help')"
+    doc = json.loads(proc.stdout)
+    jsonschema.validate(doc, _schema("error"))
+    assert doc["error"] == "UsageError"
+
+
+def test_options_that_do_not_go_together_exit_2(tmp_path: Path, run_ckptkit: Any) -> None:
+    proc = run_ckptkit("export", str(GOLDEN_V1), str(tmp_path / "out"), "--format", "zarr", "--dtype", "bf16")
+    assert proc.returncode == 2
+    assert _one_line(proc.stderr) == "ckptkit: error: --dtype: the zarr form keeps every tensor in its saved dtype"
+    assert not (tmp_path / "out").exists()
+
+
+def test_diff_json_matches_its_schema_and_keeps_limit(tmp_path: Path, run_ckptkit: Any) -> None:
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        ckptkit.save({"model": {f"t{i}": torch.full((3,), value * (i + 1)) for i in range(4)}}, tmp_path / name, step=1)
+    proc = run_ckptkit("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json", "--limit", "2")
+    assert proc.returncode == 1
+    doc = json.loads(proc.stdout)
+    jsonschema.validate(doc, _schema("diff"))
+    assert (len(doc["differences"]), doc["differences_total"], doc["equal"]) == (2, 4, False)
+    assert [d["name"] for d in doc["differences"]] == ["model/t3", "model/t2"]  # the largest first
+
+
+def test_convert_json_matches_its_schema(tmp_path: Path, run_ckptkit: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a save of one process, without a process group
+        dcp.save({"model": {"w": torch.arange(6.0)}}, checkpoint_id=str(tmp_path / "dcp"))
+    proc = run_ckptkit("convert", str(tmp_path / "dcp"), str(tmp_path / "out"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    jsonschema.validate(json.loads(proc.stdout), _schema("convert"))
+
+
+def test_ls_json_of_a_root_matches_its_schema_with_null_latest(tmp_path: Path, run_ckptkit: Any) -> None:
+    ckptkit.save({"w": torch.ones(2)}, tmp_path / "step_1", step=1, update_latest=False)
+    proc = run_ckptkit("ls", str(tmp_path), "--json")
+    doc = json.loads(proc.stdout)
+    jsonschema.validate(doc, _schema("ls"))
+    assert doc["latest"] is None
+
+
+def test_a_load_mismatch_is_summarized_in_one_short_line(tmp_path: Path) -> None:
+    ckptkit.save({"model": {f"w{i}": torch.zeros(4, 4) for i in range(40)}}, tmp_path / "c", step=1)
+    target = {"model": {f"w{i}": ShardedTensor(torch.zeros(2, 8), (2, 8), (0, 0)) for i in range(40)}}
+    with pytest.raises(ckptkit.LayoutError) as info:
+        ckptkit.load(tmp_path / "c", target)
+    message = str(info.value)
+    assert "40 problem(s)" in message and message.endswith("; and 30 more")
+    assert len(message) < 10 * 300 + 200 and "\n" not in message
+
+
+def test_help_says_what_the_demo_runs(run_ckptkit: Any) -> None:
+    for args in (["--help"], ["demo", "--help"]):
+        proc = run_ckptkit(*args)
+        assert proc.returncode == 0
+        assert "4 ranks" not in proc.stdout
+    assert "8 ranks" in run_ckptkit("demo", "--help").stdout
+
+
+@pytest.mark.multiprocess
+def test_a_failing_trainer_rank_is_one_line_without_torch_noise(tmp_path: Path, run_ckptkit: Any) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = run_ckptkit("train", "--dp", "2", "--steps", "1", "--out", str(tmp_path / "run"), "--quiet",
+                       "--log-jsonl", str(blocker / "log.jsonl"))
+    assert proc.returncode == 1
+    line = _one_line("\n".join(line for line in proc.stderr.splitlines() if not line.startswith("ckptkit: train: ")))
+    assert line.startswith("ckptkit: error: rank 0 failed: ")
+    assert "SIGTERM" not in proc.stderr
