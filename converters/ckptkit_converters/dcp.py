@@ -29,7 +29,7 @@ import math
 import os
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,13 +138,28 @@ class Planned:
     region: Box
 
 
+@dataclass(frozen=True, slots=True)
+class Assembled:
+    """A tensor of the plan put together another way than from one entry's region (e.g. from
+    flat ranges of several entries): what is written, its bytes (flat, C order) on demand, and
+    how many chunks it is read from."""
+
+    spec: TensorSpec
+    read: Callable[[], np.ndarray[Any, Any]]
+    chunks: int
+
+
 @dataclass
-class _Plan:
+class Plan:
+    """A planned DCP conversion: tensors from entry regions and put together otherwise, values
+    (as JSON objects, with their sources), what is skipped and every problem found."""
+
     tensors: list[Planned] = field(default_factory=list)
     objects: dict[str, JsonValue] = field(default_factory=dict)
     object_sources: dict[str, str] = field(default_factory=dict)
     skipped: list[SkippedEntry] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    assembled: list[Assembled] = field(default_factory=list)
 
 
 class DcpConverter:
@@ -204,7 +219,7 @@ def _metadata_of(src: str) -> DcpMetadata:
 
 
 def write_plan(
-    fmt: str, src: str, dst: str, md: DcpMetadata, plan: _Plan, *, allow_skip: bool, progress: Progress | None,
+    fmt: str, src: str, dst: str, md: DcpMetadata, plan: Plan, *, allow_skip: bool, progress: Progress | None,
     started: float, step: int | None = None, info: CheckpointInfo | None = None, layout: Layout | None = None,
 ) -> ConvertReport:
     """Commit a planned DCP conversion at `dst` and report it as format `fmt`: refuse its
@@ -219,17 +234,18 @@ def write_plan(
     refuse_skips(plan.skipped, allow_skip=allow_skip, where=src)
     steps: list[float] = []
     planned = {t.spec.name: t for t in plan.tensors}
+    other = {t.spec.name: t for t in plan.assembled}
 
     def read(spec: TensorSpec) -> memoryview:
-        data = assemble(src, md, planned[spec.name])
+        data = other[spec.name].read() if spec.name in other else assemble(src, md, planned[spec.name])
         if spec.kind == "optimizer" and spec.name.endswith("/step") and not spec.shape and spec.dtype in _STEP_FORMATS:
             steps.append(struct.unpack(_STEP_FORMATS[spec.dtype], data.tobytes())[0])
         return data.data
 
-    committed = write_converted(dst, [t.spec for t in plan.tensors], read, objects=plan.objects,
+    committed = write_converted(dst, [t.spec for t in plan.tensors] + [t.spec for t in plan.assembled], read, objects=plan.objects,
                                 step=lambda: _common_step(steps) if step is None else step, info=info, layout=layout,
                                 progress=progress)
-    chunks = [(t.spec, chunk_count(t.meta, t.region)) for t in plan.tensors]
+    chunks = [(t.spec, chunk_count(t.meta, t.region)) for t in plan.tensors] + [(t.spec, t.chunks) for t in plan.assembled]
     return report_of(fmt, src, committed, chunks, plan.object_sources, plan.skipped, started)
 
 
@@ -238,13 +254,13 @@ def chunk_count(meta: TensorMeta, region: Box) -> int:
     return sum(1 for c in meta.chunks if math.prod(c.sizes) and Box(c.offsets, c.sizes).intersect(region) is not None)
 
 
-def plan_conversion(src: str, md: DcpMetadata, naming: Naming | None = None) -> _Plan:
+def plan_conversion(src: str, md: DcpMetadata, naming: Naming | None = None) -> Plan:
     """Name every entry (by `naming`, default `Naming`), check its chunks and storage, read the
     values; collect what is skipped (with reasons) and every problem (missing or truncated
     files, chunks that do not tile their tensor, chunks with no storage)."""
     naming = naming or Naming()
     naming.start(md)
-    plan = _Plan()
+    plan = Plan()
     sizes = _file_sizes(src, md, plan.problems)
     for (stored_key, _), ref in md.storage.items():
         size = sizes.get(ref.path)
@@ -278,7 +294,7 @@ def _file_sizes(src: str, md: DcpMetadata, problems: list[str]) -> dict[str, int
     return sizes
 
 
-def _plan_tensor(md: DcpMetadata, key: str, meta: TensorMeta, named: list[Named], plan: _Plan) -> None:
+def _plan_tensor(md: DcpMetadata, key: str, meta: TensorMeta, named: list[Named], plan: Plan) -> None:
     dtype = meta.dtype.dtype
     if dtype is None:
         plan.skipped.append(SkippedEntry(source=key, reason=f"dtype torch.{meta.dtype.name} has no ckptkit equivalent"))
@@ -299,7 +315,7 @@ def _plan_tensor(md: DcpMetadata, key: str, meta: TensorMeta, named: list[Named]
                                     n.region))
 
 
-def _plan_value(src: str, md: DcpMetadata, key: str, name: str, plan: _Plan, sizes: dict[str, int]) -> None:
+def _plan_value(src: str, md: DcpMetadata, key: str, name: str, plan: Plan, sizes: dict[str, int]) -> None:
     ref = md.storage.get((key, None))
     if ref is None:
         plan.problems.append(f"{key}: the value has no storage entry")
@@ -310,7 +326,7 @@ def _plan_value(src: str, md: DcpMetadata, key: str, name: str, plan: _Plan, siz
         plan.skipped.append(SkippedEntry(source=key, reason=f"stored with stream transforms {list(ref.transforms)}"))
         return
     try:
-        with _archive(src, ref, key) as archive:
+        with entry_archive(src, ref, key) as archive:
             value = stored_value(archive)
     except ManifestError as exc:  # a class outside the builtins: skipped (and refused without allow_skip)
         plan.skipped.append(SkippedEntry(source=key, reason=str(exc)))
@@ -324,7 +340,8 @@ def _plan_value(src: str, md: DcpMetadata, key: str, name: str, plan: _Plan, siz
 
 
 @contextmanager
-def _archive(src: str, ref: StorageRef, key: str) -> Iterator[Any]:
+def entry_archive(src: str, ref: StorageRef, key: str) -> Iterator[Any]:
+    """The ``torch.save`` archive that DCP entry `key` is stored as (its file open meanwhile)."""
     path = os.path.join(src, ref.path)
     fd, _ = open_regular(path)
     try:
@@ -370,7 +387,7 @@ def assemble(src: str, md: DcpMetadata, planned: Planned) -> np.ndarray[Any, Any
             into[...] = _raw_chunk(src, ref, chunk.sizes, width)[
                 tuple(slice(o - c, o - c + n) for o, c, n in zip(common.offsets, chunk.offsets, common.lengths))]
             continue
-        with _archive(src, ref, key) as archive:
+        with entry_archive(src, ref, key) as archive:
             stored = stored_tensor(archive)
             if stored.dtype != spec.dtype or stored.shape != chunk.sizes:
                 raise IntegrityError(
@@ -408,5 +425,5 @@ def _common_step(steps: list[float]) -> int:
 
 CONVERTER = DcpConverter()
 
-__all__ = ["CONVERTER", "NAME", "DcpConverter", "Named", "Naming", "Planned", "assemble", "chunk_count", "dcp_key", "fqn_of", "kind_of",
-           "optimizer_prefixes", "plan_conversion", "write_plan"]
+__all__ = ["CONVERTER", "NAME", "Assembled", "DcpConverter", "Named", "Naming", "Planned", "assemble", "chunk_count", "dcp_key", "fqn_of", "kind_of",
+           "entry_archive", "optimizer_prefixes", "Plan", "plan_conversion", "write_plan"]

@@ -30,9 +30,14 @@ of a gated MLP as ``[gate; up]``): that is how a Megatron job loads them. The bu
 holds Megatron-LM's ``args`` (`model_config`) and the tensors fit it. Otherwise give it to
 ``reshard`` and ``export`` with ``--layout`` (``ckptkit layout builtin megatron-gpt CONFIG``).
 
-Refused (one line, nothing written): a legacy Megatron-LM checkpoint (``mp_rank_XX`` directories
-of ``model_optim_rng.pt``), another sharded backend, the distributed optimizer's
-``dp_reshardable`` format (flat per-rank buffers), anything the ``dcp`` converter refuses.
+The distributed optimizer's ``dp_reshardable`` form (Megatron-LM's default: flat bucket buffers
+per data-parallel group) comes across under the same names as ``fully_reshardable``: each
+parameter's place in the buckets is derived and checked (``megatron_buckets``,
+``megatron_optimizer``), which needs the model's layout (from Megatron-LM's args, or given).
+
+A legacy Megatron-LM checkpoint (``mp_rank_XX`` directories of ``model_optim_rng.pt``) is read by
+``megatron_legacy``. Refused (one line, nothing written): another sharded backend, anything the
+``dcp`` converter refuses.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ from ckptkit.state.tree import escape, json_problems
 from ckptkit.storage.local import open_regular
 
 from .dcp import Named, Naming, plan_conversion, write_plan
+from .megatron_buckets import BUCKET
+from .megatron_optimizer import bucket_values, plan_buckets
 from .dcp_metadata import ALLOWED, METADATA_NAME, DcpMetadata, TensorMeta, read_metadata
 from .files import read_small
 from .safepickle import Record, record_type
@@ -158,6 +165,8 @@ class MegatronNaming(Naming):
         self.entries = md.entries
 
     def tensors(self, key: str, meta: TensorMeta) -> list[Named]:
+        if BUCKET.match(key):
+            return []  # a dp_reshardable bucket: its parameters' states are planned by `plan_buckets`
         found = OPTIMIZER_STATE.match(key)
         prefix, kind, param = ("model", "param", key) if found is None else (
             f"optimizer/{escape(STATE_NAMES.get(found.group(1), found.group(1)))}", "optimizer", found.group(2))
@@ -225,16 +234,21 @@ class MegatronConverter:
         plan = plan_conversion(path, md, MegatronNaming())
         common = _common(path)
         optimizer = common.get("optimizer")
-        if isinstance(optimizer, dict) and optimizer.get("param_state_sharding_type") == "dp_reshardable":
-            raise ManifestError(f"{path}: the distributed optimizer's dp_reshardable format (flat per-rank buffers), which "
-                                f"this converter does not read; save with fully_reshardable")
-        info, step = _info(common, plan.objects, plan.object_sources, plan.skipped)
+        bucketed = isinstance(optimizer, dict) and optimizer.get("param_state_sharding_type") == "dp_reshardable"
+        groups = bucket_values(path, md, plan) if bucketed else None
+        info, step = _info(common, plan.objects, plan.object_sources, plan.skipped, groups)
         config = None if layout is not None else model_config(plain(common.get("args")))
         if config is not None:
             described = builtin("megatron-gpt", config)
             if not fit_problems(described, {t.spec.name: t.spec.shape for t in plan.tensors}):
                 layout = described
                 info = info.model_copy(update={"model": ModelInfo(family="megatron-gpt", config=config)})
+        if bucketed:
+            if layout is None:
+                raise ManifestError(f"{path}: the distributed optimizer's dp_reshardable state is read through the model's "
+                                    f"layout, and common.pt has no Megatron-LM args to describe it; pass --layout FILE "
+                                    f"(ckptkit layout builtin megatron-gpt CONFIG)")
+            plan_buckets(path, md, plan, layout)
         return write_plan(NAME, path, dst, md, plan, allow_skip=allow_skip, progress=progress, started=started, step=step,
                           info=info, layout=layout)
 
@@ -276,8 +290,9 @@ def _common(path: str) -> dict[str, Any]:
 
 
 def _info(common: dict[str, Any], objects: dict[str, JsonValue], sources: dict[str, str],
-          skipped: list[SkippedEntry]) -> tuple[CheckpointInfo, int | None]:
-    """Fold ``common.pt`` into objects (``megatron/...``) and the manifest's info and step."""
+          skipped: list[SkippedEntry], groups: Any = None) -> tuple[CheckpointInfo, int | None]:
+    """Fold ``common.pt`` into objects (``megatron/...``) and the manifest's info and step (the
+    optimizer's parameter groups from `groups`, else from ``common.pt``)."""
     for key, value in common.items():
         name, converted = f"megatron/{escape(str(key))}", plain(value)
         problems = json_problems({name: converted})
@@ -292,7 +307,8 @@ def _info(common: dict[str, Any], objects: dict[str, JsonValue], sources: dict[s
     scheduler = plain(common.get("opt_param_scheduler"))
     if isinstance(scheduler, dict) and not json_problems({"s": scheduler}):
         fields["scheduler"] = scheduler
-    groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
+    if groups is None:
+        groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
     step: int | None = None
     if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
         options = [{k: v for k, v in plain(g).items() if k != "params"} for g in groups]
