@@ -182,14 +182,16 @@ def prune_cmd(root: str, keep_last: int, keep_every: int | None, dry_run: bool, 
 
 @cli.command("inspect")
 @click.argument("path")
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def inspect_cmd(path: str, as_json: bool) -> None:
-    """Show what the checkpoint at PATH holds: step, topology, tensors, bytes, assets, versions."""
-    report = ckptkit.inspect(path)
+@click.option("--tensors", "show_tensors", is_flag=True, help="Also list every tensor: dtype, shape, kind, bytes, how it is cut.")
+@click.option("--match", "match", default="*", show_default=True, help="List only the tensors whose names match this glob (implies --tensors).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (it always lists the tensors).")
+def inspect_cmd(path: str, show_tensors: bool, match: str, as_json: bool) -> None:
+    """Show what the checkpoint at PATH holds: step, topology, the model, tensors, bytes, assets, versions."""
+    report = ckptkit.inspect(path, match=match)
     if as_json:
         _emit_json(report)
     else:
-        click.echo(report.render())
+        click.echo(report.render(tensors=show_tensors or match != "*"))
 
 
 @cli.command("verify")

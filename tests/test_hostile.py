@@ -104,10 +104,10 @@ def test_special_files_are_refused_by_every_command(root: Path, tmp_path: Path, 
                 ["export", ck, str(tmp_path / "out"), "--format", "zarr"]]
     for args in commands:
         code, err, _ = _measured(args)
-        if args[0] == "ls":  # a listing: the checkpoint with a damaged manifest is named, not committed
+        if args[0] == "ls":  # a listing: the checkpoint with a damaged manifest is named (not committed, not a leftover)
             assert code == 0, err
             if victim == "manifest.json":
-                assert f"{NAME}\tleftover: unreadable manifest.json:" in err and "not a regular file" in err, err
+                assert f"{NAME}\tdamaged: unreadable manifest.json:" in err and "not a regular file" in err, err
             continue
         if args[0] == "inspect" and victim != "manifest.json" or args[0] == "diff" and victim.startswith("tokenizer"):
             assert code == 0, err  # inspect reads the manifest only, diff the tensors

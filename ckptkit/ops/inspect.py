@@ -1,17 +1,84 @@
-"""Summarize a checkpoint: step, topology, tensors and bytes by kind and dtype, assets, versions (no torch)."""
+"""Summarize a checkpoint: step, topology, the model, tensors and bytes by kind and dtype, each tensor and its cut, assets, versions (no torch)."""
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 from collections import Counter
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from ..io.payload import open_checkpoint
 from ..manifest.dtypes import itemsize
-from ..manifest import CheckpointInfo, Producer, Topology
-from ..manifest.shards import shard_count
+from ..manifest import CheckpointInfo, Producer, TensorEntry, Topology
+from ..manifest.shards import iter_shards, shard_count
+
+
+class ModelSummary(BaseModel):
+    """The model's shape, as the checkpoint's model config (or its layout) gives it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    family: str
+    layers: int | None
+    hidden_size: int | None
+    heads: int | None
+    kv_heads: int | None
+    vocab_size: int | None
+    intermediate_size: int | None
+
+
+class TensorSummary(BaseModel):
+    """One saved tensor: its global shape, dtype, kind, bytes, and how its shards cut it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    shape: list[int]
+    dtype: str
+    kind: str
+    bytes: int
+    shards: int
+    grid: list[int]  # distinct pieces along each dim ([1, 1]: whole)
+    cut: str  # the same in words: "whole", "2 x 1", or "7 boxes" where the shards form no grid
+
+
+# Model config keys by meaning: the reference trainer's, Hugging Face's (Llama, GPT-2), Megatron's.
+CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "layers": ("num_layers", "num_hidden_layers", "n_layer"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "heads": ("num_heads", "num_attention_heads", "n_head"),
+    "kv_heads": ("num_kv_heads", "num_key_value_heads", "num_query_groups"),
+    "vocab_size": ("vocab_size", "padded_vocab_size"),
+    "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner"),
+}
+
+
+def model_summary(info: CheckpointInfo, layout: dict[str, Any] | None) -> ModelSummary | None:
+    """Read the model's shape from the model config of `info`, else the layout's config (pure)."""
+    config: dict[str, Any] = dict(layout.get("config") or {}) if layout else {}
+    config.update(info.model.config if info.model else {})
+    family = info.model.family if info.model else (str(layout.get("name")) if layout else None)
+    if family is None:
+        return None
+    values = {field: next((v for k in keys if type(v := config.get(k)) is int), None) for field, keys in CONFIG_KEYS.items()}
+    if values["layers"] is None and layout and type(layout.get("num_layers")) is int and layout["num_layers"]:
+        values["layers"] = layout["num_layers"]
+    return ModelSummary(family=family, **values)
+
+
+def tensor_summary(fqn: str, entry: TensorEntry) -> TensorSummary:
+    """Summarize one tensor and its cut (pure)."""
+    shards = list(iter_shards(entry))
+    grid = [len({s.box.offsets[d] for s in shards}) for d in range(len(entry.shape))]
+    if len(shards) <= 1:
+        cut = "whole"
+    elif math.prod(grid) == len(shards):
+        cut = " x ".join(str(n) for n in grid)
+    else:
+        cut = f"{len(shards)} boxes"
+    return TensorSummary(name=fqn, shape=list(entry.shape), dtype=entry.dtype, kind=entry.kind,
+                         bytes=math.prod(entry.shape) * itemsize(entry.dtype), shards=len(shards), grid=grid, cut=cut)
 
 
 class InspectReport(BaseModel):
@@ -37,9 +104,11 @@ class InspectReport(BaseModel):
     objects: list[str]
     tokenizer: list[str]
     info: CheckpointInfo
+    model: ModelSummary | None
+    tensor_list: list[TensorSummary]  # every tensor (matching the filter), by name
 
-    def render(self) -> str:
-        """Return the report as a few readable lines."""
+    def render(self, *, tensors: bool = False) -> str:
+        """Return the report as a few readable lines (and, with `tensors`, one per tensor)."""
         report = self
         t = report.topology
         lines = [
@@ -55,8 +124,8 @@ class InspectReport(BaseModel):
         if report.largest_tensor:
             lines.append(f"largest     {report.largest_tensor}")
         info = report.info
-        if info.model:
-            lines.append(f"model       {info.model.family}")
+        if report.model:
+            lines.append(f"model       {_model_line(report.model)}")
         if info.optimizer:
             lines.append(f"optimizer   {info.optimizer.type} ({len(info.optimizer.param_groups)} param groups)")
         if info.data_progress:
@@ -72,11 +141,33 @@ class InspectReport(BaseModel):
         lines.append(f"versions    {versions}")
         if report.objects:
             lines.append("objects     " + ", ".join(report.objects[:12]) + (" ..." if len(report.objects) > 12 else ""))
+        if tensors:
+            lines += _tensor_lines(report.tensor_list)
         return "\n".join(lines)
 
 
-def inspect(path: str | os.PathLike[str]) -> InspectReport:
-    """Return the summary of the committed checkpoint at `path` (or a root's latest).
+def _model_line(m: ModelSummary) -> str:
+    parts = [f"{m.layers} layers" if m.layers is not None else None,
+             f"hidden {m.hidden_size}" if m.hidden_size is not None else None,
+             (f"{m.heads} heads" + (f" ({m.kv_heads} kv)" if m.kv_heads is not None else "")) if m.heads is not None else None,
+             f"vocabulary {m.vocab_size}" if m.vocab_size is not None else None,
+             f"intermediate {m.intermediate_size}" if m.intermediate_size is not None else None]
+    shown = [p for p in parts if p]
+    return m.family + (": " + ", ".join(shown) if shown else "")
+
+
+def _tensor_lines(tensors: list[TensorSummary]) -> list[str]:
+    width = max((len(t.name) for t in tensors), default=0)
+    out = [f"tensors     {len(tensors)} listed: name, dtype, shape, kind, bytes, cut"]
+    for t in tensors:
+        shape = "[" + ", ".join(str(n) for n in t.shape) + "]"
+        out.append(f"  {t.name:<{width}}  {t.dtype:<8} {shape:<14} {t.kind:<9} {human_bytes(t.bytes):>10}  {t.cut}")
+    return out
+
+
+def inspect(path: str | os.PathLike[str], *, match: str = "*") -> InspectReport:
+    """Return the summary of the committed checkpoint at `path` (or a root's latest), listing
+    the tensors whose names match the glob `match`.
 
     Raises:
         CheckpointNotFoundError: nothing committed at `path`.
@@ -116,6 +207,8 @@ def inspect(path: str | os.PathLike[str]) -> InspectReport:
         objects=sorted(m.objects),
         tokenizer=list(m.tokenizer.files) if m.tokenizer else [],
         info=m.info,
+        model=model_summary(m.info, m.layout),
+        tensor_list=[tensor_summary(fqn, t) for fqn, t in sorted(m.tensors.items()) if fnmatch.fnmatchcase(fqn, match)],
     )
 
 

@@ -98,7 +98,7 @@ class ListingReport(_Report):
 def classify(names: Collection[str]) -> Kind:
     """Say what a directory is from the names it holds (directories end with ``/``)."""
     has = set(names).__contains__
-    if has(MANIFEST_NAME):
+    if has(MANIFEST_NAME) or has(MANIFEST_NAME + "/"):  # a manifest that is not a file is a damaged one
         return "zarr-export" if has(REPORT_NAME) and has("zarr.json") else "checkpoint"
     if has(REPORT_NAME):
         return "dcp-export" if has(".metadata") else "hf-export"
@@ -142,7 +142,7 @@ def list_root(path: str | os.PathLike[str]) -> ListingReport:
     for child in children:
         _entry(storage, child, latest, checkpoints, others, leftovers)
     checkpoints.sort(key=lambda c: (c.step if c.step is not None else -1, c.name))
-    warnings += _latest_warnings(latest, checkpoints, bool(leftovers))
+    warnings += _latest_warnings(latest, checkpoints, {o.name for o in others if o.kind == "damaged"}, bool(leftovers))
     run, problem = _run(storage)
     warnings += [problem] if problem else []
     return ListingReport(root=str(path), kind="run-root", latest=latest, run=run, checkpoints=checkpoints, others=others,
@@ -203,10 +203,12 @@ def _latest(storage: Storage) -> tuple[str | None, list[str]]:
         return None, [f"{LATEST_NAME} is damaged: {exc}"]
 
 
-def _latest_warnings(latest: str | None, checkpoints: list[ListedCheckpoint], leftovers: bool) -> list[str]:
+def _latest_warnings(latest: str | None, checkpoints: list[ListedCheckpoint], damaged: set[str], leftovers: bool) -> list[str]:
     names = {c.name for c in checkpoints}
     out = []
-    if latest is not None and latest not in names:
+    if latest is not None and latest in damaged:
+        out.append(f"{LATEST_NAME} names {latest}, whose {MANIFEST_NAME} cannot be read: ckptkit verify it")
+    elif latest is not None and latest not in names:
         out.append(f"{LATEST_NAME} names {latest}, which is not a committed checkpoint here: "
                    "--resume latest fails until a new save moves it")
     elif latest is None and checkpoints:
