@@ -41,9 +41,14 @@ Names (``<name>`` is DeepSpeed's, e.g. ``blocks.0.fc1.weight``):
   replicated over TP, one pipeline stage, ZeRO flattening by stage) so that the result
   reshards to another data-parallel size and ZeRO stage without ``--layout``.
 
-Refused (one line, nothing written): a pipeline-parallel save (``layer_*`` files), more than one
-model-parallel rank (DeepSpeed records no split dimension per parameter), missing rank files,
-partitions that do not add up, a class outside `ALLOWED`. Skipped with a reason (fails without
+Model parallelism (``mp_rank_XX`` files of several ranks, as Megatron-DeepSpeed saves): each
+rank is planned as above, its tensors TP-local; DeepSpeed records no split dimension per
+parameter, so the model's layout (given) joins them (`deepspeed_tp`). The result records that
+layout. Values (counters, client state, ``deepspeed/...``) are model-parallel rank 0's.
+
+Refused (one line, nothing written): a pipeline-parallel save (``layer_*`` files), several
+model-parallel ranks without a layout or not fitting it, missing rank files, partitions that do
+not add up, a class outside `ALLOWED`. Skipped with a reason (fails without
 ``allow_skip``): values that are neither tensors nor JSON.
 """
 
@@ -56,6 +61,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -71,6 +77,7 @@ from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry, TensorSpe
 from ckptkit.state.tree import escape, json_problems
 from ckptkit.storage.local import open_regular
 
+from .deepspeed_tp import Joined, join_model_parallel
 from .files import read_small
 from .safepickle import Record, record_type
 from .torchsave import STATE_DICT_ALLOWED, Archive, StoredTensor, copy_flat, copy_tensor, open_archive, plain, stored_object
@@ -314,21 +321,64 @@ class DeepSpeedConverter:
             raise IntegrityError(f"{src}: no such directory")
         files = _Files()
         try:
-            plan = plan_conversion(tag_directory(src), files)
-            refuse_skips(plan.skipped, allow_skip=allow_skip, where=src)
-            recipes = {spec.name: recipe for spec, recipe in plan.tensors}
+            tag_dir = tag_directory(src)
+            ranks = model_parallel_ranks(tag_dir)
+            plans = [plan_conversion(tag_dir, files, mp) for mp in ranks]
+            plan = plans[0]
+            skipped = list({s.source: s for p in plans for s in p.skipped}.values())
+            refuse_skips(skipped, allow_skip=allow_skip, where=src)
+            tensors = _tensors(plans, files, layout, src)
+            readers = {spec.name: read for spec, read, _ in tensors}
             committed = write_converted(
-                dst, [spec for spec, _ in plan.tensors], lambda spec: assemble(files, spec, recipes[spec.name]),
+                dst, [spec for spec, _, _ in tensors], lambda spec: readers[spec.name](),
                 objects=plan.objects, step=lambda: plan.step, info=CheckpointInfo(**plan.info), layout=layout or plan.layout,
                 progress=progress)
         finally:
             files.close()
-        chunks = [(spec, 1 if recipe.whole else len(recipe.pieces)) for spec, recipe in plan.tensors]
-        return report_of(NAME, src, committed, chunks, plan.object_sources, plan.skipped, started)
+        return report_of(NAME, src, committed, [(spec, n) for spec, _, n in tensors], plan.object_sources, skipped, started)
 
 
-def plan_conversion(tag_dir: str, files: _Files) -> _Plan:
-    """Read every file's pickle and plan each tensor (pure but for those reads).
+def _tensors(plans: list[_Plan], files: _Files, layout: Layout | None, src: str) -> list[Joined]:
+    """Every tensor to write, with its reader: one model-parallel rank's as planned; several
+    ranks' joined through `layout` (`deepspeed_tp`).
+
+    Raises:
+        ManifestError: several model-parallel ranks and no layout, or tensors that do not fit it.
+    """
+    if len(plans) == 1:
+        return [(spec, partial(assemble, files, spec, recipe), 1 if recipe.whole else len(recipe.pieces))
+                for spec, recipe in plans[0].tensors]
+    if layout is None:
+        raise ManifestError(f"{src}: {len(plans)} model-parallel ranks, and DeepSpeed records no split dimension per "
+                            f"parameter; give the model's layout (--layout FILE), which says how TP cuts each")
+    recipes = [{spec.name: recipe for spec, recipe in p.tensors} for p in plans]
+    try:
+        return join_model_parallel([[(spec, 1 if recipe.whole else len(recipe.pieces)) for spec, recipe in p.tensors] for p in plans], layout,
+                                   lambda r, spec: assemble(files, spec, recipes[r][spec.name]))
+    except ManifestError as exc:
+        raise ManifestError(f"{src}: {exc}") from None
+
+
+def model_parallel_ranks(tag_dir: str) -> list[int]:
+    """The model-parallel ranks whose files the tag directory holds, in order.
+
+    Raises:
+        ManifestError: a pipeline-parallel save (``layer_*`` files).
+        IntegrityError: ranks missing from 0 to the highest one.
+    """
+    found = _files_of(tag_dir)
+    if found.pipeline:
+        raise ManifestError(f"{tag_dir}: a pipeline-parallel DeepSpeed save (layer_* files), which this converter does not read")
+    ranks = sorted(set(found.model) | {mp for _, mp in found.z3_model} | {mp for _, mp in found.optim}) or [0]
+    if ranks != list(range(len(ranks))):
+        missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
+        raise IntegrityError(f"{tag_dir}: no files of model-parallel rank(s) {missing} (mp_rank_XX)")
+    return ranks
+
+
+def plan_conversion(tag_dir: str, files: _Files, mp: int = 0) -> _Plan:
+    """Read the pickles of model-parallel rank `mp` and plan each of its tensors (pure but for
+    those reads): with model parallelism, the rank's own (TP-local) tensors.
 
     Raises:
         IntegrityError, ManifestError: as `DeepSpeedConverter.convert`.
@@ -336,28 +386,24 @@ def plan_conversion(tag_dir: str, files: _Files) -> _Plan:
     found = _files_of(tag_dir)
     if found.pipeline:
         raise ManifestError(f"{tag_dir}: a pipeline-parallel DeepSpeed save (layer_* files), which this converter does not read")
-    mp_ranks = set(found.model) | {mp for _, mp in found.z3_model} | {mp for _, mp in found.optim}
-    if mp_ranks - {0}:
-        raise ManifestError(f"{tag_dir}: {len(mp_ranks)} model-parallel ranks; DeepSpeed records no split dimension per "
-                            f"parameter, so only model-parallel size 1 is converted")
-    if 0 in found.model:
-        model_path = found.model[0]
-    elif (0, 0) in found.z3_model:
-        model_path = found.z3_model[(0, 0)]
+    if mp in found.model:
+        model_path = found.model[mp]
+    elif (0, mp) in found.z3_model:
+        model_path = found.z3_model[(0, mp)]
     else:
-        raise IntegrityError(f"{tag_dir}: no model-states file of rank 0 (mp_rank_00_model_states.pt)")
+        raise IntegrityError(f"{tag_dir}: no model-states file of model-parallel rank {mp} (mp_rank_{mp:02d}_model_states.pt)")
     model = files.load(model_path)
     if not isinstance(model, dict) or not isinstance(model.get("module"), dict):
         raise IntegrityError(f"{model_path}: not a DeepSpeed model-states file (no module state dict)")
     plan = _Plan()
-    optim = _optimizer_files(tag_dir, found, files)
+    optim = _optimizer_files(tag_dir, found, files, mp)
     stage = _stage(optim)
     if stage == 3:
-        missing = [d for d in range(len(optim)) if (d, 0) not in found.z3_model]
+        missing = [d for d in range(len(optim)) if (d, mp) not in found.z3_model]
         if missing:
             raise IntegrityError(f"{tag_dir}: no model-states file of data-parallel rank(s) {missing} (a ZeRO-3 save has one per rank)")
     shapes = _param_shapes(model, model_path) if stage else []
-    rank_models = [(found.z3_model[(d, 0)], model if d == 0 else files.load(found.z3_model[(d, 0)]))
+    rank_models = [(found.z3_model[(d, mp)], model if d == 0 else files.load(found.z3_model[(d, mp)]))
                    for d in range(len(optim))] if stage == 3 else []
     _plan_module(plan, model, model_path, shapes, stage, optim, _z3_frozen(model, rank_models) if stage == 3 else {})
     if stage:
@@ -368,12 +414,13 @@ def plan_conversion(tag_dir: str, files: _Files) -> _Plan:
     return plan
 
 
-def _optimizer_files(tag_dir: str, found: _Layout, files: _Files) -> list[tuple[str, dict[str, Any]]]:
-    """Each data-parallel rank's optimizer file and its ``optimizer_state_dict``, in rank order."""
-    ranks = sorted(d for d, _ in found.optim)
+def _optimizer_files(tag_dir: str, found: _Layout, files: _Files, mp: int) -> list[tuple[str, dict[str, Any]]]:
+    """Each data-parallel rank's optimizer file (of model-parallel rank `mp`) and its
+    ``optimizer_state_dict``, in rank order."""
+    ranks = sorted(d for d, m in found.optim if m == mp)
     out = []
     for d in ranks:
-        path = found.optim[(d, 0)]
+        path = found.optim[(d, mp)]
         tree = files.load(path)
         osd = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
         if not isinstance(osd, dict):
