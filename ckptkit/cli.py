@@ -21,6 +21,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import click
@@ -95,6 +96,28 @@ def _fail(message: str, code: int, *, error: str = "CkptkitError", as_json: bool
 def _usage(message: str) -> NoReturn:
     """Refuse options that do not go together (exit 2, like any bad usage)."""
     raise click.UsageError(message)
+
+
+@contextlib.contextmanager
+def _progress(label: str, show: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A (done, total) callback drawing a progress bar on stderr, or None when `show` is False
+    (piped, or --json): long work shows progress on a terminal and stays quiet otherwise."""
+    if not show:
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        bar: list[Any] = []
+
+        def update(done: int, total: int) -> None:
+            if not bar:
+                bar.append(stack.enter_context(click.progressbar(length=max(total, 1), label=label, file=sys.stderr)))
+            bar[0].update(min(done, total) - bar[0].pos)
+
+        yield update
+
+
+def _shows_progress(as_json: bool) -> bool:
+    return not as_json and sys.stderr.isatty()
 
 
 def _emit_json(model: Any) -> None:
@@ -205,7 +228,7 @@ def verify_cmd(path: str, quick: bool, as_json: bool, workers: int) -> None:
     Exit 0 when sound, 1 when problems were found, 2 on bad usage or when PATH holds no
     committed checkpoint.
     """
-    report = _with_progress(path, quick, workers, show=not as_json and sys.stderr.isatty())
+    report = _with_progress(path, quick, workers, show=_shows_progress(as_json))
     if as_json:
         _emit_json(report)
     else:
@@ -224,8 +247,15 @@ def _with_progress(path: str, quick: bool, workers: int, *, show: bool) -> ckptk
         total = sum(f.size for f in ckptkit.read_manifest(path).files)
     except CkptkitError:
         return ckptkit.verify(path, quick=quick, workers=workers)
-    with click.progressbar(length=total, label="hashing", file=sys.stderr) as bar:
-        return ckptkit.verify(path, quick=quick, workers=workers, progress=bar.update)
+    hashed = [0]
+    with _progress("hashing", show) as update:
+        assert update is not None
+
+        def add(n: int) -> None:
+            hashed[0] += n
+            update(hashed[0], total)
+
+        return ckptkit.verify(path, quick=quick, workers=workers, progress=add)
 
 
 @cli.command("diff")
@@ -243,7 +273,8 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, include_rng: bool, limit:
     1 when different, 2 on bad usage or when A or B holds no committed checkpoint.
     """
     kinds = ("param", "optimizer", "buffer", "other") + (("rng",) if include_rng else ())
-    report = ckptkit.diff(a, b, atol=atol, rtol=rtol, kinds=kinds)
+    with _progress("comparing", _shows_progress(as_json)) as update:
+        report = ckptkit.diff(a, b, atol=atol, rtol=rtol, kinds=kinds, progress=update)
     if as_json:
         _emit_json(report.model_copy(update={"differences": report.differences[:limit]}))
     else:
@@ -294,8 +325,9 @@ def reshard_cmd(
     dist = _init_torchrun()
     rank = dist.get_rank() if dist is not None else 0
     try:
-        report = ckptkit.reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest,
-                                 layout=layout)
+        with _progress("resharding", rank == 0 and _shows_progress(as_json)) as update:
+            report = ckptkit.reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest,
+                                     layout=layout, progress=update)
     finally:
         if dist is not None:
             dist.destroy_process_group()
@@ -447,8 +479,9 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     from .layouts import load_layout
 
     layout = load_layout(layout_file) if layout_file is not None else None
-    report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
-                            layout=layout)
+    with _progress("exporting", _shows_progress(as_json)) as update:
+        report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
+                                layout=layout, progress=update)
     if as_json:
         _emit_json(report)
         return
@@ -489,17 +522,8 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
     if source_format == "auto":
         source_format = ckptkit.detect_format(src)
         click.echo(f"ckptkit: {src}: converting from {source_format} ({names[source_format]})", err=True)
-    show = not as_json and sys.stderr.isatty()
-    with contextlib.ExitStack() as stack:
-        bar: list[Any] = []
-
-        def progress(done: int, total: int) -> None:
-            if not bar:
-                bar.append(stack.enter_context(click.progressbar(length=total, label="converting", file=sys.stderr)))
-            bar[0].update(done - bar[0].pos)
-
-        report = ckptkit.convert(src, dst, source_format=source_format, allow_skip=allow_skip,
-                                 progress=progress if show else None, layout=layout)
+    with _progress("converting", _shows_progress(as_json)) as update:
+        report = ckptkit.convert(src, dst, source_format=source_format, allow_skip=allow_skip, progress=update, layout=layout)
     if as_json:
         _emit_json(report)
         return

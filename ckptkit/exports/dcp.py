@@ -64,6 +64,7 @@ def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -
         for key, fqn in keys.items():
             entry = manifest.tensors[fqn]
             state[key] = torch.empty(entry.shape, dtype=torch_dtype(output_dtype(entry.dtype, out_dtype)), device="meta")
+        source.expect(keys.values())
         planner = _StreamingPlanner(source, keys, out_dtype, report)
         writer = FileSystemWriter(local_path(dst, tmp, "a DCP export"), thread_count=1, sync_files=True)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is

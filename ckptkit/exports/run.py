@@ -40,6 +40,7 @@ from .source import (
 )
 from ..layouts import Layout, layout_for
 from ..io.payload import open_checkpoint, read_checked
+from ..ops.convert import Progress
 from ..storage import Storage
 from .zarr_form import CHUNK_BYTES
 
@@ -63,6 +64,7 @@ def export(
     storage: Storage | None = None,
     dst_storage: Storage | None = None,
     layout: Layout | None = None,
+    progress: Progress | None = None,
 ) -> ExportReport:
     """Export the checkpoint at `src` to the directory `dst` in `format`.
 
@@ -83,6 +85,7 @@ def export(
 
     Every format writes ``export_report.json`` (each tensor's source, dtypes and checksum, each
     file, the tensors left out). Tensors stream one at a time; `dst` appears only when complete.
+    `progress` is called with (bytes read, bytes to read) as the source tensors are read.
 
     Raises:
         LayoutError: an unknown format or dtype, a model family with no HF export, or tensors
@@ -103,7 +106,7 @@ def export(
     out_dtype = hf.DTYPES[dtype or "bf16"] if format == "hf" else hf.DTYPES[dtype] if dtype else None
     started = time.perf_counter()
     src_loc, manifest = open_checkpoint(src, storage)
-    with Source(src_loc, manifest) as source, still_committed(src_loc):
+    with Source(src_loc, manifest, progress=progress) as source, still_committed(src_loc):
         return _export(source, dst, format, out_dtype, max_shard_bytes, include_optimizer, chunk_bytes, dst_storage, started,
                        layout)
 
@@ -219,6 +222,7 @@ class _Sources:
         self.uses: dict[str, int] = {}
         for fqn in needed:
             self.uses[fqn] = self.uses.get(fqn, 0) + 1
+        source.expect(self.uses)
         self.stream = source.stream(list(self.uses), lambda fqn: dtype)  # first-use order
         self.held: dict[str, Any] = {}
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .convert import convert
 from ..io.catalog import Location
+from ..ops.convert import Progress
 from ..io.checksum import checksum_of
 from ..io.commit import REPORT_NAME
 from ..manifest.dtypes import itemsize
@@ -36,9 +38,17 @@ class Source:
     manifest: Manifest
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(READ_THREADS))
     reader: Reader = field(init=False)
+    progress: Progress | None = None  # called with (bytes read, bytes expected) after each tensor
+    expected: int = 0
+    done: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.reader = Reader(self.loc, self.manifest)
+
+    def expect(self, fqns: Iterable[str]) -> None:
+        """Say which tensors the export will read (the total its progress counts towards)."""
+        self.expected += sum(math.prod(self.manifest.tensors[f].shape) * itemsize(self.manifest.tensors[f].dtype) for f in fqns)
 
     def __enter__(self) -> Source:
         return self
@@ -49,8 +59,12 @@ class Source:
     def read(self, fqn: str, dtype: str | None = None) -> np.ndarray[Any, Any]:
         """Return tensor `fqn` whole as flat bytes (C order), converted to `dtype` if given."""
         data = self.reader.read_whole(fqn, pool=self.pool)
-        saved = self.manifest.tensors[fqn].dtype
-        return convert(data, saved, dtype or saved)
+        entry = self.manifest.tensors[fqn]
+        if self.progress is not None:
+            with self.lock:
+                self.done += math.prod(entry.shape) * itemsize(entry.dtype)
+                self.progress(self.done, max(self.expected, self.done))
+        return convert(data, entry.dtype, dtype or entry.dtype)
 
     def stream(self, fqns: Sequence[str], dtype: Callable[[str], str | None]) -> Iterator[tuple[str, np.ndarray[Any, Any]]]:
         """Yield (fqn, bytes) for `fqns` in order, each converted to ``dtype(fqn)``.

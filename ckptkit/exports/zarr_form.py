@@ -269,6 +269,7 @@ def zarr_writer(source: Source, chunk_bytes: int = CHUNK_BYTES) -> Writer:
         files: list[FileEntry] = []
         tensors: dict[str, TensorEntry] = {}
         report: list[ExportedTensor] = []
+        source.expect(p.fqn for p in plans)
         for plan, (fqn, data) in zip(plans, source.stream([p.fqn for p in plans], lambda fqn: None)):
             report.append(exported(source, fqn, fqn, data.data, manifest.tensors[fqn].dtype, fqn))
             tensors[fqn] = tensor_entry(plan, manifest.tensors[fqn].kind, len(files))

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from ..manifest.dtypes import itemsize
 from ..io.read import Reader
 from ..io.payload import open_checkpoint
+from .convert import Progress
 
 
 class TensorDiff(BaseModel):
@@ -49,12 +50,14 @@ def diff(
     atol: float = 0.0,
     rtol: float = 0.0,
     kinds: tuple[str, ...] = ("param", "optimizer", "buffer", "other"),
+    progress: Progress | None = None,
 ) -> DiffReport:
     """Compare the tensors of kinds `kinds` (and the JSON values) of checkpoints `a` and `b`.
 
     With atol = rtol = 0, tensors must be bitwise equal; otherwise ``|a - b| <= atol + rtol *
     |b|`` elementwise (NaNs equal NaNs). RNG states are left out by default: they legitimately
-    differ between topologies. Memory: two tensors at a time.
+    differ between topologies. Memory: two tensors at a time. `progress` is called with (bytes
+    of A compared, bytes of A to compare) after each tensor.
 
     Raises:
         CheckpointNotFoundError, ManifestError, IntegrityError: a checkpoint cannot be read.
@@ -66,7 +69,12 @@ def diff(
     diffs = [TensorDiff(name=n, problem="only in A") for n in sorted(names_a - names_b)]
     diffs += [TensorDiff(name=n, problem="only in B") for n in sorted(names_b - names_a)]
     reader_a, reader_b = Reader(loc_a, man_a), Reader(loc_b, man_b)
+    sizes = {n: math.prod(man_a.tensors[n].shape) * itemsize(man_a.tensors[n].dtype) for n in names_a & names_b}
+    done = 0
     for name in sorted(names_a & names_b):
+        done += sizes[name]
+        if progress is not None:
+            progress(done, sum(sizes.values()))
         ta, tb = man_a.tensors[name], man_b.tensors[name]
         if (ta.shape, ta.dtype) != (tb.shape, tb.dtype):
             diffs.append(TensorDiff(name=name, problem=f"A is {ta.dtype}{list(ta.shape)}, B is {tb.dtype}{list(tb.shape)}"))

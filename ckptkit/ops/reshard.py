@@ -33,6 +33,7 @@ from ..io.checksum import hasher_for
 from ..io.read import PIECE, SMALL_RUN, Reader, byte_shape
 from ..io.write import Written, write_safetensors
 from .collective import default_collective, guard, unwrap
+from .convert import Progress
 from ..manifest.dtypes import itemsize
 from ..errors import IntegrityError, StorageError, summarize
 from ..layouts import Layout, layout_for
@@ -85,6 +86,7 @@ def reshard(
     process_group: Any = None,
     storage: Storage | None = None,
     dst_storage: Storage | None = None,
+    progress: Progress | None = None,
 ) -> ReshardReport:
     """Write the checkpoint at `src` as the checkpoint `topology`'s ranks would have saved, at `dst`.
 
@@ -110,6 +112,7 @@ def reshard(
         layout: where the target's ranks hold which boxes (default: the layout the source records, or
             the built-in layout of the family its ``info.model`` names); the target records it.
         storage, dst_storage: read `src` / write `dst` through these backends (names under their roots).
+        progress: called with (bytes written, bytes this process writes) as the target files fill.
 
     Raises:
         LayoutError: the model cannot be laid out over `topology` (before anything is written).
@@ -125,7 +128,8 @@ def reshard(
     plan = plan_reshard(manifest, layout, topology, files_per_rank=per_rank, max_file_bytes=max_file_bytes)
     with still_committed(src_loc):
         return write_reshard(src_loc, manifest, plan, dst, threads=threads, check_source=check_source,
-                             update_latest=update_latest, process_group=process_group, dst_storage=dst_storage, started=started)
+                             update_latest=update_latest, process_group=process_group, dst_storage=dst_storage, started=started,
+                             progress=progress)
 
 
 def write_reshard(
@@ -140,6 +144,7 @@ def write_reshard(
     process_group: Any = None,
     dst_storage: Storage | None = None,
     started: float | None = None,
+    progress: Progress | None = None,
 ) -> ReshardReport:
     """Write and commit the target a finished `plan` describes, from the source checkpoint
     (`src_loc`, `manifest`), at `dst`; the I/O half of `reshard` (same arguments, same errors)."""
@@ -154,7 +159,8 @@ def write_reshard(
     checked = [i for i, f in enumerate(manifest.files) if f.role == "tensors" and i % coll.world_size == coll.rank]
     try:
         written = guard(
-            lambda: _write_jobs(src_loc, manifest, dst_loc.storage, stage, mine, threads, checked if check_source else [])
+            lambda: _write_jobs(src_loc, manifest, dst_loc.storage, stage, mine, threads, checked if check_source else [],
+                                _Counter(progress, sum(job.nbytes for job in mine)))
         )
         results = coll.gather(written)
         outcome: tuple[str, Any] = ("ok", None)
@@ -192,8 +198,24 @@ def _claim(loc: Location) -> tuple[str, bool]:
     return uuid.uuid4().hex[:12], is_run_root(loc.storage)
 
 
+class _Counter:
+    """Bytes written so far by the writer threads, passed on to a progress callback."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        if self.progress is None:
+            return
+        with self.lock:
+            self.done += n
+            self.progress(self.done, self.total)
+
+
 def _write_jobs(
-    src_loc: Location, manifest: Manifest, dst: Storage, stage: Staging, jobs: list[FileJob], threads: int, checked: list[int]
+    src_loc: Location, manifest: Manifest, dst: Storage, stage: Staging, jobs: list[FileJob], threads: int, checked: list[int],
+    counter: _Counter,
 ) -> tuple[list[Written], int]:
     """Write this process's target files; return them and the bytes read from the source."""
     lookup = ShardLookup(manifest)
@@ -209,7 +231,7 @@ def _write_jobs(
     order = sorted(jobs, key=lambda j: -j.nbytes)  # largest first: the threads finish together
 
     def write(job: FileJob) -> Written:
-        return _write_job(reader, dst, stage.key(job.plan.path), job, reads[job.plan.path], local)
+        return _write_job(reader, dst, stage.key(job.plan.path), job, reads[job.plan.path], local, counter)
 
     # Files with block checksums are checked by every read; older ones are hashed whole alongside.
     whole = [i for i in checked if manifest.files[i].blocks is None]
@@ -253,14 +275,17 @@ def _check_sources(loc: Location, manifest: Manifest, files: list[int]) -> list[
 
 
 def _write_job(
-    reader: Reader, dst: Storage, key: str, job: FileJob, reads: tuple[TargetPlan, ...], local: threading.local
+    reader: Reader, dst: Storage, key: str, job: FileJob, reads: tuple[TargetPlan, ...], local: threading.local,
+    counter: _Counter,
 ) -> Written:
     if not hasattr(local, "piece"):  # one piece buffer per thread, allocated once
         local.piece = np.empty(PIECE, dtype=np.uint8)
 
     def bodies() -> Iterator[memoryview]:
         for (item, _), target in zip(job.plan.items, reads):
-            yield from _pieces(reader, item, target, local.piece)
+            for piece in _pieces(reader, item, target, local.piece):
+                yield piece
+                counter.add(piece.nbytes)
 
     tensors = [(k, item.dtype, item.box.lengths) for item, k in job.plan.items]
     return write_safetensors(dst, key, job.plan.path, tensors, bodies())

@@ -118,7 +118,7 @@ def test_cli_refuses_impossible_targets_before_writing(sources: dict, tmp_path: 
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("ckptkit: error: cannot reshard to tp=3 pp=3 dp=1 zero=0")
     assert f"{heads} attention heads are not divisible by tp 3" in bad.stderr and "layers are not divisible by pp 3" in bad.stderr
     zero = run_ckptkit("reshard", str(sources["a"]), str(dst), "--zero", "4")
-    assert zero.returncode == 2 and zero.stderr == "ckptkit: error: zero stage 4 is not one of 0, 1, 2, 3\n"
+    assert zero.returncode == 2 and zero.stderr == "ckptkit: error: --zero: stage 4 is not one of 0, 1, 2, 3\n"
     missing = run_ckptkit("reshard", str(tmp_path / "nothing"), str(dst))
     assert missing.returncode == 2 and missing.stderr.startswith("ckptkit: error: ") and missing.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
