@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from ckptkit.layouts import Layout, Param, StateGroup, TensorPart, TPCut, Unit
 
 from .conftest import _ckptkit_command
 
+SCHEMAS = Path(__file__).resolve().parents[1] / "schemas" / "cli"
 LABELS = {"verify": "hashing", "diff": "comparing", "reshard": "resharding", "export": "exporting", "convert": "converting"}
 
 
@@ -87,8 +89,8 @@ def test_a_long_command_piped_shows_no_progress(command: str, work: dict[str, Pa
 
 
 @pytest.mark.parametrize("command", sorted(LABELS))
-def test_json_on_a_terminal_shows_no_progress(command: str, work: dict[str, Path]) -> None:
+def test_json_on_a_terminal_shows_no_progress_and_matches_its_schema(command: str, work: dict[str, Path]) -> None:
     code, out, terminal = _in_pty(*_args(command, work, f"json-{command}"), "--json")
     assert code in (0, 1), terminal
-    json.loads(out)
+    jsonschema.validate(json.loads(out), json.loads((SCHEMAS / f"{command}.v1.schema.json").read_text()))
     assert f"{LABELS[command]}  [" not in terminal and "%" not in terminal
