@@ -27,6 +27,8 @@ bench: $(STAMP)
 schemas: $(STAMP)
 	$(PY) -m ckptkit.schemas schemas
 
+# fixtures/megatron-lm/ is not made here: it needs Megatron-LM's source tree and its own environment
+# (fixtures/README.md): PYTHONPATH=/work/mlm-src /work/mlm-env/bin/python fixtures/make_megatron_lm.py
 fixtures: $(STAMP)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e '.[fixtures]'
 	$(PY) -m pip install -q --no-deps -c constraints.txt megatron-core
