@@ -1,0 +1,5 @@
+"""``python -m ckptkit.cli``: the ``ckptkit`` command (also under torchrun)."""
+
+from . import main
+
+main()

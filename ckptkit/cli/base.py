@@ -1,0 +1,157 @@
+"""What every ``ckptkit`` command shares: the exit codes, failures shown as one line (and an
+error object with --json), progress bars, JSON output, and the command group itself."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+import click
+
+import ckptkit
+
+from .. import CheckpointNotFoundError, CkptkitError, LayoutError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def parse_size(text: str) -> int:
+    """Parse a size such as ``5GB``, ``500MB``, ``2GiB`` or a plain number of bytes.
+
+    Raises:
+        LayoutError: the text is not a positive size.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+    if not match or match.group(2) not in units or float(match.group(1)) <= 0:
+        raise LayoutError(f"{text!r} is not a size (examples: 5GB, 500MB, 2GiB, 1000000)")
+    return int(float(match.group(1)) * units[match.group(2)])
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """The exit code of a failure (see the module docstring)."""
+    if isinstance(exc, (CheckpointNotFoundError, click.UsageError)):
+        return EXIT_USAGE
+    if isinstance(exc, click.ClickException):
+        return int(exc.exit_code)
+    return EXIT_FAILED if isinstance(exc, CkptkitError) else EXIT_INTERNAL
+
+
+class Failure(click.ClickException):
+    """A command failed: what to say, the exit code, and whether it was asked for JSON. Shown
+    the same by the entry point and by click's standalone mode."""
+
+    def __init__(self, error: str, message: str, code: int, as_json: bool) -> None:
+        super().__init__(message)
+        self.error, self.as_json = error, as_json
+        self.exit_code = code  # type: ignore[misc]  # click declares it per class; a failure sets its own
+
+    def show(self, file: Any = None) -> None:
+        if self.as_json:
+            emit_json(ckptkit.ErrorReport(error=self.error, message=self.message, exit_code=self.exit_code))
+        click.echo(f"ckptkit: error: {self.message}", err=True)
+
+
+class Command(click.Command):
+    """A command whose ckptkit errors become a `Failure` that knows whether --json was given."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (CkptkitError, click.UsageError) as exc:
+            message = exc.format_message() if isinstance(exc, click.UsageError) else str(exc)
+            error = "UsageError" if isinstance(exc, click.UsageError) else type(exc).__name__
+            raise Failure(error, message, exit_code_of(exc), bool(ctx.params.get("as_json"))) from exc
+
+
+class Group(click.Group):
+    command_class = Command
+    group_class = type
+
+
+def fail(message: str, code: int, *, error: str = "CkptkitError", as_json: bool = False) -> NoReturn:
+    Failure(error, message, code, as_json).show()
+    sys.exit(code)
+
+
+def usage(message: str) -> NoReturn:
+    """Refuse options that do not go together (exit 2, like any bad usage)."""
+    raise click.UsageError(message)
+
+
+@contextlib.contextmanager
+def progress(label: str, show: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A (done, total) callback drawing a progress bar on stderr, or None when `show` is False
+    (piped, or --json): long work shows progress on a terminal and stays quiet otherwise."""
+    if not show:
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        bar: list[Any] = []
+
+        def update(done: int, total: int) -> None:
+            if not bar:
+                bar.append(stack.enter_context(click.progressbar(length=max(total, 1), label=label, file=sys.stderr)))
+            bar[0].update(min(done, total) - bar[0].pos)
+
+        yield update
+
+
+def shows_progress(as_json: bool) -> bool:
+    return not as_json and sys.stderr.isatty()
+
+
+def emit_json(model: Any) -> None:
+    data = model.model_dump(mode="json") if hasattr(model, "model_dump") else model
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ckptkit")
+def cli() -> None:
+    """Checkpoints for sharded large-model training: list, inspect, verify, diff, reshard, export, convert, layout, clean, prune, train, demo."""
+
+
+
+def init_torchrun() -> Any:
+    """Join the torchrun job this process belongs to (gloo), or return None when run alone."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist
+
+
+
+def main() -> None:
+    """Entry point: run the CLI, turning every failure into one line (and, with --json, an error object)."""
+    try:
+        cli.main(prog_name="ckptkit", standalone_mode=False)
+    except Failure as failure:
+        failure.show()
+        sys.exit(failure.exit_code)
+    except click.exceptions.Abort:
+        fail("aborted", EXIT_FAILED)
+    except click.ClickException as exc:  # bad usage found while parsing, before the command ran
+        where = f" (see '{exc.ctx.command_path} --help')" if isinstance(exc, click.UsageError) and exc.ctx else ""
+        fail(exc.format_message().rstrip(".") + where, exit_code_of(exc), error="UsageError", as_json="--json" in sys.argv[1:])
+    except CkptkitError as exc:
+        fail(str(exc), exit_code_of(exc), error=type(exc).__name__)
+    except KeyboardInterrupt:
+        fail("interrupted", EXIT_INTERRUPTED)
+    except SystemExit:
+        raise
+    except Exception as exc:  # a bug, not a user mistake: say so in one line
+        if os.environ.get("CKPTKIT_DEBUG"):
+            raise
+        fail(f"internal error: {type(exc).__name__}: {exc} (set CKPTKIT_DEBUG=1 for a traceback)", EXIT_INTERNAL,
+              error="InternalError", as_json="--json" in sys.argv[1:])
+
+

@@ -1,0 +1,65 @@
+"""The reference trainer's commands: train, demo."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import click
+
+import ckptkit
+
+from .base import cli
+
+
+@cli.command("train")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel degree.")
+@click.option("--pp", default=1, show_default=True, type=click.IntRange(1), help="Pipeline stages.")
+@click.option("--dp", default=1, show_default=True, type=click.IntRange(1), help="Data-parallel degree.")
+@click.option("--zero", default=0, show_default=True, type=click.IntRange(0, 3), help="ZeRO stage (0-3).")
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(0), help="Global step to stop at.")
+@click.option("--save-every", default=0, show_default=True, type=click.IntRange(0), help="Save every K steps and at the end (0: never).")
+@click.option("--out", default="runs/train", show_default=True, help="Directory of the run's checkpoints.")
+@click.option("--resume", default=None, help="A checkpoint to resume from, or 'latest' (under --out); nothing to resume is an error.")
+@click.option("--resume-if-present", is_flag=True, help="With --resume latest: start a new run when --out holds no checkpoint yet.")
+@click.option("--model", default="tiny", show_default=True, type=click.Choice(["tiny", "small", "base"]))
+@click.option("--seed", default=1234, show_default=True, type=int)
+@click.option("--log-jsonl", default=None, help="Append one JSON object per step (and per save, with \"event\": \"save\") to this file.")
+@click.option("--sync-save", is_flag=True, help="Save in the training loop instead of in the background (to compare stalls).")
+@click.option("--global-batch", default=8, show_default=True, type=click.IntRange(1), help="Samples per step.")
+@click.option("--micro-batches", default=2, show_default=True, type=click.IntRange(1), help="Micro-batches per step and rank.")
+@click.option("--seq-len", default=32, show_default=True, type=click.IntRange(1))
+@click.option("--lr", default=3e-3, show_default=True, type=float)
+@click.option("--corpus", default=None, help="A text file to train on (default: the generated corpus).")
+@click.option("--tie-embeddings", is_flag=True, help="Share the embedding and output head weights (pp 1 only).")
+@click.option("--quiet", is_flag=True, help="Print nothing per step.")
+def train_cmd(**options: Any) -> None:
+    """Train the reference Llama-style model with TP x PP x DP (ZeRO 0-3), checkpointing through ckptkit.
+
+    A new run (no --resume) into an --out that holds checkpoints is refused before anything is
+    written: continue that run with --resume latest, or choose another --out.
+    """
+    from ..trainer.train import config_from, launch, prepare
+
+    quiet = options.pop("quiet")
+    cfg = config_from(**options, echo=not quiet)
+    start = prepare(cfg)
+    first = os.environ.get("RANK", "0") == "0"
+    if start.resume is not None and first:
+        click.echo(f"ckptkit: train: {start.banner}", err=True)
+    if start.resume is not None and start.step >= cfg.steps:
+        if first:
+            click.echo(f"ckptkit: train: {start.resume} is at step {start.step}, which is --steps: nothing to train", err=True)
+        return
+    launch(cfg, start)
+
+
+@cli.command("demo")
+@click.argument("out_dir", default="demo-out", required=False)
+def demo_cmd(out_dir: str) -> None:
+    """Train the tiny model on 8 ranks (TP 2 x PP 2 x DP 2, ZeRO-1) into OUT_DIR, then list, inspect, verify, diff and reload what it saved."""
+    from ..trainer.demo import run
+
+    ok = run(out_dir, click.echo)
+    sys.exit(0 if ok else 1)

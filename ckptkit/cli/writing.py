@@ -1,0 +1,171 @@
+"""The commands that write a checkpoint or an export: reshard, export, convert."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+import ckptkit
+
+from .. import CkptkitError
+from .base import cli, emit_json, init_torchrun, parse_size, progress, shows_progress, usage
+
+
+@cli.command("reshard")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Target tensor-parallel degree.")
+@click.option("--pp", default=1, show_default=True, type=click.IntRange(1), help="Target pipeline stages.")
+@click.option("--dp", default=1, show_default=True, type=click.IntRange(1), help="Target data-parallel degree.")
+@click.option("--zero", default=0, show_default=True, type=int, help="Target ZeRO stage (0-3).")
+@click.option("--threads", default=4, show_default=True, type=click.IntRange(1, 64), help="Files written at once per process.")
+@click.option("--no-check", is_flag=True, help="Do not check the source checksums while copying.")
+@click.option("--no-latest", is_flag=True,
+              help="Leave the latest pointer of DST's root where it is (it only ever moves to a higher step, and only in a run root).")
+@click.option("--layout", "layout_file", default=None, help="A layout file for the model (default: the one SRC records).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def reshard_cmd(
+    src: str, dst: str, tp: int, pp: int, dp: int, zero: int, threads: int, no_check: bool, no_latest: bool,
+    layout_file: str | None, as_json: bool,
+) -> None:
+    """Write the checkpoint at SRC as the one a tp x pp x dp (ZeRO) job would have saved, at DST.
+
+    Every tensor is copied bitwise; training assets and the tokenizer come along. The
+    tensors are placed by the model's layout: the one SRC records (or the built-in one of
+    the model family it names), or --layout FILE. Under torchrun the ranks split the files.
+    Exit 0 when DST is committed, 1 on a ckptkit error (impossible target, a layout with
+    mistakes, DST exists, source corrupt; nothing is committed), 2 on bad usage or when SRC
+    holds no committed checkpoint.
+    """
+    from ..layouts import load_layout
+
+    if zero not in (0, 1, 2, 3):
+        usage(f"--zero: stage {zero} is not one of 0, 1, 2, 3")
+    layout = load_layout(layout_file) if layout_file is not None else None
+    target = ckptkit.Topology(world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp, zero_stage=zero)
+    dist = init_torchrun()
+    rank = dist.get_rank() if dist is not None else 0
+    try:
+        with progress("resharding", rank == 0 and shows_progress(as_json)) as update:
+            report = ckptkit.reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest,
+                                     layout=layout, progress=update)
+    finally:
+        if dist is not None:
+            dist.destroy_process_group()
+    if rank != 0:
+        return
+    if as_json:
+        emit_json(report)
+        return
+    mb = report.bytes_written / 1e6
+    click.echo(
+        f"{report.destination}: committed step {report.step} for {report.topology.describe()} "
+        f"(from {report.source_topology.describe()}): {report.tensors} tensors, {report.files} files, "
+        f"{mb:.1f} MB in {report.seconds:.2f} s ({mb / max(report.seconds, 1e-9):.0f} MB/s)"
+    )
+    if report.kept:
+        click.echo(f"kept with their saved boxes: {', '.join(report.kept)}")
+    click.echo(_latest_note(report, no_latest))
+
+
+def _latest_note(report: ckptkit.ReshardReport, no_latest: bool) -> str:
+    """Say what became of the destination root's ``latest`` pointer."""
+    root = os.path.dirname(report.destination.rstrip("/")) or "."
+    if report.latest_moved:
+        return f"{root}/latest now names {os.path.basename(report.destination)}"
+    if no_latest:
+        return f"{root}/latest left as it was (--no-latest)"
+    if report.latest:
+        return f"{root}/latest left at {report.latest} (it names a step at or above {report.step})"
+    return f"no latest pointer written: {root} is not a run root (it holds other files and no latest)"
+
+
+@cli.command("export")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--format", "fmt", default="hf", show_default=True, type=click.Choice(["hf", "dcp", "zarr"]),
+              help="hf: Hugging Face model directory; dcp: torch.distributed.checkpoint; zarr: the topology-free form.")
+@click.option("--dtype", default=None, type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Output dtype. hf: default bf16; dcp: default the saved dtype; zarr: always the saved dtype.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="hf: largest output file (5GB, 500MB, 2GiB, bytes).")
+@click.option("--include-optimizer", is_flag=True, help="dcp: also export the optimizer state (zarr always has it).")
+@click.option("--layout", "layout_file", default=None,
+              help="hf: a layout file naming the model (default: the one SRC records), e.g. megatron-gpt for a converted Megatron GPT.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the export report).")
+def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, layout_file: str | None,
+               as_json: bool) -> None:
+    """Export the checkpoint at SRC (any topology) to DST: a Hugging Face model directory, a
+    torch DCP checkpoint, or the zarr form (every tensor as a zarr v3 array, manifest beside it).
+
+    Exit 0 when DST is complete, 1 on a ckptkit error (unmapped or missing tensors, DST exists;
+    DST does not appear), 2 on bad usage or when SRC holds no committed checkpoint.
+    """
+    try:
+        size = parse_size(max_shard_size)
+    except CkptkitError as exc:
+        usage(f"--max-shard-size: {exc}")
+    if fmt == "zarr" and dtype is not None:
+        usage("--dtype: the zarr form keeps every tensor in its saved dtype")
+    if fmt == "hf" and include_optimizer:
+        usage("--include-optimizer: the hf format holds model weights only (use --format dcp or zarr)")
+    if fmt != "hf" and layout_file is not None:
+        usage("--layout: names the model for --format hf; dcp and zarr keep the checkpoint's names")
+    from ..layouts import load_layout
+
+    layout = load_layout(layout_file) if layout_file is not None else None
+    with progress("exporting", shows_progress(as_json)) as update:
+        report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
+                                layout=layout, progress=update)
+    if as_json:
+        emit_json(report)
+        return
+    total = sum(f.size for f in report.files)
+    click.echo(
+        f"{report.destination}: {len(report.tensors)} tensors ({report.format}, {report.dtype}) in "
+        f"{len(report.files)} file(s), {total / 1e6:.1f} MB "
+        f"(step {report.step}; {len(report.skipped)} tensors not exported)"
+    )
+
+
+@cli.command("convert")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--from", "source_format", default="auto", show_default=True,
+              help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp, deepspeed, hf, megatron).")
+@click.option("--allow-skip", is_flag=True,
+              help="Convert what can be converted and list the rest as skipped (default: any such entry fails).")
+@click.option("--layout", "layout_file", default=None,
+              help="A layout file for the model, recorded in DST (default: the one the converter knows, if any).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the convert report).")
+def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout_file: str | None, as_json: bool) -> None:
+    """Convert another tool's checkpoint at SRC (a torch DCP, DeepSpeed, Hugging Face or Megatron-Core directory) into a ckptkit checkpoint at DST.
+
+    Every tensor and value of SRC is converted or listed as skipped with a reason; an entry
+    that cannot be converted fails the conversion unless --allow-skip. --layout records the
+    model's layout (e.g. `ckptkit layout builtin megatron-gpt model.json`), so that reshard and
+    export need no --layout. Exit 0 when DST is committed, 1 on a ckptkit error (unknown
+    format, unsafe or damaged source, a layout that does not fit, DST exists; DST does not
+    appear), 2 on bad usage.
+    """
+    from ..layouts import load_layout
+
+    layout = load_layout(layout_file) if layout_file is not None else None
+    names = ckptkit.list_converters()
+    if source_format != "auto" and source_format not in names:
+        usage(f"--from: no converter for {source_format!r}; choose auto or one of: {', '.join(names) or 'none installed'}")
+    if source_format == "auto":
+        source_format = ckptkit.detect_format(src)
+        click.echo(f"ckptkit: {src}: converting from {source_format} ({names[source_format]})", err=True)
+    with progress("converting", shows_progress(as_json)) as update:
+        report = ckptkit.convert(src, dst, source_format=source_format, allow_skip=allow_skip, progress=update, layout=layout)
+    if as_json:
+        emit_json(report)
+        return
+    click.echo(
+        f"{report.destination}: committed step {report.step} from {report.format} {report.source}: "
+        f"{len(report.tensors)} tensors, {len(report.objects)} values, {report.files} file(s), "
+        f"{report.bytes_written / 1e6:.1f} MB in {report.seconds:.2f} s; {len(report.skipped)} skipped"
+    )
+    for skipped in report.skipped:
+        click.echo(f"skipped {skipped.source}: {skipped.reason}")
