@@ -134,3 +134,17 @@ def test_a_failing_trainer_rank_is_one_line_without_torch_noise(tmp_path: Path, 
     line = _one_line("\n".join(line for line in proc.stderr.splitlines() if not line.startswith("ckptkit: train: ")))
     assert line.startswith("ckptkit: error: rank 0 failed: ")
     assert "SIGTERM" not in proc.stderr
+
+
+def test_verify_text_shows_the_first_problems_and_counts_them_all(tmp_path: Path, run_ckptkit: Any) -> None:
+    ckptkit.save({"model": {f"w{i}": torch.zeros(4) for i in range(12)}}, tmp_path / "c", step=1, max_file_bytes=1)
+    payloads = sorted((tmp_path / "c").glob("*.safetensors"))
+    assert len(payloads) >= 12
+    for path in payloads:
+        path.write_bytes(path.read_bytes()[:-1])  # every payload truncated
+    proc = run_ckptkit("verify", str(tmp_path / "c"))
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 11 and all(line.startswith("[") for line in lines[:10])
+    assert "problem(s), the first 10 shown (--json lists all)" in lines[-1]
+    assert len(json.loads(run_ckptkit("verify", str(tmp_path / "c"), "--json").stdout)["findings"]) >= 12

@@ -10,6 +10,7 @@ import click
 import ckptkit
 
 from .. import CkptkitError, LayoutError
+from ..errors import SHOWN
 from .base import cli, emit_json, progress, shows_progress
 
 
@@ -42,9 +43,11 @@ def verify_cmd(path: str, quick: bool, as_json: bool, workers: int) -> None:
     if as_json:
         emit_json(report)
     else:
-        for f in report.findings:
+        for f in report.findings[:SHOWN]:
             click.echo(f"[{f.code}] {f.where}: {f.message}")
         state = "sound" if report.ok else f"{len(report.findings)} problem(s)"
+        if len(report.findings) > SHOWN:
+            state += f", the first {SHOWN} shown (--json lists all)"
         checks = "sizes, headers, tiling" + ("" if quick else ", checksums")
         click.echo(f"{report.path}: {state} ({report.files_checked} files, {report.tensors} tensors; {checks})")
     sys.exit(0 if report.ok else 1)
