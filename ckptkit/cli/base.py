@@ -18,6 +18,7 @@ import ckptkit
 from .. import CheckpointNotFoundError, CkptkitError, LayoutError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+SHOWN = 10  # problems a command prints before it counts the rest (as the library's messages do)
 
 
 def parse_size(text: str) -> int:

@@ -10,8 +10,7 @@ import click
 import ckptkit
 
 from .. import CkptkitError, LayoutError
-from ..errors import SHOWN
-from .base import cli, emit_json, progress, shows_progress
+from .base import SHOWN, cli, emit_json, progress, shows_progress
 
 
 @cli.command("inspect")
