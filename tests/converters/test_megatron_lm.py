@@ -230,6 +230,23 @@ def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path: Path
 
 
 @needs_entry_point
+def test_exported_to_hugging_face_the_logits_match_megatron_lms_forward(tmp_path: Path, run_ckptkit: Any) -> None:
+    """The stages' norms, QKV groups and gate/up rows end up where they belong: a Llama built
+    from the export computes Megatron-LM's own (pipelined, TP-gathered) logits."""
+    transformers = pytest.importorskip("transformers")
+    converted, out = tmp_path / "converted", tmp_path / "hf"
+    CONVERTER.convert(str(FIXTURES / PIPELINE), str(converted))
+    proc = run_ckptkit("export", str(converted), str(out), "--format", "hf", "--dtype", "fp32")  # the recorded layout
+    assert proc.returncode == 0, proc.stderr
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    oracle = load_file(str(FIXTURES / f"{PIPELINE}.oracle" / "logits.safetensors"))
+    with torch.no_grad():
+        logits = model(oracle["ids"]).logits
+    assert type(model).__name__ == "LlamaForCausalLM" and logits.shape == oracle["logits"].shape
+    assert (logits - oracle["logits"]).abs().max().item() < 1e-4
+
+
+@needs_entry_point
 def test_reshard_to_one_rank_with_the_recorded_layout_keeps_every_tensor(tmp_path: Path, run_ckptkit: Any) -> None:
     converted, single = tmp_path / "converted", tmp_path / "tp1"
     CONVERTER.convert(str(FIXTURES / PIPELINE), str(converted))
