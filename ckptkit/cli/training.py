@@ -48,6 +48,8 @@ def train_cmd(**options: Any) -> None:
     first = os.environ.get("RANK", "0") == "0"
     if start.resume is not None and first:
         click.echo(f"ckptkit: train: {start.banner}", err=True)
+    elif cfg.resume and first:  # --resume-if-present, and nothing there yet
+        click.echo(f"ckptkit: train: nothing to resume under {cfg.out}; starting a new run (--resume-if-present)", err=True)
     if start.resume is not None and start.step >= cfg.steps:
         if first:
             click.echo(f"ckptkit: train: {start.resume} is at step {start.step}, which is --steps: nothing to train", err=True)

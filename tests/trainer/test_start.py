@@ -135,3 +135,12 @@ def test_cli_resume_at_steps_says_nothing_to_train(trained: Path, run_ckptkit: A
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines()[-1] == f"ckptkit: train: {trained / 'step_00000002'} is at step 2, which is --steps: nothing to train"
     assert _files(trained) == before
+
+
+def test_cli_resume_if_present_says_it_starts_a_new_run(tmp_path: Path, run_ckptkit: Any) -> None:
+    out = tmp_path / "new"
+    proc = run_ckptkit("train", "--resume", "latest", "--resume-if-present", "--out", str(out), "--steps", "1", "--save-every", "1",
+                       "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [f"ckptkit: train: nothing to resume under {out}; starting a new run (--resume-if-present)"]
+    assert ckptkit.list_checkpoints(out).latest == "step_00000001"
