@@ -30,6 +30,34 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _run_in_pty(*args: str) -> tuple[int, str, str]:
+    """Run ckptkit with stderr on a pseudo-terminal (stdout piped); return code, stdout, the terminal's text."""
+    import pty
+
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "CKPTKIT_DEBUG"}
+    proc = subprocess.Popen([*_ckptkit_command(), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, env=env)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the other end closed: the command has exited
+            break
+        if not data:
+            break
+        seen += data
+    os.close(master)
+    out = proc.stdout.read().decode() if proc.stdout else ""
+    return proc.wait(timeout=120), out, seen.decode(errors="replace")
+
+
+@pytest.fixture
+def run_in_pty() -> Callable[..., tuple[int, str, str]]:
+    """Return a function that runs ``ckptkit`` with stderr on a pseudo-terminal: (exit code, stdout, what the terminal showed)."""
+    return _run_in_pty
+
+
 @pytest.fixture
 def run_ckptkit() -> Callable[..., subprocess.CompletedProcess[str]]:
     """Return a function that runs the real ``ckptkit`` entry point in a fresh process (stdout, stderr apart)."""

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import pty
-import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,30 +15,10 @@ import ckptkit
 from ckptkit import ShardedTensor
 from ckptkit.layouts import Layout, Param, StateGroup, TensorPart, TPCut, Unit
 
-from .conftest import _ckptkit_command
+from .conftest import _run_in_pty as _in_pty
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "schemas" / "cli"
 LABELS = {"verify": "hashing", "diff": "comparing", "reshard": "resharding", "export": "exporting", "convert": "converting"}
-
-
-def _in_pty(*args: str) -> tuple[int, str, str]:
-    """Run ckptkit with stderr on a pseudo-terminal (stdout piped); return code, stdout, the terminal's text."""
-    master, slave = pty.openpty()
-    env = {k: v for k, v in os.environ.items() if k != "CKPTKIT_DEBUG"}
-    proc = subprocess.Popen([*_ckptkit_command(), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, env=env)
-    os.close(slave)
-    seen = b""
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except OSError:  # the other end closed: the command has exited
-            break
-        if not data:
-            break
-        seen += data
-    os.close(master)
-    out = proc.stdout.read().decode() if proc.stdout else ""
-    return proc.wait(timeout=120), out, seen.decode(errors="replace")
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def train_cmd(**options: Any) -> None:
     from ..trainer.train import config_from, launch, prepare
 
     quiet = options.pop("quiet")
-    cfg = config_from(**options, echo=not quiet)
+    cfg = config_from(**options, echo=not quiet, phases=not quiet and sys.stderr.isatty())
     start = prepare(cfg)
     first = os.environ.get("RANK", "0") == "0"
     if start.resume is not None and first:

@@ -75,6 +75,7 @@ class TrainConfig:
     tie_embeddings: bool = False
     sync_save: bool = False
     echo: bool = False
+    phases: bool = False  # say what the start-up is doing (on a terminal)
 
     @property
     def world_size(self) -> int:
@@ -83,7 +84,7 @@ class TrainConfig:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["betas"] = list(self.betas)
-        del out["echo"], out["sync_save"]  # how the run reports and saves, not what it trains
+        del out["echo"], out["phases"], out["sync_save"]  # how the run reports and saves, not what it trains
         return out
 
 

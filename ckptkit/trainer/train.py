@@ -98,7 +98,7 @@ def _single(cfg: TrainConfig, start: Start) -> None:
 def run_rank(rank: int, world: int, cfg: TrainConfig, plan: Start | None = None) -> None:
     """Train on this rank from the start or a checkpoint up to global step ``cfg.steps``."""
     plan = plan if plan is not None else plan_start(cfg)
-    say = _phase if cfg.echo and rank == 0 else (lambda text: None)
+    say = _phase if cfg.phases and rank == 0 else (lambda text: None)
     mesh = Mesh(cfg.tp, cfg.dp, cfg.pp, rank)
     tokenizer = Tokenizer()
     model = model_config(cfg.model, vocab_size=tokenizer.vocab_size, tie_embeddings=cfg.tie_embeddings)
@@ -237,7 +237,7 @@ def _resume(path: str | None, cfg: TrainConfig, engine: Engine, sampler: Sampler
 
 
 def _phase(text: str) -> None:
-    """Say what the start-up is doing (rank 0; building a large model takes a while)."""
+    """Say what the start-up is doing (rank 0, on a terminal; building a large model takes a while)."""
     print(f"ckptkit: train: {text}", file=sys.stderr, flush=True)
 
 

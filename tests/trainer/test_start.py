@@ -115,18 +115,25 @@ def test_a_resume_into_another_root_is_a_new_run_naming_its_parent(trained: Path
     assert start.run.run_id != ckptkit.read_run(ckptkit.open_storage(trained)).run_id  # type: ignore[union-attr]
 
 
-def test_cli_resume_prints_one_banner_and_the_start_up_phases(trained: Path, tmp_path: Path, run_ckptkit: Any) -> None:
+BANNER = ("ckptkit: train: resuming from {ckpt} (step 2): saved at tp=1 pp=1 dp=1 zero=0, now tp=1 pp=1 dp=1 zero=0; "
+          "same topology, nothing resharded; RNG restored; training steps 3-3")
+
+
+def test_cli_resume_piped_prints_one_banner_and_no_start_up_phases(trained: Path, tmp_path: Path, run_ckptkit: Any) -> None:
     out = tmp_path / "b"
     proc = run_ckptkit("train", "--resume", str(trained / "step_00000002"), "--out", str(out), "--steps", "3", "--save-every", "3")
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stderr.splitlines()
-    assert [line for line in lines if "resuming from" in line] == [
-        f"ckptkit: train: resuming from {trained / 'step_00000002'} (step 2): saved at tp=1 pp=1 dp=1 zero=0, "
-        "now tp=1 pp=1 dp=1 zero=0; same topology, nothing resharded; RNG restored; training steps 3-3"
-    ]
-    assert "ckptkit: train: building the tiny model on 1 rank(s)" in lines
-    assert f"ckptkit: train: loading {trained / 'step_00000002'}" in lines
+    assert proc.stderr.splitlines() == [BANNER.format(ckpt=trained / "step_00000002")]
     assert ckptkit.list_checkpoints(out).latest == "step_00000003"
+
+
+def test_cli_train_on_a_terminal_says_what_its_start_up_is_doing(trained: Path, tmp_path: Path, run_in_pty: Any) -> None:
+    code, _, terminal = run_in_pty("train", "--resume", str(trained / "step_00000002"), "--out", str(tmp_path / "b"), "--steps", "3")
+    assert code == 0, terminal
+    lines = [line.strip() for line in terminal.splitlines()]
+    assert BANNER.format(ckpt=trained / "step_00000002") in lines
+    assert lines.index("ckptkit: train: preparing the data") < lines.index("ckptkit: train: building the tiny model on 1 rank(s)")
+    assert f"ckptkit: train: loading {trained / 'step_00000002'}" in lines and "ckptkit: train: training steps 3-3" in lines
 
 
 def test_cli_resume_at_steps_says_nothing_to_train(trained: Path, run_ckptkit: Any) -> None:
