@@ -148,3 +148,12 @@ def test_verify_text_shows_the_first_problems_and_counts_them_all(tmp_path: Path
     assert len(lines) == 11 and all(line.startswith("[") for line in lines[:10])
     assert "problem(s), the first 10 shown (--json lists all)" in lines[-1]
     assert len(json.loads(run_ckptkit("verify", str(tmp_path / "c"), "--json").stdout)["findings"]) >= 12
+
+
+def test_a_library_warning_is_one_line(tmp_path: Path, run_ckptkit: Any) -> None:
+    proc = run_ckptkit("export", str(GOLDEN_V1), str(tmp_path / "out"), "--format", "zarr")  # schema 1.0: no block checksums
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"ckptkit: warning: {GOLDEN_V1 / 'step_00000005'} was written before block checksums (schema 1.0); partial reads "
+        "of its files are not checked (whole-file reads and `ckptkit verify` are)"
+    ]

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -131,8 +132,14 @@ def init_torchrun() -> Any:
 
 
 
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None) -> str:
+    return f"ckptkit: warning: {str(message).removeprefix('ckptkit: ')}\n"
+
+
 def main() -> None:
-    """Entry point: run the CLI, turning every failure into one line (and, with --json, an error object)."""
+    """Entry point: run the CLI, turning every failure into one line (and, with --json, an error
+    object), and every warning into one line."""
+    warnings.formatwarning = _one_line_warning
     try:
         cli.main(prog_name="ckptkit", standalone_mode=False)
     except Failure as failure:
