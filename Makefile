@@ -9,6 +9,7 @@ $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q --no-deps -c constraints.txt megatron-core  # the Megatron export's tests load into megatron-core
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -84,19 +84,25 @@ def _latest_note(report: ckptkit.ReshardReport, no_latest: bool) -> str:
 @cli.command("export")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--format", "fmt", default="hf", show_default=True, type=click.Choice(["hf", "dcp", "zarr"]),
-              help="hf: Hugging Face model directory; dcp: torch.distributed.checkpoint; zarr: the topology-free form.")
+@click.option("--format", "fmt", default="hf", show_default=True, type=click.Choice(["hf", "dcp", "zarr", "megatron"]),
+              help="hf: Hugging Face model directory; dcp: torch.distributed.checkpoint; zarr: the topology-free form; "
+                   "megatron: a Megatron-Core dist_checkpointing (torch_dist) directory.")
 @click.option("--dtype", default=None, type=click.Choice(["bf16", "fp16", "fp32"]),
               help="Output dtype. hf: default bf16; dcp: default the saved dtype; zarr: always the saved dtype.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="hf: largest output file (5GB, 500MB, 2GiB, bytes).")
-@click.option("--include-optimizer", is_flag=True, help="dcp: also export the optimizer state (zarr always has it).")
+@click.option("--include-optimizer", is_flag=True, help="dcp, megatron: also export the optimizer state (zarr always has it).")
 @click.option("--layout", "layout_file", default=None,
-              help="hf: a layout file naming the model (default: the one SRC records), e.g. megatron-gpt for a converted Megatron GPT.")
+              help="hf, megatron: a layout file naming the model (default: the one SRC records), e.g. megatron-gpt for a converted Megatron GPT.")
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1),
+              help="megatron: the tensor-parallel size whose pieces the files hold (megatron-core loads them at any).")
+@click.option("--pp", default=1, show_default=True, type=click.IntRange(min=1),
+              help="megatron: the pipeline-parallel size the layout must allow.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the export report).")
 def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, layout_file: str | None,
-               as_json: bool) -> None:
+               tp: int, pp: int, as_json: bool) -> None:
     """Export the checkpoint at SRC (any topology) to DST: a Hugging Face model directory, a
-    torch DCP checkpoint, or the zarr form (every tensor as a zarr v3 array, manifest beside it).
+    torch DCP checkpoint, the zarr form (every tensor as a zarr v3 array, manifest beside it), or
+    a Megatron-Core torch_dist checkpoint.
 
     Exit 0 when DST is complete, 1 on a ckptkit error (unmapped or missing tensors, DST exists;
     DST does not appear), 2 on bad usage or when SRC holds no committed checkpoint.
@@ -108,15 +114,17 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     if fmt == "zarr" and dtype is not None:
         usage("--dtype: the zarr form keeps every tensor in its saved dtype")
     if fmt == "hf" and include_optimizer:
-        usage("--include-optimizer: the hf format holds model weights only (use --format dcp or zarr)")
-    if fmt != "hf" and layout_file is not None:
-        usage("--layout: names the model for --format hf; dcp and zarr keep the checkpoint's names")
+        usage("--include-optimizer: the hf format holds model weights only (use --format dcp, megatron or zarr)")
+    if fmt not in ("hf", "megatron") and layout_file is not None:
+        usage("--layout: names the model for --format hf and megatron; dcp and zarr keep the checkpoint's names")
+    if fmt != "megatron" and (tp, pp) != (1, 1):
+        usage("--tp/--pp: set the pieces of --format megatron; the other formats hold whole tensors")
     from ..layouts import load_layout
 
     layout = load_layout(layout_file) if layout_file is not None else None
     with progress("exporting", shows_progress(as_json)) as update:
         report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
-                                layout=layout, progress=update)
+                                layout=layout, progress=update, tp=tp, pp=pp)
     if as_json:
         emit_json(report)
         return

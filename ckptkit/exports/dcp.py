@@ -72,10 +72,10 @@ def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -
             try:
                 metadata = save(state, storage_writer=writer, planner=planner, no_dist=True)
             except CheckpointException as exc:  # DCP wraps what its writer or our planner raised
-                raise _unwrapped(exc) from exc
+                raise unwrapped(exc) from exc
         where = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
         tensors = sorted((t.model_copy(update={"file": where[t.name]}) for t in report), key=lambda t: t.name)
-        files = [_file_entry(dst, tmp, key) for key in sorted(dst.list(tmp))]
+        files = [file_entry(dst, tmp, key) for key in sorted(dst.list(tmp))]
         return Written(tensors, files, skipped)
 
     return write
@@ -106,7 +106,7 @@ class _StreamingPlanner(DefaultSavePlanner):
         return out
 
 
-def _unwrapped(exc: Any) -> Exception:
+def unwrapped(exc: Any) -> Exception:
     """The ckptkit error a DCP ``CheckpointException`` carries, or a StorageError that names it."""
     failures = list(getattr(exc, "failures", {}).values())
     inner = failures[0] if failures else None
@@ -117,7 +117,7 @@ def _unwrapped(exc: Any) -> Exception:
     return StorageError(f"torch.distributed.checkpoint could not write the export: {inner or exc}")
 
 
-def _file_entry(dst: Storage, tmp: str, key: str) -> ExportedFile:
+def file_entry(dst: Storage, tmp: str, key: str) -> ExportedFile:
     """Hash a file the DCP writer wrote, reading it back in pieces."""
     size = dst.size(key)
     hasher = Hasher()

@@ -49,7 +49,7 @@ __all__ = ["REPORT_NAME", "ExportReport", "export"]
 DEFAULT_MAX_SHARD = 5 * 10**9
 
 
-FORMATS = ("hf", "dcp", "zarr")
+FORMATS = ("hf", "dcp", "zarr", "megatron")
 
 
 def export(
@@ -65,6 +65,8 @@ def export(
     dst_storage: Storage | None = None,
     layout: Layout | None = None,
     progress: Progress | None = None,
+    tp: int = 1,
+    pp: int = 1,
 ) -> ExportReport:
     """Export the checkpoint at `src` to the directory `dst` in `format`.
 
@@ -80,6 +82,11 @@ def export(
     - ``dcp``: a torch.distributed.checkpoint directory of the parameters (``model.<name>``)
       and, with `include_optimizer`, the optimizer state (``optimizer.exp_avg.<name>``, ...),
       in their saved dtype unless `dtype` is given.
+    - ``megatron``: a Megatron-Core ``dist_checkpointing`` directory (``torch_dist``) that
+      megatron-core loads into a ``GPTModel`` at any TP/PP (see ``ckptkit.exports.megatron``):
+      layers stacked, each chunk a TP rank's piece as megatron-core at `tp` x `pp` writes it
+      (a target the layout must allow), with `include_optimizer` the distributed optimizer's
+      ``fully_reshardable`` state; the layout is ``megatron-gpt`` (recorded, or `layout`).
     - ``zarr``: the topology-free form (see ``ckptkit.exports.zarr_form``): every tensor as a zarr v3
       array with the manifest beside it, bit for bit; `dtype` must be None.
 
@@ -100,20 +107,23 @@ def export(
     if format == "zarr" and dtype is not None:
         raise LayoutError("the zarr form keeps every tensor in its saved dtype; drop --dtype")
     if format == "hf" and include_optimizer:
-        raise LayoutError("the hf format holds model weights only; --include-optimizer applies to dcp")
-    if format != "hf" and layout is not None:
-        raise LayoutError("a layout names the model for the hf format; dcp and zarr keep the checkpoint's names")
+        raise LayoutError("the hf format holds model weights only; --include-optimizer applies to dcp and megatron")
+    if format not in ("hf", "megatron") and layout is not None:
+        raise LayoutError("a layout names the model for the hf and megatron formats; dcp and zarr keep the checkpoint's names")
+    if format != "megatron" and (tp, pp) != (1, 1):
+        raise LayoutError("--tp and --pp set the pieces of the megatron format; the other formats hold whole tensors")
     out_dtype = hf.DTYPES[dtype or "bf16"] if format == "hf" else hf.DTYPES[dtype] if dtype else None
     started = time.perf_counter()
     src_loc, manifest = open_checkpoint(src, storage)
     with Source(src_loc, manifest, progress=progress) as source, still_committed(src_loc):
         return _export(source, dst, format, out_dtype, max_shard_bytes, include_optimizer, chunk_bytes, dst_storage, started,
-                       layout)
+                       layout, (tp, pp))
 
 
 def _export(
     source: Source, dst: str | os.PathLike[str], format: str, out_dtype: str | None, max_shard_bytes: int,
     include_optimizer: bool, chunk_bytes: int, dst_storage: Storage | None, started: float, layout: Layout | None = None,
+    target: tuple[int, int] = (1, 1),
 ) -> ExportReport:
     src_loc, manifest = source.loc, source.manifest
     writer: Writer
@@ -123,6 +133,11 @@ def _export(
         from .dcp import dcp_writer
 
         writer = dcp_writer(source, out_dtype, include_optimizer)
+    elif format == "megatron":
+        from .megatron import megatron_writer
+
+        writer = megatron_writer(source, out_dtype, include_optimizer, layout or layout_for(manifest, where=str(src_loc)),
+                                 *target)
     else:
         from .zarr_form import zarr_writer
 

@@ -20,7 +20,8 @@ from ..io.checksum import checksum_of
 from ..io.commit import REPORT_NAME
 from ..manifest.dtypes import itemsize
 from ..manifest import Manifest, Topology
-from ..io.read import Reader
+from ..boxes import Box
+from ..io.read import Reader, byte_shape
 from ..storage import Storage
 
 READ_THREADS = 4
@@ -65,6 +66,21 @@ class Source:
                 self.done += math.prod(entry.shape) * itemsize(entry.dtype)
                 self.progress(self.done, max(self.expected, self.done))
         return convert(data, entry.dtype, dtype or entry.dtype)
+
+    def read_box(self, fqn: str, box: Box) -> np.ndarray[Any, Any]:
+        """Return `box` of tensor `fqn` as flat bytes (C order), in its saved dtype, reading
+        only the bytes the box needs."""
+        from ..plan.load import plan_load
+
+        entry = self.manifest.tensors[fqn]
+        self.reader.open_files_of([fqn])
+        out = np.empty(byte_shape(box.lengths, itemsize(entry.dtype)), np.uint8)
+        self.reader.fill(plan_load(self.manifest, [(fqn, box)]).targets, [out], pool=self.pool)
+        if self.progress is not None:
+            with self.lock:
+                self.done += math.prod(box.lengths) * itemsize(entry.dtype)
+                self.progress(self.done, max(self.expected, self.done))
+        return out.reshape(-1)
 
     def stream(self, fqns: Sequence[str], dtype: Callable[[str], str | None]) -> Iterator[tuple[str, np.ndarray[Any, Any]]]:
         """Yield (fqn, bytes) for `fqns` in order, each converted to ``dtype(fqn)``.

@@ -1,0 +1,75 @@
+"""A megatron-core job on CPU (gloo ranks) that loads a ``torch_dist`` checkpoint into a GPTModel
+at a given TP with ``dist_checkpointing.load``, as a Megatron user resumes. Rank 0 writes what
+the test compares: the loaded model's logits on the fixtures' ids (gathered over TP), and
+megatron-core's own ``load_plain_tensors`` of the checkpoint (every tensor, model and optimizer
+state, as megatron-core reads it). Used by ``tests/test_export_megatron.py``; needs megatron-core
+(and the fixtures' CPU patches from ``fixtures/make_megatron.py``).
+
+The distributed optimizer itself is not loaded here: megatron-core 0.16.1 without
+TransformerEngine or Apex cannot load its own ``fully_reshardable`` state into torch's Adam
+(``state_dict`` needs each parameter's ``step`` state, ``load_state_dict`` then fails copying it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def _model(tp: int, dtype: torch.dtype) -> Any:
+    import make_megatron
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    c = make_megatron.CONFIG
+    cfg = TransformerConfig(
+        num_layers=c["num_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
+        num_query_groups=c["num_query_groups"], ffn_hidden_size=c["ffn_hidden_size"], gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp, pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+    )
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                    vocab_size=c["vocab_size"], max_sequence_length=c["max_sequence_length"], position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False)
+
+
+def job(rank: int, tp: int, path: str, ids_file: str, out: str, port: int, dtype_name: str) -> None:
+    """Load `path` into a GPTModel at TP `tp` (this process being rank `rank`); see the module."""
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    try:
+        sys.path.insert(0, str(FIXTURES))
+        import make_megatron
+
+        make_megatron._cpu_patches()
+        from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+        from safetensors.torch import load_file, save_file
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None  # type: ignore[assignment]
+        gpt = _model(tp, getattr(torch, dtype_name))
+        gpt.load_state_dict(dist_checkpointing.load({"model": gpt.sharded_state_dict()}, path)["model"])  # as Megatron-LM nests it
+        ids = load_file(ids_file)["ids"]
+        positions = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
+        mask = torch.triu(torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)
+        with torch.no_grad():
+            logits = gather_from_tensor_model_parallel_region(gpt.eval()(ids, positions, mask))
+        plain = dist_checkpointing.load_plain_tensors(path)
+        if rank == 0:
+            save_file({"logits": logits.contiguous()}, os.path.join(out, "logits.safetensors"))
+            save_file({k: v.contiguous() for k, v in plain.items() if isinstance(v, torch.Tensor)}, os.path.join(out, "plain.safetensors"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

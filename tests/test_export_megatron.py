@@ -1,0 +1,116 @@
+"""``ckptkit export --format megatron``: a converted Megatron-Core checkpoint written back as a
+``torch_dist`` directory that megatron-core itself loads (on CPU, gloo ranks): into a GPTModel at
+TP 1 and TP 2 with logits equal to Megatron's own forward, and every model and optimizer tensor,
+as megatron-core's ``load_plain_tensors`` reads them, bitwise equal to the source; the files cut
+as megatron-core at the target TP cuts them; bad targets fail in one line, writing nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptkit
+from ckptkit.layouts import builtin
+
+from .converters.checks import assert_nothing_written, one_line_error
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (make test installs it)")
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
+MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
+pytestmark = pytest.mark.multiprocess
+
+
+def _layout_file(tmp_path: Path) -> Path:
+    config = json.loads((FIXTURES / "gpt-tp2-dp2.oracle" / "config.json").read_text())
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps(builtin("megatron-gpt", {k: config[k] for k in MODEL_KEYS}).to_json()))
+    return path
+
+
+def _convert_and_export(name: str, tmp_path: Path, run_ckptkit: Any, *args: str) -> Path:
+    layout = _layout_file(tmp_path)
+    converted, out = tmp_path / "converted", tmp_path / "megatron"
+    proc = run_ckptkit("convert", str(FIXTURES / name), str(converted), "--layout", str(layout))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_ckptkit("export", str(converted), str(out), "--format", "megatron", "--include-optimizer", *args)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def _load_in_megatron(path: Path, tp: int, dtype: str, tmp_path: Path, ids: Path) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Load `path` with megatron-core at TP `tp` (that many gloo ranks); its logits and plain tensors."""
+    import torch.multiprocessing as mp
+
+    from .megatron_job import job
+
+    out = tmp_path / f"loaded-tp{tp}"
+    out.mkdir()
+    port = 29400 + os.getpid() % 500 + tp
+    mp.start_processes(job, args=(tp, str(path), str(ids), str(out), port, dtype), nprocs=tp, join=True, start_method="spawn")
+    return load_file(str(out / "logits.safetensors"))["logits"], load_file(str(out / "plain.safetensors"))
+
+
+@pytest.mark.parametrize(("export_at", "load_at"), [(("--tp", "2"), 1), (("--tp", "1", "--pp", "2"), 2)])
+def test_megatron_core_loads_the_export_with_equal_tensors_and_logits(export_at: tuple[str, ...], load_at: int, tmp_path: Path,
+                                                                      run_ckptkit: Any) -> None:
+    out = _convert_and_export("gpt-tp2-dp2", tmp_path, run_ckptkit, *export_at)
+    oracle = FIXTURES / "gpt-tp2-dp2.oracle"
+    logits, plain = _load_in_megatron(out, load_at, "float32", tmp_path, oracle / "logits.safetensors")
+    assert (logits - load_file(str(oracle / "logits.safetensors"))["logits"]).abs().max().item() < 1e-4
+    want = load_file(str(oracle / "plain.safetensors"))
+    assert sorted(plain) == sorted(want) and any(k.startswith("optimizer.state.exp_avg.") for k in want)
+    for key, value in want.items():
+        assert plain[key].dtype == value.dtype and torch.equal(plain[key], value), key
+    common = torch.load(out / "common.pt", weights_only=True)
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert [g["wd_mult"] for g in common["optimizer"]["optimizer"]["param_groups"]] == [1.0, 0.0]
+    assert json.loads((out / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+
+
+def test_a_dp_reshardable_save_comes_back_as_megatron_core_reads_it(tmp_path: Path, run_ckptkit: Any) -> None:
+    # Megatron-LM's default optimizer form in, the reshardable form out: every state as megatron-core's own
+    out = _convert_and_export("gpt-tp2-dp2-dpr-bf16", tmp_path, run_ckptkit, "--tp", "2")
+    oracle = FIXTURES / "gpt-tp2-dp2-dpr-bf16.oracle"
+    _, plain = _load_in_megatron(out, 2, "bfloat16", tmp_path, oracle / "logits.safetensors")
+    want = load_file(str(oracle / "plain.safetensors"))
+    assert sorted(plain) == sorted(want)
+    for key, value in want.items():
+        assert plain[key].dtype == value.dtype and torch.equal(plain[key], value), key
+
+
+def test_the_files_are_cut_as_megatron_core_cuts_them_at_the_target_tp(tmp_path: Path, run_ckptkit: Any) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = _convert_and_export("gpt-tp2-dp2", tmp_path, run_ckptkit, "--tp", "2")
+    ours = FileSystemReader(str(out)).read_metadata().state_dict_metadata
+    theirs = FileSystemReader(str(FIXTURES / "gpt-tp2-dp2")).read_metadata().state_dict_metadata
+    assert sorted(ours) == sorted(theirs)
+    for key, meta in theirs.items():
+        if hasattr(meta, "chunks"):
+            assert ours[key].size == meta.size, key
+            assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in ours[key].chunks) == \
+                sorted((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks), key
+
+
+def test_targets_and_sources_the_format_cannot_take_fail_in_one_line(tmp_path: Path, run_ckptkit: Any) -> None:
+    layout = _layout_file(tmp_path)
+    converted = tmp_path / "converted"
+    assert run_ckptkit("convert", str(FIXTURES / "gpt-tp2-pp2"), str(converted), "--layout", str(layout)).returncode == 0
+    cases = [
+        ((str(converted), "--tp", "4"), "query groups"),  # 2 groups cannot be cut 4 ways
+        ((str(converted), "--include-optimizer"), "no optimizer/fp32 tensors"),
+        ((str(Path(__file__).resolve().parents[1] / "fixtures" / "llama-v1.1"),), "layout megatron-gpt"),
+    ]
+    for args, says in cases:
+        proc = run_ckptkit("export", args[0], str(tmp_path / "out"), "--format", "megatron", *args[1:])
+        assert proc.returncode == 1 and says in one_line_error(proc.stderr), (args, proc.stderr)
+        assert_nothing_written(tmp_path, tmp_path / "out")
+    proc = run_ckptkit("export", str(converted), str(tmp_path / "out"), "--format", "hf", "--tp", "2")
+    assert proc.returncode == 2 and "--tp/--pp" in proc.stderr
