@@ -37,7 +37,7 @@ from ckptkit.state.tree import escape, json_problems
 
 from .megatron import NAME, model_config
 from .megatron_legacy_files import MODEL_FILE, OPTIM_FILE, RankDir, RankFile, open_file, parse, rank_dirs, read_local
-from .megatron_legacy_optim import bucket_size, buffer_ranges, plain_ids
+from .megatron_legacy_optim import Local, bucket_size, buffer_ranges, plain_ids
 from .megatron_legacy_plan import (Piece, Planned, box_of, coverage_problems, distributed_state, global_key, layout_index,
                                    local_params, place_model, place_state, stage_offsets, whole)
 from .megatron_legacy_values import as_json, refuse_unsupported
@@ -108,14 +108,16 @@ class _Conversion:
             return
         if not isinstance(opt, dict):
             raise ManifestError(f"{f.path}: an optimizer state of several optimizers (a list), which this converter does not read")
-        if "fp32_from_fp16_params" in opt:
-            raise ManifestError(f"{f.path}: the fp16/bf16 optimizer without --use-distributed-optimizer "
-                                f"(fp32_from_fp16_params), which this converter does not read yet")
         params = local_params(f.tree["model"])
         where = f"{d.name}/{MODEL_FILE}"
         if "state" in opt:  # FP32Optimizer: a torch optimizer's state dict
             self._plain(i, d, opt, params, keys, where)
             rest = {k: v for k, v in opt.items() if k != "state"}
+        elif "fp32_from_fp16_params" in opt and isinstance(opt.get("optimizer"), dict) and "state" in opt["optimizer"]:
+            ids = self._plain(i, d, opt["optimizer"], params, keys, where)
+            self._masters(i, d, opt["optimizer"]["param_groups"], opt["fp32_from_fp16_params"], ids, keys, where)
+            rest = {**{k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")},
+                    "optimizer": {k: v for k, v in opt["optimizer"].items() if k != "state"}}
         elif self.args.get("use_distributed_optimizer") and isinstance(opt.get("optimizer"), dict):
             if not os.path.isfile(optim_path):
                 raise IntegrityError(f"{optim_path}: missing (the distributed optimizer's state)")
@@ -126,7 +128,9 @@ class _Conversion:
         for key, value in rest.items():
             self.value(f"megatron/{escape(d.name)}/optimizer/{escape(str(key))}", value, f"{where}:optimizer/{key}")
 
-    def _plain(self, i: int, d: RankDir, opt: dict[str, Any], params: list[Any], keys: dict[str, str], where: str) -> None:
+    def _plain(self, i: int, d: RankDir, opt: dict[str, Any], params: list[Any], keys: dict[str, str],
+               where: str) -> dict[int, Local]:
+        """Plan a torch optimizer state dict's tensors by parameter; return the id -> parameter map."""
         ids = plain_ids(params, opt.get("param_groups"), self.args, where)
         state = opt["state"]
         if not isinstance(state, dict) or set(state) - set(ids):
@@ -142,6 +146,25 @@ class _Conversion:
                 else:
                     raise IntegrityError(f"{source}: not a tensor of {local.key}'s shape {list(local.shape)} (the optimizer's "
                                          f"ids, assigned by Megatron's parameter groups, do not fit this file)")
+        return ids
+
+    def _masters(self, i: int, d: RankDir, groups: list[Any], masters: Any, ids: dict[int, Local], keys: dict[str, str],
+                 where: str) -> None:
+        """Plan the fp16/bf16 optimizer's fp32 copies: per group, one for each of its fp16/bf16
+        parameters in the group's order (each checked against the model's tensor)."""
+        if not isinstance(masters, list) or len(masters) != len(groups):
+            raise IntegrityError(f"{where}: fp32_from_fp16_params is not a list per parameter group")
+        model = self.files[i].tree["model"]
+        for g, (group, copies) in enumerate(zip(groups, masters)):
+            halves = [ids[pid] for pid in group["params"] if ids[pid].dtype in ("bfloat16", "float16")]
+            if not isinstance(copies, list) or len(copies) != len(halves):
+                raise IntegrityError(f"{where}: fp32_from_fp16_params[{g}] holds {len(copies) if isinstance(copies, list) else 0} "
+                                     f"copies, its group {len(halves)} fp16/bf16 parameters")
+            for n, (local, stored) in enumerate(zip(halves, copies)):
+                if not isinstance(stored, StoredTensor) or stored.shape != local.shape or stored.dtype != "float32":
+                    raise IntegrityError(f"{where}: fp32_from_fp16_params[{g}][{n}] is not a float32 copy of {local.key}")
+                place_state(self.planned, "param", local, stored, i, d, self.tp, keys[local.key], self.index,
+                            f"{where}:optimizer/fp32_from_fp16_params/{g}/{n}", check=(i, model[local.key]))
 
     def _distributed(self, i: int, d: RankDir, params: list[Any], keys: dict[str, str]) -> None:
         a = self.args

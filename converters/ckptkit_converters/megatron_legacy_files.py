@@ -84,14 +84,35 @@ def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
     return text.encode("latin-1")
 
 
+class _TensorType:
+    """``torch.Tensor`` as ``_rebuild_from_type_v2`` names the type to rebuild."""
+
+
+_TENSOR = _TensorType()
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> StoredTensor:
+    """``torch._tensor._rebuild_from_type_v2``: a plain tensor with Python attributes (Megatron's
+    ``tensor_model_parallel``, ``partition_dim``... on the fp32 copies), the attributes dropped."""
+    if new_type is not _TENSOR or not callable(func) or not isinstance(args, tuple):
+        raise ValueError("_rebuild_from_type_v2 of something other than a torch.Tensor")
+    tensor = func(*args)
+    if not isinstance(tensor, StoredTensor):
+        raise ValueError("_rebuild_from_type_v2 that rebuilds no tensor")
+    return tensor
+
+
 _ENUMS = ("megatron.core.enums.ModelType", "megatron.core.transformer.enums.AttnBackend",
           "megatron.core.transformer.enums.InferenceCudaGraphScope", "megatron.core.enums.Fp8Recipe", "signal.Signals")
-# What model_optim_rng.pt and distrib_optim.pt need: tensors, state dicts, Megatron-LM's
-# arguments (an argparse.Namespace whose values include a few enums), the NumPy generator state.
+# What model_optim_rng.pt and distrib_optim.pt need: tensors (some with Python attributes),
+# state dicts, Megatron-LM's arguments (an argparse.Namespace whose values include a few enums),
+# the NumPy generator state.
 LEGACY_ALLOWED: dict[tuple[str, str], Any] = {
     **STATE_DICT_ALLOWED,
     ("argparse", "Namespace"): _Namespace,
     ("_codecs", "encode"): _encode,
+    ("torch", "Tensor"): _TENSOR,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("numpy", "dtype"): NumpyDtype,
     ("numpy", "ndarray"): NumpyArray,
     ("numpy.core.multiarray", "_reconstruct"): _reconstruct,

@@ -1,7 +1,7 @@
 """``ckptkit convert`` of legacy Megatron-LM checkpoints (``--ckpt-format torch``): real saves by
 Megatron-LM's own ``save_checkpoint`` (``fixtures/make_megatron_lm.py``) of a GPT at TP 2 x PP 2
-(fp32, the plain optimizer) and TP 2 x DP 2 (bf16, the distributed optimizer's
-``distrib_optim.pt`` in buckets) come across bitwise against the live model gathered at save time
+(fp32, the plain optimizer) and TP 2 x DP 2 (bf16, the plain optimizer's fp32 copies; bf16, the
+distributed optimizer's ``distrib_optim.pt`` in buckets) come across bitwise against the live model gathered at save time
 and megatron-core's own view of the optimizer, under the ``torch_dist`` converter's names;
 damaged, hostile or unsupported input fails in one line and leaves no destination."""
 
@@ -31,7 +31,7 @@ from ckptkit_converters.megatron_legacy_values import refuse_unsupported
 from .checks import assert_nothing_written, one_line_error
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "megatron-lm"
-PIPELINE, DISTRIBUTED = "gpt-tp2-pp2", "gpt-tp2-dp2-distopt-bf16"
+PIPELINE, HALF, DISTRIBUTED = "gpt-tp2-pp2", "gpt-tp2-dp2-bf16", "gpt-tp2-dp2-distopt-bf16"
 needs_entry_point = pytest.mark.skipif("megatron" not in ckptkit.list_converters(),
                                        reason="the megatron entry point is not installed (pip install -e .)")
 
@@ -72,7 +72,7 @@ def _tensors(dst: Path) -> dict[str, torch.Tensor]:
     return {f"{group}/{k}": v for group, tree in trees for k, v in tree.items() if isinstance(v, torch.Tensor)}
 
 
-@pytest.mark.parametrize("name", [PIPELINE, DISTRIBUTED])
+@pytest.mark.parametrize("name", [PIPELINE, HALF, DISTRIBUTED])
 def test_every_tensor_equals_the_live_model_and_megatrons_optimizer_state_bitwise(name: str, tmp_path: Path) -> None:
     dst = tmp_path / "out"
     report = CONVERTER.convert(str(FIXTURES / name), str(dst))
@@ -84,6 +84,8 @@ def test_every_tensor_equals_the_live_model_and_megatrons_optimizer_state_bitwis
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
     assert bool((got["optimizer/exp_avg/decoder.layers.1.self_attention.linear_qkv.weight"] != 0).any())
     assert got["model/decoder.layers.1.mlp.linear_fc1.weight"].shape == (48, 16)  # gate and up of both TP ranks
+    masters = [k for k in got if k.startswith("optimizer/fp32/")]
+    assert len(masters) == (0 if name == PIPELINE else 15) and all(got[k].dtype == torch.float32 for k in masters)
 
 
 def test_the_pipeline_stages_give_global_layer_numbers_and_the_plain_optimizer_no_master(tmp_path: Path) -> None:
