@@ -258,6 +258,8 @@ def convert_legacy(path: str, dst: str, *, allow_skip: bool = False, progress: P
     conv = _Conversion(path, dirs, files, args, layout)
     for i, (d, f) in enumerate(zip(dirs, list(files))):
         conv.stage(i, d, f)
+        if i:
+            f.tree.clear()  # planned: its pieces keep what they read; the first file's values give the info
     broken = coverage_problems(conv.planned)
     if broken:
         raise IntegrityError(f"{path}: the rank files do not hold the whole of {len(broken)} tensor(s): {', '.join(broken[:10])}")

@@ -257,3 +257,21 @@ def test_reshard_to_one_rank_with_the_recorded_layout_keeps_every_tensor(tmp_pat
     assert ckptkit.read_manifest(single).topology.world_size == 1
     proc = run_ckptkit("diff", str(converted), str(single))
     assert proc.returncode == 0 and "equal" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_missing_rank_directory_is_named(tmp_path: Path) -> None:
+    src = Path(shutil.copytree(FIXTURES / PIPELINE, tmp_path / "src"))
+    shutil.rmtree(src / "iter_0000003" / "mp_rank_00_001")
+    with pytest.raises(IntegrityError, match="rank directories missing: mp_rank_00_001"):
+        CONVERTER.convert(str(src), str(tmp_path / "out"))
+    assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_a_file_the_converter_does_not_read_is_listed_not_dropped(tmp_path: Path) -> None:
+    src = Path(shutil.copytree(FIXTURES / DISTRIBUTED, tmp_path / "src"))
+    (src / "iter_0000003" / "mp_rank_01" / "layer_wise_optimizer_0.pt").write_bytes(b"\0")
+    with pytest.raises(ManifestError, match="mp_rank_01/layer_wise_optimizer_0.pt: a file this converter does not read"):
+        CONVERTER.convert(str(src), str(tmp_path / "out"))
+    assert_nothing_written(tmp_path, tmp_path / "out")
+    report = CONVERTER.convert(str(src), str(tmp_path / "out"), allow_skip=True)
+    assert [s.source for s in report.skipped] == ["mp_rank_01/layer_wise_optimizer_0.pt"]
