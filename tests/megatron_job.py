@@ -23,13 +23,11 @@ import torch
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
-def _model(tp: int, dtype: torch.dtype) -> Any:
-    import make_megatron
+def _model(tp: int, dtype: torch.dtype, c: dict[str, int]) -> Any:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    c = make_megatron.CONFIG
     cfg = TransformerConfig(
         num_layers=c["num_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
         num_query_groups=c["num_query_groups"], ffn_hidden_size=c["ffn_hidden_size"], gated_linear_unit=True,
@@ -41,8 +39,9 @@ def _model(tp: int, dtype: torch.dtype) -> Any:
                     share_embeddings_and_output_weights=False)
 
 
-def job(rank: int, tp: int, path: str, ids_file: str, out: str, port: int, dtype_name: str) -> None:
-    """Load `path` into a GPTModel at TP `tp` (this process being rank `rank`); see the module."""
+def job(rank: int, tp: int, path: str, ids_file: str, out: str, port: int, dtype_name: str, config: dict[str, int] | None = None) -> None:
+    """Load `path` into a GPTModel of `config` (default: the fixtures' model) at TP `tp` (this
+    process being rank `rank`); see the module."""
     import torch.distributed as dist
 
     warnings.simplefilter("ignore")
@@ -59,7 +58,7 @@ def job(rank: int, tp: int, path: str, ids_file: str, out: str, port: int, dtype
 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None  # type: ignore[assignment]
-        gpt = _model(tp, getattr(torch, dtype_name))
+        gpt = _model(tp, getattr(torch, dtype_name), config or make_megatron.CONFIG)
         gpt.load_state_dict(dist_checkpointing.load({"model": gpt.sharded_state_dict()}, path)["model"])  # as Megatron-LM nests it
         ids = load_file(ids_file)["ids"]
         positions = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)

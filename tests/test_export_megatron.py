@@ -23,6 +23,7 @@ from .converters.checks import assert_nothing_written, one_line_error
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (make test installs it)")
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
+LLAMA = FIXTURES.parent / "llama-v1.1"
 MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
 pytestmark = pytest.mark.multiprocess
 
@@ -44,7 +45,8 @@ def _convert_and_export(name: str, tmp_path: Path, run_ckptkit: Any, *args: str)
     return out
 
 
-def _load_in_megatron(path: Path, tp: int, dtype: str, tmp_path: Path, ids: Path) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _load_in_megatron(path: Path, tp: int, dtype: str, tmp_path: Path, ids: Path,
+                      config: dict[str, int] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Load `path` with megatron-core at TP `tp` (that many gloo ranks); its logits and plain tensors."""
     import torch.multiprocessing as mp
 
@@ -53,7 +55,7 @@ def _load_in_megatron(path: Path, tp: int, dtype: str, tmp_path: Path, ids: Path
     out = tmp_path / f"loaded-tp{tp}"
     out.mkdir()
     port = 29400 + os.getpid() % 500 + tp
-    mp.start_processes(job, args=(tp, str(path), str(ids), str(out), port, dtype), nprocs=tp, join=True, start_method="spawn")
+    mp.start_processes(job, args=(tp, str(path), str(ids), str(out), port, dtype, config), nprocs=tp, join=True, start_method="spawn")
     return load_file(str(out / "logits.safetensors"))["logits"], load_file(str(out / "plain.safetensors"))
 
 
@@ -103,10 +105,13 @@ def test_targets_and_sources_the_format_cannot_take_fail_in_one_line(tmp_path: P
     layout = _layout_file(tmp_path)
     converted = tmp_path / "converted"
     assert run_ckptkit("convert", str(FIXTURES / "gpt-tp2-pp2"), str(converted), "--layout", str(layout)).returncode == 0
+    deepspeed = tmp_path / "deepspeed"
+    assert run_ckptkit("convert", str(FIXTURES.parent / "deepspeed" / "zero1-fp32"), str(deepspeed)).returncode == 0
     cases = [
         ((str(converted), "--tp", "4"), "query groups"),  # 2 groups cannot be cut 4 ways
         ((str(converted), "--include-optimizer"), "no optimizer/fp32 tensors"),
-        ((str(Path(__file__).resolve().parents[1] / "fixtures" / "llama-v1.1"),), "layout megatron-gpt"),
+        ((str(deepspeed),), "is 'deepspeed'"),  # no Megatron names for this model
+        ((str(LLAMA), "--include-optimizer"), "drop --include-optimizer"),
     ]
     for args, says in cases:
         proc = run_ckptkit("export", args[0], str(tmp_path / "out"), "--format", "megatron", *args[1:])
@@ -114,3 +119,31 @@ def test_targets_and_sources_the_format_cannot_take_fail_in_one_line(tmp_path: P
         assert_nothing_written(tmp_path, tmp_path / "out")
     proc = run_ckptkit("export", str(converted), str(tmp_path / "out"), "--format", "hf", "--tp", "2")
     assert proc.returncode == 2 and "--tp/--pp" in proc.stderr
+
+
+def test_the_reference_trainers_llama_loads_in_megatron_core_with_its_logits(tmp_path: Path, run_ckptkit: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    out, hf = tmp_path / "megatron", tmp_path / "hf"
+    proc = run_ckptkit("export", str(LLAMA), str(out), "--format", "megatron", "--tp", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert run_ckptkit("export", str(LLAMA), str(hf), "--format", "hf", "--dtype", "fp32").returncode == 0
+    c = ckptkit.read_manifest(LLAMA).info.model.config  # type: ignore[union-attr]
+    config = {"num_layers": c["num_layers"], "hidden_size": c["hidden_size"], "num_attention_heads": c["num_heads"],
+              "num_query_groups": c["num_kv_heads"], "ffn_hidden_size": c["intermediate_size"], "vocab_size": c["vocab_size"],
+              "max_sequence_length": c["max_seq_len"]}
+    ids = torch.tensor([[1, 5, 7, 2, 19, 3, 0], [4, 4, 8, 11, 6, 2, 13]])
+    from safetensors.torch import save_file
+
+    save_file({"ids": ids}, str(tmp_path / "ids.safetensors"))
+    logits, plain = _load_in_megatron(out, 2, "float32", tmp_path, tmp_path / "ids.safetensors", config)
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()(ids).logits
+    # The fixture's exact random weights give logits up to ~110: fp32 sums in another order
+    # (TP 2 splits them) differ by ~1e-4 there, 1e-6 of the largest logit.
+    assert (logits - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    # q, k, v interleaved per query group: group 1's q rows follow group 0's q, k and v
+    state = ckptkit.load(LLAMA)["model"]
+    qkv = plain["decoder.layers.self_attention.linear_qkv.weight"][1]
+    hd = c["hidden_size"] // c["num_heads"]
+    assert torch.equal(qkv[3 * hd:4 * hd], state["layers.1.attn.q.weight"][hd:2 * hd])
+    assert torch.equal(plain["decoder.layers.mlp.linear_fc1.weight"][0][c["intermediate_size"]:], state["layers.0.mlp.up.weight"])

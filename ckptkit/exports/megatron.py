@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from ..boxes import Box
 from ..errors import LayoutError, summarize
 from ..io.checksum import checksum_of
-from ..layouts import Layout
+from ..layouts import Layout, builtin
 from ..layouts.placement import local_param, topology_problems
 from ..manifest import Topology
 from ..state.torch_io import byte_view, torch_dtype
@@ -55,12 +55,22 @@ EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.l
 
 
 @dataclass(frozen=True, slots=True)
+class Run:
+    """Rows [row, row + count) of a Megatron tensor are rows [src_row, src_row + count) of `fqn`."""
+
+    row: int
+    count: int
+    fqn: str
+    src_row: int
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
-    """One chunk of a Megatron key: its box in the key's global tensor, from `box` of tensor `fqn`."""
+    """One chunk of a Megatron key: its box in the key's global tensor, and the boxes of source
+    tensors it is made of, in order along its first dim (after a stacked key's layer axis)."""
 
     at: Box
-    fqn: str
-    box: Box
+    pieces: tuple[tuple[str, Box], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,19 +87,16 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
     """Plan the Megatron export (failing before any write) and return its writer.
 
     Raises:
-        LayoutError: a layout other than ``megatron-gpt``, a target TP/PP it forbids, layers
+        LayoutError: a layout with no Megatron names, a target TP/PP the layout forbids, layers
             missing, or no optimizer state with `include_optimizer` (every problem named).
     """
-    if layout.name != "megatron-gpt":
-        raise LayoutError(f"the megatron format writes a Megatron-Core GPT (layout megatron-gpt); {source.loc} is "
-                          f"{layout.name!r}: give --layout FILE (ckptkit layout builtin megatron-gpt CONFIG)")
-    problems = topology_problems(layout, Topology(world_size=tp * pp, tp=tp, pp=pp, dp=1, zero_stage=0))
+    sources, target = megatron_sources(source, layout, include_optimizer)
+    problems = topology_problems(target, Topology(world_size=tp * pp, tp=tp, pp=pp, dp=1, zero_stage=0))
     if problems:
         raise LayoutError(f"cannot export at tp {tp} x pp {pp}: " + summarize(problems))
-    prefixes = ["model", *(p for p in STATES if p != "model" and include_optimizer)]
-    entries = plan_entries(source, layout, prefixes, tp, out_dtype)
+    entries = plan_entries(source, target, sources, tp, out_dtype)
     groups = _param_groups(source) if include_optimizer else None
-    chosen = {c.fqn for e in entries for c in e.chunks}
+    chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces}
     skipped = sorted(set(source.manifest.tensors) - chosen)
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
@@ -98,7 +105,7 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
 
         source.expect(sorted(chosen))
         report: dict[tuple[str, tuple[int, ...]], ExportedTensor] = {}
-        planner = _Planner(source, entries, _extra_states(layout), out_dtype, report)
+        planner = _Planner(source, entries, _extra_states(target), report)
         writer = FileSystemWriter(local_path(dst, tmp, "a Megatron export"), thread_count=1, sync_files=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -122,33 +129,106 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
     return write
 
 
-def plan_entries(source: Source, layout: Layout, prefixes: list[str], tp: int, out_dtype: str | None) -> list[Entry]:
-    """The Megatron keys of the tensors under `prefixes`, each cut into TP pieces per layer.
+Sources = dict[str, dict[str, list[Run]]]  # Megatron state ("" for the model) -> Megatron name per layer -> its rows
+
+
+def megatron_sources(source: Source, layout: Layout, include_optimizer: bool) -> tuple[Sources, Layout]:
+    """Where each Megatron tensor (per layer) comes from, and the ``megatron-gpt`` layout of
+    the target: a Megatron GPT's tensors as they are; the reference trainer's Llama (layout
+    ``llama``) fused as Megatron fuses them (model only).
 
     Raises:
-        LayoutError: a stacked tensor missing layers or unlike its other layers, no tensors of
-            a prefix.
+        LayoutError: a layout of another family, tensors missing, an optimizer asked of a Llama.
+    """
+    tensors = source.manifest.tensors
+    if layout.name == "llama":
+        if include_optimizer:
+            raise LayoutError("the megatron format takes the reference trainer's parameters only for now; drop --include-optimizer")
+        return {"": fused_llama(tensors, layout)}, megatron_gpt_of_llama(layout)
+    if layout.name != "megatron-gpt":
+        raise LayoutError(f"the megatron format writes a Megatron-Core GPT (layout megatron-gpt, or the reference trainer's "
+                          f"llama); {source.loc} is {layout.name!r}: give --layout FILE (ckptkit layout builtin megatron-gpt CONFIG)")
+    out: Sources = {}
+    for prefix in ["model", *(p for p in STATES if p != "model" and include_optimizer)]:
+        names = [f for f in tensors if f.startswith(f"{prefix}/")]
+        if not names:
+            raise LayoutError(f"{source.loc}: no {prefix} tensors in the checkpoint, which the export needs")
+        out[STATES[prefix]] = {unescape(f[len(prefix) + 1:]): [Run(0, tensors[f].shape[0] if tensors[f].shape else 1, f, 0)]
+                               for f in names}
+    return out, layout
+
+
+def megatron_gpt_of_llama(layout: Layout) -> Layout:
+    """The ``megatron-gpt`` layout of the reference trainer's Llama (same sizes and options)."""
+    c = layout.config
+    return builtin("megatron-gpt", {
+        "num_layers": c["num_layers"], "hidden_size": c["hidden_size"], "num_attention_heads": c["num_heads"],
+        "num_query_groups": c["num_kv_heads"], "ffn_hidden_size": c["intermediate_size"], "vocab_size": c["vocab_size"],
+        "kv_channels": int(c["hidden_size"]) // int(c["num_heads"]),  # type: ignore[arg-type]
+        "share_embeddings_and_output_weights": bool(c.get("tie_embeddings")),
+        "max_sequence_length": c.get("max_seq_len"), "layernorm_epsilon": c.get("norm_eps"), "rotary_base": c.get("rope_theta"),
+    })
+
+
+_LLAMA_LAYER = {"attn_norm.weight": "self_attention.linear_qkv.layer_norm_weight", "attn.o.weight": "self_attention.linear_proj.weight",
+                "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight", "mlp.down.weight": "mlp.linear_fc2.weight"}
+_LLAMA_TOP = {"embed.weight": "embedding.word_embeddings.weight", "norm.weight": "decoder.final_layernorm.weight",
+              "lm_head.weight": "output_layer.weight"}
+
+
+def fused_llama(tensors: Any, layout: Layout) -> dict[str, list[Run]]:
+    """The reference trainer's Llama parameters as Megatron's: renamed, q, k and v interleaved
+    per query group into ``linear_qkv`` (each group: its heads' q rows, then its k rows, then v's),
+    gate and up stacked into ``linear_fc1``.
+
+    Raises:
+        LayoutError: a parameter missing.
+    """
+    c = layout.config
+    heads, groups, h, f = (int(c[k]) for k in ("num_heads", "num_kv_heads", "hidden_size", "intermediate_size"))  # type: ignore[arg-type]
+    hd, per = h // heads, heads // groups
+    out: dict[str, list[Run]] = {}
+    for name, mine in _LLAMA_TOP.items():
+        out[mine] = [Run(0, int(c["vocab_size"]) if name != "norm.weight" else h, f"model/{name}", 0)]  # type: ignore[arg-type]
+    if c.get("tie_embeddings"):
+        del out["output_layer.weight"]
+    for i in range(layout.num_layers):
+        p, m = f"model/layers.{i}.", f"decoder.layers.{i}."
+        for name, mine in _LLAMA_LAYER.items():
+            out[m + mine] = [Run(0, h, p + name, 0)]
+        out[m + "self_attention.linear_qkv.weight"] = [
+            run for g in range(groups) for run in (Run(g * (per + 2) * hd, per * hd, p + "attn.q.weight", g * per * hd),
+                                                     Run(g * (per + 2) * hd + per * hd, hd, p + "attn.k.weight", g * hd),
+                                                     Run(g * (per + 2) * hd + (per + 1) * hd, hd, p + "attn.v.weight", g * hd))]
+        out[m + "mlp.linear_fc1.weight"] = [Run(0, f, p + "mlp.gate.weight", 0), Run(f, f, p + "mlp.up.weight", 0)]
+    missing = sorted({r.fqn for runs in out.values() for r in runs} - set(tensors))
+    if missing:
+        raise LayoutError(f"cannot export to Megatron: {len(missing)} parameter(s) missing: " + summarize(missing))
+    return out
+
+
+def plan_entries(source: Source, layout: Layout, sources: Sources, tp: int, out_dtype: str | None) -> list[Entry]:
+    """The Megatron keys of `sources`, each cut into TP pieces per layer as `layout` cuts them.
+
+    Raises:
+        LayoutError: a stacked tensor missing layers or unlike its other layers.
     """
     tensors = source.manifest.tensors
     params = {part.name: (param, layer) for unit in layout.units
               for layer in (range(layout.num_layers) if unit.place == "layers" else (None,))
               for param in unit.params for part in local_param(param, layer, 1, 0).parts}
-    grouped: dict[str, dict[int | None, tuple[str, str]]] = {}
-    problems: list[str] = []
-    for prefix in prefixes:
-        state = STATES[prefix]
-        names = [f for f in tensors if f.startswith(f"{prefix}/")]
-        if not names:
-            problems.append(f"no {prefix} tensors in the checkpoint")
-        for fqn in names:
-            name = unescape(fqn[len(prefix) + 1:])
+    shapes = layout.tensors()
+    grouped: dict[str, dict[int | None, tuple[str, list[Run]]]] = {}
+    for state, names in sources.items():
+        for name, runs in names.items():
             found = LAYER.match(name)
             key = f"decoder.layers.{found.group(2)}" if found else name
             key = f"optimizer.state.{state}.{key}" if state else key
-            grouped.setdefault(key, {})[int(found.group(1)) if found else None] = (fqn, name)
+            grouped.setdefault(key, {})[int(found.group(1)) if found else None] = (name, runs)
+    problems: list[str] = []
     entries = []
     for key, by_layer in sorted(grouped.items()):
-        entry = _entry(key, by_layer, layout, params, tp, tensors, out_dtype, problems)
+        entry = _entry(key, by_layer, layout, params, shapes, tp, tensors, out_dtype, problems)
         if entry is not None:
             entries.append(entry)
     if problems:
@@ -156,8 +236,8 @@ def plan_entries(source: Source, layout: Layout, prefixes: list[str], tp: int, o
     return entries
 
 
-def _entry(key: str, by_layer: dict[int | None, tuple[str, str]], layout: Layout, params: dict[str, Any], tp: int,
-           tensors: Any, out_dtype: str | None, problems: list[str]) -> Entry | None:
+def _entry(key: str, by_layer: dict[int | None, tuple[str, list[Run]]], layout: Layout, params: dict[str, Any],
+           shapes: dict[str, tuple[int, ...]], tp: int, tensors: Any, out_dtype: str | None, problems: list[str]) -> Entry | None:
     """One key's entry: a whole tensor, or its layers stacked, in the target's TP pieces (the
     model in `out_dtype` if given, the optimizer state as saved)."""
     stacked = None not in by_layer
@@ -165,19 +245,39 @@ def _entry(key: str, by_layer: dict[int | None, tuple[str, str]], layout: Layout
     if stacked and layers != list(range(layout.num_layers)):
         problems.append(f"{key}: layers {layers} saved, the layout has {layout.num_layers}")
         return None
-    first = tensors[next(iter(by_layer.values()))[0]]
-    if len(by_layer) > 1 and not stacked or any(tensors[f].shape != first.shape or tensors[f].dtype != first.dtype
-                                                 for f, _ in by_layer.values()):
-        problems.append(f"{key}: its layers differ in shape or dtype")
+    if len(by_layer) > 1 and not stacked:
+        problems.append(f"{key}: both stacked and whole")
+        return None
+    name, runs = next(iter(by_layer.values()))
+    first = tensors[runs[0].fqn]
+    shape = shapes.get(name, first.shape)
+    dtypes = {tensors[r.fqn].dtype for _, rs in by_layer.values() for r in rs}
+    if len(dtypes) != 1:
+        problems.append(f"{key}: its source tensors have dtypes {sorted(dtypes)}")
         return None
     chunks = []
-    for layer, (fqn, name) in sorted(by_layer.items(), key=lambda item: item[0] or 0):
-        for box in _pieces(name, first.shape, params, tp):
+    for layer, (name, runs) in sorted(by_layer.items(), key=lambda item: item[0] or 0):
+        if shapes.get(name, shape) != shape or sum(r.count for r in runs) != (shape[0] if shape else 1):
+            problems.append(f"{key}: layer {layer} is not of the shape {list(shape)} the layout gives")
+            return None
+        for box in _pieces(name, shape, params, tp):
             at = Box((layer, *box.offsets), (1, *box.lengths)) if layer is not None else box
-            chunks.append(Chunk(at, fqn, box))
-    shape = (layout.num_layers, *first.shape) if stacked else first.shape
+            chunks.append(Chunk(at, _from_runs(box, runs)))
     dtype = first.dtype if key.startswith("optimizer.") else output_dtype(first.dtype, out_dtype)
-    return Entry(key, shape, dtype, tuple(chunks))
+    return Entry(key, (layout.num_layers, *shape) if stacked else shape, dtype, tuple(chunks))
+
+
+def _from_runs(box: Box, runs: list[Run]) -> tuple[tuple[str, Box], ...]:
+    """The source boxes of `box` of a Megatron tensor made of `runs` of rows, in row order."""
+    if not box.lengths:
+        return ((runs[0].fqn, box),)
+    lo, hi = box.offsets[0], box.offsets[0] + box.lengths[0]
+    out = []
+    for r in runs:
+        a, b = max(lo, r.row), min(hi, r.row + r.count)
+        if a < b:
+            out.append((r.fqn, Box((r.src_row + a - r.row, *box.offsets[1:]), (b - a, *box.lengths[1:]))))
+    return tuple(out)
 
 
 def _pieces(name: str, shape: tuple[int, ...], params: dict[str, Any], tp: int) -> list[Box]:
@@ -221,10 +321,10 @@ class _Planner(DefaultSavePlanner):
     """Write items for every chunk and extra state; each chunk read from the source (its box
     only) when the writer resolves it."""
 
-    def __init__(self, source: Source, entries: list[Entry], objects: list[str], out_dtype: str | None,
+    def __init__(self, source: Source, entries: list[Entry], objects: list[str],
                  report: dict[tuple[str, tuple[int, ...]], ExportedTensor]) -> None:
         super().__init__()
-        self.source, self.out_dtype, self.report = source, out_dtype, report
+        self.source, self.report = source, report
         self.chunks = {(e.key, c.at.offsets): (e, c) for e in entries for c in e.chunks}
         self.objects = objects
 
@@ -242,15 +342,17 @@ class _Planner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(_torch_save([None]))  # megatron-core saves a sharded object as the list of its pieces
         entry, chunk = self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
-        saved = self.source.manifest.tensors[chunk.fqn]
-        data = self.source.read_box(chunk.fqn, chunk.box)
-        tensor = torch.from_numpy(data).view(torch_dtype(saved.dtype)).reshape(chunk.at.lengths)
-        out = tensor.to(torch_dtype(entry.dtype)).contiguous()
+        saved = self.source.manifest.tensors[chunk.pieces[0][0]].dtype
+        parts = [torch.from_numpy(self.source.read_box(fqn, box)).view(torch_dtype(saved)).reshape(box.lengths)
+                 for fqn, box in chunk.pieces]
+        out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(chunk.at.lengths).to(torch_dtype(entry.dtype)).contiguous()
         name = f"{entry.key}[{', '.join(f'{o}:{o + n}' for o, n in zip(chunk.at.offsets, chunk.at.lengths))}]"
+        source = " + ".join(f"{fqn}[{', '.join(f'{o}:{o + n}' for o, n in zip(box.offsets, box.lengths))}]" for fqn, box in chunk.pieces)
         self.report[(entry.key, chunk.at.offsets)] = ExportedTensor(
-            name=name, source=chunk.fqn, shape=list(chunk.at.lengths), source_dtype=saved.dtype, dtype=entry.dtype, file="",
+            name=name, source=source, shape=list(chunk.at.lengths), source_dtype=saved, dtype=entry.dtype, file="",
             checksum=checksum_of(byte_view(out)))
         return out
 
 
-__all__ = ["BACKEND", "Chunk", "Entry", "megatron_writer", "plan_entries"]
+__all__ = ["BACKEND", "Chunk", "Entry", "Run", "fused_llama", "megatron_gpt_of_llama", "megatron_sources", "megatron_writer",
+           "plan_entries"]
