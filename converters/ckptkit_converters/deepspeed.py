@@ -78,6 +78,7 @@ from ckptkit.state.tree import escape, json_problems
 from ckptkit.storage.local import open_regular
 
 from .deepspeed_tp import Joined, join_model_parallel
+from .floats import cast_float32
 from .files import read_small
 from .safepickle import Record, record_type
 from .torchsave import STATE_DICT_ALLOWED, Archive, StoredTensor, copy_flat, copy_tensor, open_archive, plain, stored_object
@@ -805,21 +806,6 @@ def assemble(files: _Files, spec: TensorSpec, recipe: Recipe) -> memoryview:
     if recipe.source_dtype == spec.dtype:
         return flat.data
     return cast_float32(flat.view(np.float32), spec.dtype).view(np.uint8).data
-
-
-def cast_float32(values: np.ndarray[Any, Any], dtype: str) -> np.ndarray[Any, Any]:
-    """float32 `values` as `dtype` (bfloat16 or float16 bits, or float32), rounded to nearest
-    even as torch's ``Tensor.to`` rounds."""
-    if dtype == "float32":
-        return values
-    if dtype == "float16":
-        with np.errstate(over="ignore"):  # beyond float16's range: inf, as torch gives
-            return values.astype(np.float16)
-    if dtype != "bfloat16":
-        raise IntegrityError(f"cannot derive a {dtype} parameter from its fp32 master")
-    bits = values.view(np.uint32)
-    rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
 
 
 CONVERTER = DeepSpeedConverter()

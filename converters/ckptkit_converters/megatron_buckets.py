@@ -12,7 +12,8 @@ megatron-core's ``_ParamAndGradBuffer`` computes, and `bucket_places` computes i
   (`LAYER_ORDERS`: the local and the TransformerEngine layer specs differ), grouped into
   buffers by dtype;
 - each buffer filled from its last parameter backwards, each start padded to a multiple of 64
-  elements; a bucket ends after the parameter where its saved unpadded size is reached.
+  elements; a bucket ends after the parameter where its saved unpadded size is reached
+  (`fill_buckets`, which the legacy converter's layout of ``distrib_optim.pt`` shares).
 
 Every derived place is checked against the checkpoint: the buckets' sizes, each bucket's saved
 tensor of exactly that size, every parameter boundary at a chunk boundary (each rank saved each
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,31 +150,49 @@ def _group_places(g: int, specs: list[ParamSpec], buckets: dict[tuple[int, int, 
     return places
 
 
+def fill_buckets(numels: Sequence[int], closes: Callable[[int, int], bool]) -> list[tuple[int, int]]:
+    """Lay parameters into a grad buffer's buckets as megatron-core's ``_ParamAndGradBuffer``
+    does, given in the order it fills them (the buffer's last parameter first): each start
+    padded to `PARAM_ALIGN` elements within its bucket (buckets start on multiples of 128), the
+    bucket closed after the parameter for which ``closes(bucket, its end in the bucket)`` holds.
+
+    Returns:
+        (bucket, start in the bucket) of each parameter, in the order given.
+    """
+    out = []
+    bucket = pos = 0
+    for numel in numels:
+        start = math.ceil(pos / PARAM_ALIGN) * PARAM_ALIGN
+        out.append((bucket, start))
+        end = start + numel
+        bucket, pos = (bucket + 1, 0) if closes(bucket, end) else (bucket, end)
+    return out
+
+
 def _fill(g: int, k: int, params: list[ParamSpec], saved: list[Bucket], problems: list[str]) -> list[Place]:
-    """Fill grad buffer `k` from its last parameter backwards, bucket by bucket, as megatron-core does."""
-    places: list[Place] = []
+    """Fill grad buffer `k` as megatron-core does, each bucket closed at its saved size; append
+    what does not fit the save."""
     where = f"dp_group_idx_{g}.gbuf_idx_{k}"
-    index, pos = 0, 0
-    for spec in reversed(params):
-        if index >= len(saved):
-            problems.append(f"{where}: more parameters than its {len(saved)} bucket(s) hold")
+    order = list(reversed(params))
+    placed = fill_buckets([math.prod(s.shape) for s in order], lambda b, end: b < len(saved) and end >= saved[b].numel)
+    places: list[Place] = []
+    for spec, (index, start) in zip(order, placed):
+        end = start + math.prod(spec.shape)
+        if index >= len(saved) or end > saved[index].numel:
+            problems.append(f"{where}: {spec.parts[0].name} would end at {end} in bucket {index}, past the "
+                            + (f"bucket's {saved[index].numel} elements" if index < len(saved) else f"{len(saved)} saved bucket(s)"))
             return places
         bucket = saved[index]
-        start = math.ceil(pos / PARAM_ALIGN) * PARAM_ALIGN
-        end = start + math.prod(spec.shape)
-        if end > bucket.numel:
-            problems.append(f"{where}.bucket_idx_{index}: {spec.parts[0].name} would end at {end}, past the bucket's "
-                            f"{bucket.numel} elements")
-            return places
         missing = sorted(c for c in (start, end) if c < bucket.numel and c not in bucket.cuts)
         if missing:
             problems.append(f"{where}.bucket_idx_{index}: {spec.parts[0].name} would lie at [{start}, {end}), but no "
                             f"saved chunk starts at {missing[0]}")
         places.append(Place(g, bucket, start, spec))
-        index, pos = (index + 1, 0) if end == bucket.numel else (index, end)
-    if index != len(saved):
-        problems.append(f"{where}: its parameters fill {index} of its {len(saved)} saved bucket(s)")
+    filled = placed[-1][0] + 1 if placed else 0
+    if filled != len(saved):
+        problems.append(f"{where}: its parameters fill {filled} of its {len(saved)} saved bucket(s)")
     return places
 
 
-__all__ = ["BUCKET", "GROUP_VALUE", "LAYER_ORDERS", "PARAM_ALIGN", "STATES", "Bucket", "Place", "bucket_places", "buckets_of"]
+__all__ = ["BUCKET", "GROUP_VALUE", "LAYER_ORDERS", "PARAM_ALIGN", "STATES", "Bucket", "Place", "bucket_places", "buckets_of",
+           "fill_buckets"]

@@ -35,6 +35,7 @@ from ckptkit.manifest.model import ModelInfo, OptimizerInfo, ParamGroup
 from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry, TensorSpec, refuse_skips, report_of, write_converted
 from ckptkit.state.tree import escape, json_problems
 
+from .floats import cast_float32
 from .megatron import NAME, model_config
 from .megatron_legacy_files import MODEL_FILE, OPTIM_FILE, RankDir, RankFile, open_file, parse, rank_dirs, read_local
 from .megatron_legacy_optim import Local, bucket_size, buffer_ranges, plain_ids
@@ -173,8 +174,7 @@ class _Conversion:
             raise ManifestError(f"{where}: the distributed optimizer over context-parallel ranks or several instances, "
                                 f"which this converter does not lay out")
         buffers = buffer_ranges(params, grad_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")),
-                                size=bucket_size(a, d.pp, where), dp=int(a.get("data_parallel_size") or 1),
-                                pad_high=bool(a.get("ddp_pad_buckets_for_high_nccl_busbw")))
+                                size=bucket_size(a, d.pp, where))
         optim = parse(os.path.join(d.path, OPTIM_FILE))
         self.files.append(optim)
         file = len(self.files) - 1
@@ -299,15 +299,9 @@ def _check_master(master: np.ndarray[Any, Any], p: Piece, files: list[RankFile],
     file, stored = p.check
     with open_file(files[file]) as archive:
         model = read_local(archive, stored)
-    bits = master.view(np.uint32).reshape(-1)
-    if stored.dtype == "float32":
-        rounded = bits.view(np.uint8)
-    elif stored.dtype == "bfloat16":
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).view(np.uint8)
-    elif stored.dtype == "float16":
-        rounded = bits.view(np.float32).astype(np.float16).view(np.uint8)
-    else:
+    if stored.dtype not in ("float32", "bfloat16", "float16"):
         raise IntegrityError(f"{name}: a master for a {stored.dtype} parameter")
+    rounded = cast_float32(master.view(np.float32).reshape(-1), stored.dtype).view(np.uint8)
     if not np.array_equal(rounded.reshape(-1), model.reshape(-1)):
         raise IntegrityError(f"{files[p.file].path}: the master of {name} does not round to the model's tensor: the parameter "
                              f"ranges derived from Megatron's bucketing do not fit this file")

@@ -13,8 +13,8 @@ The distributed optimizer's ``distrib_optim.pt`` holds, per grad buffer, the fla
 and moments of the buffer gathered over DP with the padding after each bucket stripped.
 `buffer_ranges` lays the parameters out as ``DistributedOptimizer._compute_per_buffer_param_layout``
 does (buffers by dtype, parameters in reverse order, each start aligned to 64 elements, a
-bucket closed once it reaches the bucket size, its end padded to a multiple of
-lcm(DP, 128) or lcm(DP, 128, 2**16)).
+bucket closed once it reaches the bucket size: `megatron_buckets.fill_buckets`, shared with the
+torch_dist ``dp_reshardable`` form).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Any
 
 from ckptkit.errors import IntegrityError, ManifestError
 
-ALIGN = 64  # a parameter's start in its buffer (pad_param_start)
+from .megatron_buckets import fill_buckets
+
 DEFAULT_BUCKET = 40_000_000  # resolve_ddp_bucket_size without --ddp-bucket-size: max(40M, 1M x DP)
 
 
@@ -112,32 +113,24 @@ def bucket_size(args: Mapping[str, Any], pp_rank: int, where: str) -> int | None
     return int(size)
 
 
-def buffer_ranges(params: Sequence[Local], *, grad_fp32: bool, size: int | None, dp: int, pad_high: bool) -> list[Buffer]:
-    """Lay a stage's parameters out in its grad buffers (by parameter dtype, in order of first use)."""
+def buffer_ranges(params: Sequence[Local], *, grad_fp32: bool, size: int | None) -> list[Buffer]:
+    """Lay a stage's parameters out in its grad buffers (by parameter dtype, in order of first
+    use), each bucket closed once it reaches `size` (`megatron_buckets.fill_buckets`); a
+    parameter's range is in the buckets' unpadded parts put one after another (the padding of
+    bucket ends, to lcm(DP, 128) in the buffer itself, is stripped from this form)."""
     by_dtype: dict[str, list[Local]] = {}
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)
-    divisor = math.lcm(dp, 128, 2**16) if pad_high else math.lcm(dp, 128)
     out = []
     for dtype, members in by_dtype.items():
-        ranges: dict[str, tuple[int, int]] = {}
-        offset = bucket_start = start = 0
-        open_bucket = False
-        for p in reversed(members):
-            start = -(-start // ALIGN) * ALIGN
-            numel = math.prod(p.shape)
-            end = start + numel
-            ranges[p.key] = (offset + start - bucket_start, numel)
-            open_bucket = True
-            if size is not None and end - bucket_start >= size:
-                offset += end - bucket_start
-                bucket_start = start = -(-end // divisor) * divisor
-                open_bucket = False
-            else:
-                start = end
-        if open_bucket:
-            offset += start - bucket_start
-        out.append(Buffer(dtype, "float32" if grad_fp32 else dtype, ranges, offset))
+        order = list(reversed(members))
+        placed = fill_buckets([math.prod(p.shape) for p in order], lambda _, end: size is not None and end >= size)
+        ends: dict[int, int] = {}
+        for p, (bucket, start) in zip(order, placed):
+            ends[bucket] = start + math.prod(p.shape)
+        offsets = [sum(ends[b] for b in range(bucket)) for bucket in range(len(ends) + 1)]
+        ranges = {p.key: (offsets[bucket] + start, math.prod(p.shape)) for p, (bucket, start) in zip(order, placed)}
+        out.append(Buffer(dtype, "float32" if grad_fp32 else dtype, ranges, offsets[-1]))
     return out
 
 

@@ -28,7 +28,7 @@ from ckptkit.state.tree import escape
 
 from .dcp import Assembled, Planned, entry_archive, Plan, assemble
 from .dcp_metadata import DcpMetadata
-from .deepspeed import cast_float32
+from .floats import cast_float32
 from .megatron_buckets import GROUP_VALUE, STATES, Place, bucket_places, buckets_of
 from .torchsave import TORCH_DTYPES, TorchDtype, stored_object
 

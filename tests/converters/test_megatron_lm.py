@@ -128,9 +128,9 @@ def test_the_distributed_optimizers_buckets_are_laid_out_as_megatron_does() -> N
     params = local_params(parse(str(where / "model_optim_rng.pt")).tree["model"])
     saved = parse(str(where / "distrib_optim.pt")).tree[0]
     numel = next(iter(saved.values()))["numel_unpadded"]
-    bucketed = buffer_ranges(params, grad_fp32=True, size=330, dp=2, pad_high=False)
+    bucketed = buffer_ranges(params, grad_fp32=True, size=330)
     assert [b.numel_unpadded for b in bucketed] == [numel] == [2832]
-    single = buffer_ranges(params, grad_fp32=True, size=None, dp=2, pad_high=False)[0]
+    single = buffer_ranges(params, grad_fp32=True, size=None)[0]
     assert single.numel_unpadded != numel
     assert bucketed[0].ranges["output_layer.weight"] == (0, 320) and bucketed[0].ranges["embedding.word_embeddings.weight"][1] == 320
 
@@ -141,7 +141,7 @@ def test_masters_that_do_not_round_to_the_model_are_refused(tmp_path: Path) -> N
     src = Path(shutil.copytree(FIXTURES / DISTRIBUTED, tmp_path / "src"))
     where = src / "iter_0000003" / "mp_rank_01"
     params = local_params(parse(str(where / "model_optim_rng.pt")).tree["model"])
-    ranges = buffer_ranges(params, grad_fp32=True, size=330, dp=2, pad_high=False)[0].ranges
+    ranges = buffer_ranges(params, grad_fp32=True, size=330)[0].ranges
     optim = parse(str(where / "distrib_optim.pt"))
     master = next(iter(optim.tree[0].values()))["param"]
     fd = os.open(where / "distrib_optim.pt", os.O_RDWR)
