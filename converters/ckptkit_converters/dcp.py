@@ -69,8 +69,10 @@ from .torchsave import copy_tensor, open_archive, pread_into, stored_tensor, sto
 
 NAME = "dcp"
 TOP_KINDS = {"model": "param", "optim": "optimizer", "optimizer": "optimizer", "rng": "rng", "buffers": "buffer"}
-# Files Megatron-Core's torch_dist format adds to a DCP directory: that is another converter's.
+# The file Megatron-Core's torch_dist format adds to a DCP directory (with common.pt before
+# megatron-core 0.17): that is another converter's.
 MEGATRON_FILES = frozenset({"metadata.json", "common.pt"})
+MEGATRON_METADATA = "metadata.json"
 _STEP_FORMATS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
 
@@ -171,8 +173,8 @@ class DcpConverter:
 
     def detect(self, path: str) -> bool:
         """Whether `path` is a DCP directory: ``.distcp`` files with a ``.metadata`` or the ranks'
-        ``__<rank>.metadata`` (and not Megatron's torch_dist format, which adds ``metadata.json``
-        and ``common.pt``), or a ``HuggingFaceStorageWriter`` save."""
+        ``__<rank>.metadata`` (and not Megatron's torch_dist format, which adds ``metadata.json``),
+        or a ``HuggingFaceStorageWriter`` save."""
         names: set[str] = set()
         distcp = False
         try:
@@ -184,7 +186,7 @@ class DcpConverter:
         except OSError:
             return False
         per_rank = any(RANK_METADATA.match(n) for n in names)
-        return (distcp and (METADATA_NAME in names or per_rank) and not MEGATRON_FILES <= names) or is_safetensors_save(path)
+        return (distcp and (METADATA_NAME in names or per_rank) and MEGATRON_METADATA not in names) or is_safetensors_save(path)
 
     def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
                 layout: Layout | None = None) -> ConvertReport:

@@ -59,7 +59,7 @@ from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry
 from ckptkit.state.tree import escape, json_problems
 from ckptkit.storage.local import open_regular
 
-from .dcp import Named, Naming, plan_conversion, write_plan
+from .dcp import Named, Naming, Plan, entry_archive, plan_conversion, write_plan
 from .megatron_buckets import BUCKET
 from .megatron_optimizer import bucket_values, plan_buckets
 from .dcp_metadata import ALLOWED, METADATA_NAME, DcpMetadata, TensorMeta, read_metadata
@@ -70,6 +70,7 @@ from .torchsave import TORCH_DTYPES, TorchDtype, open_archive, plain, stored_obj
 NAME = "megatron"
 MCORE_METADATA = "metadata.json"
 COMMON = "common.pt"
+COMMON_STATE = "common_state/shard_0_1"  # where megatron-core 0.17+ keeps the common state (a sharded object)
 LATEST = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 STACKED = "decoder.layers."
@@ -208,7 +209,7 @@ class MegatronConverter:
             names = set(os.listdir(path))
         except OSError:
             return False
-        return ({MCORE_METADATA, COMMON, METADATA_NAME} <= names or LATEST in names) or legacy(path)
+        return ({MCORE_METADATA, METADATA_NAME} <= names or LATEST in names) or legacy(path)
 
     def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
                 layout: Layout | None = None) -> ConvertReport:
@@ -232,7 +233,7 @@ class MegatronConverter:
             return convert_legacy(path, dst, allow_skip=allow_skip, progress=progress, layout=layout, started=started)
         md = read_metadata(path, METADATA_ALLOWED)
         plan = plan_conversion(path, md, MegatronNaming())
-        common = _common(path)
+        common = _common(path, md, plan)
         optimizer = common.get("optimizer")
         bucketed = isinstance(optimizer, dict) and optimizer.get("param_state_sharding_type") == "dp_reshardable"
         groups = bucket_values(path, md, plan) if bucketed else None
@@ -276,14 +277,28 @@ def model_config(args: Any) -> dict[str, JsonValue] | None:
     return config
 
 
-def _common(path: str) -> dict[str, Any]:
-    """``common.pt``, unpickled through `COMMON_ALLOWED` (a dict; tensors are refused)."""
+def _common(path: str, md: DcpMetadata, plan: Plan) -> dict[str, Any]:
+    """The common (not sharded) state, unpickled through `COMMON_ALLOWED` (a dict; tensors are
+    refused): ``common.pt``, or since megatron-core 0.17 the sharded object ``common_state``
+    among the DCP entries (taken out of `plan`: its values become the ``megatron/`` objects)."""
     where = os.path.join(path, COMMON)
-    fd, size = open_regular(where)
-    try:
-        tree = stored_object(open_archive(fd, 0, size, where), COMMON_ALLOWED)
-    finally:
-        os.close(fd)
+    if os.path.exists(where):
+        fd, size = open_regular(where)
+        try:
+            tree = stored_object(open_archive(fd, 0, size, where), COMMON_ALLOWED)
+        finally:
+            os.close(fd)
+    else:
+        ref = md.storage.get((COMMON_STATE, None))
+        if ref is None:
+            raise IntegrityError(f"{path}: neither {COMMON} nor the common_state entry megatron-core keeps the common state in")
+        with entry_archive(path, ref, COMMON_STATE) as archive:
+            held = stored_object(archive, COMMON_ALLOWED)
+        tree = held[0] if isinstance(held, list) and len(held) == 1 else held  # a sharded object: the list of its pieces
+        where = f"{path} ({COMMON_STATE})"
+        plan.skipped[:] = [s for s in plan.skipped if s.source != COMMON_STATE]
+        for name in [n for n, source in plan.object_sources.items() if source == COMMON_STATE]:
+            del plan.objects[name], plan.object_sources[name]
     if not isinstance(tree, dict):
         raise IntegrityError(f"{where}: not a dict of the common state")
     return tree

@@ -272,3 +272,19 @@ def test_the_export_reads_each_fused_tensor_once(tmp_path: Path, run_ckptkit: An
     monkeypatch.setattr(Source, "read", counted)
     report = ckptkit.export(converted, tmp_path / "hf", format="hf", dtype="fp32", layout=layout)
     assert len(report.tensors) == 21 and len(reads) == len(set(reads)) == 15  # q, k, v from one read; gate, up too
+
+
+def test_a_save_of_megatron_core_017_and_later_keeps_its_common_state_among_the_entries(tmp_path: Path) -> None:
+    # No common.pt: the common state is the sharded object common_state (fixtures/make_megatron_current.py).
+    src = REPO / "fixtures" / "megatron-current" / "gpt-tp2"
+    assert not (src / "common.pt").exists()
+    assert ckptkit.detect_format(src) == "megatron"  # not a plain DCP directory
+    dst = tmp_path / "out"
+    report = CONVERTER.convert(str(src), str(dst))
+    assert report.skipped == [] and ckptkit.verify(dst).ok
+    assert not [o for o in report.objects if "common_state" in o.name]
+    got = {k: v for k, v in ckptkit.load(dst)["model"].items() if isinstance(v, torch.Tensor)}
+    want: dict[str, torch.Tensor] = {}
+    for key, value in load_file(str(src.parent / "gpt-tp2.oracle" / "plain.safetensors")).items():
+        want.update(_per_layer(key, value))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
