@@ -149,7 +149,7 @@ def test_dcp_export_loads_with_torch_dcp_bitwise(source: Path, tmp_path: Path) -
     from torch.distributed.checkpoint import FileSystemReader, load
 
     dst = tmp_path / "dcp"
-    report = export(source, dst, format="dcp", include_optimizer=True)
+    report = export(source, dst, format="dcp", dcp_form="plain", include_optimizer=True)
     want = _flat(_state())
     keys = {n.replace("/", ".") for n in want if n.startswith(("model/", "optimizer/exp_avg"))}
     assert {t.name for t in report.tensors} == keys
@@ -163,7 +163,7 @@ def test_dcp_export_loads_with_torch_dcp_bitwise(source: Path, tmp_path: Path) -
     for key, t in plain.items():
         assert torch.equal(_bits(t), _bits(want[key.replace(".", "/", 1).replace("exp_avg.", "exp_avg/")])), key
     # Without --include-optimizer only the parameters; with --dtype they are converted.
-    small = export(source, tmp_path / "dcp16", format="dcp", dtype="bf16")
+    small = export(source, tmp_path / "dcp16", format="dcp", dcp_form="plain", dtype="bf16")
     assert {t.name.split(".")[0] for t in small.tensors} == {"model"} and small.dtype == "bfloat16"
     metadata = FileSystemReader(str(tmp_path / "dcp16")).read_metadata()
     dtypes = {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items()}
@@ -180,7 +180,7 @@ def test_export_refusals_write_nothing(source: Path, tmp_path: Path, run_ckptkit
         export(source, "z", format="zarr", dst_storage=MemoryStorage())
     (tmp_path / "taken").mkdir()
     with pytest.raises(CheckpointExistsError):
-        export(source, tmp_path / "taken", format="dcp")
+        export(source, tmp_path / "taken", format="dcp", dcp_form="plain")
     assert not (tmp_path / "z").exists()
     bad = run_ckptkit("export", str(source), str(tmp_path / "z"), "--format", "zarr", "--dtype", "fp16")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "saved dtype" in bad.stderr
@@ -197,5 +197,5 @@ def test_a_dcp_export_of_a_corrupt_source_is_a_ckptkit_error(source: Path, tmp_p
     data[:8] = (10**12).to_bytes(8, "little")  # an absurd header length
     payload.write_bytes(bytes(data))
     with pytest.raises(ckptkit.IntegrityError, match="exceeds"):
-        export(source, tmp_path / "dcp", format="dcp", include_optimizer=True)
+        export(source, tmp_path / "dcp", format="dcp", dcp_form="plain", include_optimizer=True)
     assert not (tmp_path / "dcp").exists() and not list(tmp_path.glob(".dcp.tmp-*"))

@@ -97,9 +97,13 @@ def _latest_note(report: ckptkit.ReshardReport, no_latest: bool) -> str:
               help="megatron: the tensor-parallel size whose pieces the files hold (megatron-core loads them at any).")
 @click.option("--pp", default=1, show_default=True, type=click.IntRange(min=1),
               help="megatron: the pipeline-parallel size the layout must allow.")
+@click.option("--dcp-form", "dcp_form", default=None, type=click.Choice(["fsdp2", "plain"]),
+              help="dcp: fsdp2 (default): the state dict FSDP2's get_state_dict gives for the reference trainer's model, "
+                   "which an FSDP2 job at any world size loads with dcp.load + set_state_dict; plain: the checkpoint's "
+                   "own tensor names (any model), for dcp.load into a plain state dict.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the export report).")
 def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, layout_file: str | None,
-               tp: int, pp: int, as_json: bool) -> None:
+               tp: int, pp: int, dcp_form: str | None, as_json: bool) -> None:
     """Export the checkpoint at SRC (any topology) to DST: a Hugging Face model directory, a
     torch DCP checkpoint, the zarr form (every tensor as a zarr v3 array, manifest beside it), or
     a Megatron-Core torch_dist checkpoint.
@@ -119,18 +123,20 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
         usage("--layout: names the model for --format hf and megatron; dcp and zarr keep the checkpoint's names")
     if fmt != "megatron" and (tp, pp) != (1, 1):
         usage("--tp/--pp: set the pieces of --format megatron; the other formats hold whole tensors")
+    if fmt != "dcp" and dcp_form is not None:
+        usage("--dcp-form: chooses the form of --format dcp; the other formats have one form")
     from ..layouts import load_layout
 
     layout = load_layout(layout_file) if layout_file is not None else None
     with progress("exporting", shows_progress(as_json)) as update:
         report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
-                                layout=layout, progress=update, tp=tp, pp=pp)
+                                layout=layout, progress=update, tp=tp, pp=pp, dcp_form=dcp_form)
     if as_json:
         emit_json(report)
         return
     total = sum(f.size for f in report.files)
     click.echo(
-        f"{report.destination}: {len(report.tensors)} tensors ({report.format}, {report.dtype}) in "
+        f"{report.destination}: {len(report.tensors)} tensors ({report.format}{f' {report.form}' if report.form else ''}, {report.dtype}) in "
         f"{len(report.files)} file(s), {total / 1e6:.1f} MB "
         f"(step {report.step}; {len(report.skipped)} tensors not exported)"
     )

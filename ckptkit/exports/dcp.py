@@ -1,6 +1,7 @@
-"""Export to a torch.distributed.checkpoint (DCP) directory that ``dcp.load`` reads into a plain state dict.
+"""Export to a torch.distributed.checkpoint (DCP) directory: the plain form, which ``dcp.load`` reads into a plain state dict.
 
-Keys are the checkpoint's tensor names with ``/`` read as DCP's ``.`` (``model.layers.0.attn.q.weight``,
+The FSDP2 form (what ``get_state_dict`` of an FSDP2 model gives) is ``fsdp2``; both save through
+`save_dcp`. Keys of the plain form are the checkpoint's tensor names with ``/`` read as DCP's ``.`` (``model.layers.0.attn.q.weight``,
 ``optimizer.exp_avg.layers.0.attn.q.weight``), as DCP names a nested state dict. torch's own
 FileSystemWriter writes the files; the state dict handed to it holds meta tensors only, and
 the planner reads each tensor from the checkpoint when the writer asks for it, so tensors
@@ -56,29 +57,35 @@ def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -
     skipped = sorted(set(manifest.tensors) - set(chosen))
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-        from torch.distributed.checkpoint.state_dict_saver import save
-
         report: list[ExportedTensor] = []
         state = {}
         for key, fqn in keys.items():
             entry = manifest.tensors[fqn]
             state[key] = torch.empty(entry.shape, dtype=torch_dtype(output_dtype(entry.dtype, out_dtype)), device="meta")
         source.expect(keys.values())
-        planner = _StreamingPlanner(source, keys, out_dtype, report)
-        writer = FileSystemWriter(local_path(dst, tmp, "a DCP export"), thread_count=1, sync_files=True)
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                metadata = save(state, storage_writer=writer, planner=planner, no_dist=True)
-            except CheckpointException as exc:  # DCP wraps what its writer or our planner raised
-                raise unwrapped(exc) from exc
-        where = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
-        tensors = sorted((t.model_copy(update={"file": where[t.name]}) for t in report), key=lambda t: t.name)
-        files = [file_entry(dst, tmp, key) for key in sorted(dst.list(tmp))]
-        return Written(tensors, files, skipped)
+        return save_dcp(state, _StreamingPlanner(source, keys, out_dtype, report), report, dst, tmp, skipped)
 
     return write
+
+
+def save_dcp(state: dict[str, Any], planner: DefaultSavePlanner, report: list[ExportedTensor], dst: Storage, tmp: str,
+             skipped: list[str]) -> Written:
+    """Save `state` with torch's DCP writer in this process through `planner` (which fills
+    `report` as it resolves tensors) under `tmp`; return what was written."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    writer = FileSystemWriter(local_path(dst, tmp, "a DCP export"), thread_count=1, sync_files=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            metadata = save(state, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as exc:  # DCP wraps what its writer or our planner raised
+            raise unwrapped(exc) from exc
+    where = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+    tensors = sorted((t.model_copy(update={"file": where[t.name]}) for t in report), key=lambda t: t.name)
+    files = [file_entry(dst, tmp, key) for key in sorted(dst.list(tmp))]
+    return Written(tensors, files, skipped)
 
 
 class _StreamingPlanner(DefaultSavePlanner):

@@ -50,6 +50,7 @@ DEFAULT_MAX_SHARD = 5 * 10**9
 
 
 FORMATS = ("hf", "dcp", "zarr", "megatron")
+DCP_FORMS = ("fsdp2", "plain")
 
 
 def export(
@@ -67,6 +68,7 @@ def export(
     progress: Progress | None = None,
     tp: int = 1,
     pp: int = 1,
+    dcp_form: str | None = None,
 ) -> ExportReport:
     """Export the checkpoint at `src` to the directory `dst` in `format`.
 
@@ -79,9 +81,15 @@ def export(
       A Megatron-Core GPT (layout ``megatron-gpt``, given as `layout` when the converted
       checkpoint records none) becomes a LlamaForCausalLM: q, k, v and gate, up are cut out of
       Megatron's fused tensors.
-    - ``dcp``: a torch.distributed.checkpoint directory of the parameters (``model.<name>``)
-      and, with `include_optimizer`, the optimizer state (``optimizer.exp_avg.<name>``, ...),
-      in their saved dtype unless `dtype` is given.
+    - ``dcp``: a torch.distributed.checkpoint directory, in their saved dtype unless `dtype` is
+      given, in one of two forms (`dcp_form`). ``fsdp2`` (the default): the state dict
+      ``get_state_dict(model, optimizer)`` gives for the reference trainer's model wrapped with
+      FSDP2, as ``{"model": ..., "optim": ...}`` (module fqns, fused q/k/v and gate/up; with
+      `include_optimizer` each parameter's moments and step and the AdamW parameter groups),
+      which an FSDP2 job at any world size loads with ``dcp.load`` + ``set_state_dict`` (see
+      ``ckptkit.exports.fsdp2``); layout ``llama`` only. ``plain``: any checkpoint's tensors
+      under its own names (``model.<name>`` and, with `include_optimizer`,
+      ``optimizer.exp_avg.<name>``, ...), for ``dcp.load`` into a plain state dict.
     - ``megatron``: a Megatron-Core ``dist_checkpointing`` directory (``torch_dist``) that
       megatron-core loads into a ``GPTModel`` at any TP/PP (see ``ckptkit.exports.megatron``):
       layers stacked, each chunk a TP rank's piece as megatron-core at `tp` x `pp` writes it
@@ -112,23 +120,35 @@ def export(
         raise LayoutError("a layout names the model for the hf and megatron formats; dcp and zarr keep the checkpoint's names")
     if format != "megatron" and (tp, pp) != (1, 1):
         raise LayoutError("--tp and --pp set the pieces of the megatron format; the other formats hold whole tensors")
+    if dcp_form is not None and (format != "dcp" or dcp_form not in DCP_FORMS):
+        raise LayoutError(f"dcp_form {dcp_form!r}: the dcp format's forms are {', '.join(DCP_FORMS)}; other formats have none")
+    form = (dcp_form or DCP_FORMS[0]) if format == "dcp" else None
     out_dtype = hf.DTYPES[dtype or "bf16"] if format == "hf" else hf.DTYPES[dtype] if dtype else None
     started = time.perf_counter()
     src_loc, manifest = open_checkpoint(src, storage)
     with Source(src_loc, manifest, progress=progress) as source, still_committed(src_loc):
         return _export(source, dst, format, out_dtype, max_shard_bytes, include_optimizer, chunk_bytes, dst_storage, started,
-                       layout, (tp, pp))
+                       layout, (tp, pp), form)
 
 
 def _export(
     source: Source, dst: str | os.PathLike[str], format: str, out_dtype: str | None, max_shard_bytes: int,
     include_optimizer: bool, chunk_bytes: int, dst_storage: Storage | None, started: float, layout: Layout | None = None,
-    target: tuple[int, int] = (1, 1),
+    target: tuple[int, int] = (1, 1), form: str | None = None,
 ) -> ExportReport:
     src_loc, manifest = source.loc, source.manifest
     writer: Writer
     if format == "hf":
         writer = _hf_writer(source, out_dtype or hf.DTYPES["bf16"], max_shard_bytes, layout)
+    elif format == "dcp" and form == "fsdp2":
+        from .fsdp2 import fsdp2_writer
+
+        try:
+            model = layout_for(manifest, where=str(src_loc))
+        except LayoutError:
+            raise LayoutError(f"{src_loc}: the fsdp2 form names the parameters as the reference trainer's model (layout llama), "
+                              "and the checkpoint names no model; export with --dcp-form plain (the checkpoint's own names)") from None
+        writer = fsdp2_writer(source, model, out_dtype, include_optimizer)
     elif format == "dcp":
         from .dcp import dcp_writer
 
@@ -152,7 +172,7 @@ def _export(
     try:
         written = writer(source, dst_loc.storage, stage.root)
         report = ExportReport(
-            format=format, dtype=out_dtype or "saved", source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
+            format=format, form=form, dtype=out_dtype or "saved", source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
             step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
             tensors=written.tensors, files=sorted(written.files, key=lambda f: f.path), skipped=written.skipped,
             seconds=round(time.perf_counter() - started, 3),

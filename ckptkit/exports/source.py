@@ -130,6 +130,7 @@ class ExportReport(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     format: str
+    form: str | None = None  # dcp: "fsdp2" (what FSDP2's get_state_dict gives) or "plain" (the checkpoint's names)
     dtype: str
     source: str
     source_checkpoint_id: str

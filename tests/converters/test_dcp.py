@@ -150,7 +150,7 @@ def test_optimizer_state_is_recognised_under_any_prefix() -> None:
 def test_exported_to_dcp_and_converted_back_keeps_names_and_bytes(tmp_path: Path, run_ckptkit: Any) -> None:
     first, exported, back = tmp_path / "first", tmp_path / "exported", tmp_path / "back"
     assert run_ckptkit("convert", str(FIXTURES / "dcp-fsdp2-fp32"), str(first)).returncode == 0
-    assert run_ckptkit("export", "--format", "dcp", "--include-optimizer", str(first), str(exported)).returncode == 0
+    assert run_ckptkit("export", "--format", "dcp", "--dcp-form", "plain", "--include-optimizer", str(first), str(exported)).returncode == 0
     assert run_ckptkit("convert", str(exported), str(back)).returncode == 0
     a, b = _converted(first), _converted(back)
     exported_kinds = {"param", "optimizer"}  # what the export carries (no values, no other tensors)

@@ -101,7 +101,7 @@ def test_cli_reshard_says_it_left_latest(tmp_path: Path, run_ckptkit: Any) -> No
 def test_export_into_a_run_root_leaves_latest(tmp_path: Path) -> None:
     src = _save(tmp_path, 10)
     _save(tmp_path, 20)
-    ckptkit.export(src, tmp_path / "export-10", format="dcp")
+    ckptkit.export(src, tmp_path / "export-10", format="dcp", dcp_form="plain")
     assert _latest(tmp_path) == "step_00000020"
 
 

@@ -139,7 +139,7 @@ def test_dcp_export_holds_model_and_optimizer_bitwise(source: Path, tmp_path: Pa
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
 
-    export(source, tmp_path / "dcp", format="dcp", include_optimizer=True)
+    export(source, tmp_path / "dcp", format="dcp", dcp_form="plain", include_optimizer=True)
     saved = ckptkit.load(str(source))
     metadata = FileSystemReader(str(tmp_path / "dcp")).read_metadata()
     plain = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()}
