@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .ops.inspect import InspectReport, human_bytes, inspect
     from .layouts import Layout
     from .ops.load import Checkpoint, load, open
+    from .ops.weights import load_weights
     from .writer.manager import CheckpointManager, SaveHandle
     from .ops.listing import ListingReport
     from .ops.reshard import ReshardReport, reshard
@@ -101,6 +102,7 @@ __all__ = [
     "list_checkpoints",
     "list_converters",
     "load",
+    "load_weights",
     "open",
     "open_storage",
     "prune",
@@ -114,7 +116,7 @@ __all__ = [
 # Imported on first use (torch, threads or the report machinery): name -> module. The calls
 # that need no torch (verify, inspect, reshard, convert, list_checkpoints) stay importable without it.
 _LAZY = {
-    "save": "ops.save", "load": "ops.load", "open": "ops.load", "Checkpoint": "ops.load", "diff": "ops.diff",
+    "save": "ops.save", "load": "ops.load", "load_weights": "ops.weights", "open": "ops.load", "Checkpoint": "ops.load", "diff": "ops.diff",
     "DiffReport": "ops.diff", "export": "exports.run", "ExportReport": "exports.run", "CheckpointManager": "writer.manager",
     "SaveHandle": "writer.manager", "verify": "ops.verify", "VerifyReport": "ops.verify", "inspect": "ops.inspect",
     "InspectReport": "ops.inspect", "reshard": "ops.reshard", "ReshardReport": "ops.reshard", "ListingReport": "ops.listing",

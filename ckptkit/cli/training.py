@@ -22,8 +22,12 @@ from .base import cli
 @click.option("--save-every", default=0, show_default=True, type=click.IntRange(0), help="Save every K steps and at the end (0: never).")
 @click.option("--out", default="runs/train", show_default=True, help="Directory of the run's checkpoints.")
 @click.option("--resume", default=None, help="A checkpoint to resume from, or 'latest' (under --out); nothing to resume is an error.")
-@click.option("--resume-if-present", is_flag=True, help="With --resume latest: start a new run when --out holds no checkpoint yet.")
-@click.option("--model", default="tiny", show_default=True, type=click.Choice(["tiny", "small", "base"]))
+@click.option("--resume-if-present", is_flag=True, help="With --resume latest: start a new run (from --init-from if given) when --out holds no checkpoint yet.")
+@click.option("--init-from", default=None, metavar="CKPT",
+              help="Start a new run from the parameters of this checkpoint (any topology; a converted Hugging Face Llama too): "
+                   "its model, a new optimizer, schedule, sampler and RNG, step 0.")
+@click.option("--model", default=None, type=click.Choice(["tiny", "small", "base"]),
+              help="Model size (default tiny; with --init-from the checkpoint's, which a given --model must match).")
 @click.option("--seed", default=1234, show_default=True, type=int)
 @click.option("--log-jsonl", default=None, help="Append one JSON object per step (and per save, with \"event\": \"save\") to this file.")
 @click.option("--sync-save", is_flag=True, help="Save in the training loop instead of in the background (to compare stalls).")
@@ -38,15 +42,19 @@ def train_cmd(**options: Any) -> None:
     """Train the reference Llama-style model with TP x PP x DP (ZeRO 0-3), checkpointing through ckptkit.
 
     A new run (no --resume) into an --out that holds checkpoints is refused before anything is
-    written: continue that run with --resume latest, or choose another --out.
+    written: continue that run with --resume latest, or choose another --out. --init-from starts
+    a new run from another checkpoint's parameters alone.
     """
     from ..trainer.train import config_from, launch, prepare
 
+    if options["init_from"] and options["resume"] and not options["resume_if_present"]:
+        raise click.UsageError("--init-from starts a new run and --resume continues one; give both only with "
+                               "--resume-if-present (resume when --out holds a checkpoint, else start from --init-from)")
     quiet = options.pop("quiet")
     cfg = config_from(**options, echo=not quiet, phases=not quiet and sys.stderr.isatty())
     start = prepare(cfg)
     first = os.environ.get("RANK", "0") == "0"
-    if start.resume is not None and first:
+    if (start.resume is not None or start.init_from is not None) and first:
         click.echo(f"ckptkit: train: {start.banner}", err=True)
     elif cfg.resume and first:  # --resume-if-present, and nothing there yet
         click.echo(f"ckptkit: train: nothing to resume under {cfg.out}; starting a new run (--resume-if-present)", err=True)

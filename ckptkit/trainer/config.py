@@ -56,8 +56,9 @@ class TrainConfig:
     save_every: int = 0
     out: str = "runs/train"
     resume: str | None = None
-    resume_if_present: bool = False  # --resume latest with nothing to resume starts a new run
-    model: str = "tiny"
+    resume_if_present: bool = False  # --resume latest with nothing to resume starts a new run (from init_from if given)
+    init_from: str | None = None  # a checkpoint whose parameters a new run starts from (all else fresh, step 0)
+    model: str | None = "tiny"  # None: the model of init_from
     seed: int = 1234
     seq_len: int = 32
     global_batch: int = 8

@@ -3,7 +3,9 @@
 `plan_start` refuses the mistakes that would lose work: a new run into a root holding another
 run's checkpoints, a ``--resume`` with nothing to resume, a resume past ``--steps``, a resume
 whose run would save a step that is already committed. It returns the `Start` every rank
-follows and the run record the root keeps; `resume_banner` is the one line a resume prints.
+follows (with the model it builds) and the run record the root keeps; `resume_banner` is the one
+line a resume prints. A new run with ``init_from`` starts at step 0 from that checkpoint's
+parameters alone (`init_from.source_model` says which model that is).
 """
 
 from __future__ import annotations
@@ -14,19 +16,27 @@ from typing import Any
 
 import ckptkit
 from .. import CheckpointExistsError, CheckpointNotFoundError, Manifest, RunError, RunRecord, Topology, read_run
-from .config import TrainConfig
+from .config import ModelConfig, TrainConfig, model_config
+from .data import Tokenizer
+from .init_from import describe, parent, recorded_model, source_model
 
 NAME_FORMAT = "step_{step:08d}"
 
 
 @dataclass(frozen=True)
 class Start:
-    """How the run starts: from `resume` (a committed checkpoint) at `step`, or new (step 0)."""
+    """How the run starts: from `resume` (a committed checkpoint) at `step`, or new (step 0),
+    with the parameters of `init_from` when given. `model` is the model every rank builds;
+    `parent` the lineage its checkpoints record (``info.config.parent``: a weights-only start's
+    source, carried over resumes)."""
 
     run: RunRecord
     resume: str | None = None
     step: int = 0
     banner: str = ""
+    model: ModelConfig | None = None
+    init_from: str | None = None
+    parent: dict[str, Any] | None = None
 
 
 def plan_start(cfg: TrainConfig) -> Start:
@@ -37,7 +47,8 @@ def plan_start(cfg: TrainConfig) -> Start:
             resume that would save a step already committed there.
         CheckpointNotFoundError: ``--resume`` names a path that holds no checkpoint.
         RunError: ``--resume latest`` with nothing to resume (unless ``resume_if_present``), or
-            the checkpoint is past ``--steps``, or of another model size.
+            the checkpoint is past ``--steps``, or of another model size; ``init_from`` holds
+            no model the trainer builds, or not the one asked for.
     """
     root = ckptkit.open_storage(cfg.out)
     committed = _committed(cfg.out)
@@ -53,12 +64,42 @@ def plan_start(cfg: TrainConfig) -> Start:
             raise RunError(
                 f"{cfg.out}: no checkpoint to resume (--resume latest, and no latest there); "
                 "drop --resume to start a new run, or add --resume-if-present")
-        return Start(RunRecord.start(model=_model(cfg), topology=_topology(cfg)))
+        if cfg.init_from:
+            return _init_start(cfg)
+        model = _named(cfg)
+        return Start(RunRecord.start(model=_model(cfg), topology=_topology(cfg)), model=model)
     manifest = ckptkit.read_manifest(path)
     _check_resumable(cfg, path, manifest, committed)
     own = _record(root) if _under(path, cfg.out) else None
     run = own or RunRecord.start(model=_model(cfg), topology=_topology(cfg), parent=None if _under(path, cfg.out) else path)
-    return Start(run, path, manifest.step, resume_banner(cfg, path, manifest))
+    lineage = (manifest.info.config or {}).get("parent")
+    return Start(run, path, manifest.step, resume_banner(cfg, path, manifest), model=_resumed_model(cfg, manifest),
+                 parent=lineage if isinstance(lineage, dict) else None)
+
+
+def _init_start(cfg: TrainConfig) -> Start:
+    """A new run from the parameters of ``cfg.init_from``: its model, at step 0."""
+    assert cfg.init_from is not None
+    checkpoint = ckptkit.open(cfg.init_from)
+    where, manifest = str(checkpoint.location), checkpoint.manifest
+    model = source_model(cfg, manifest, where, min_vocab=Tokenizer().vocab_size)
+    lineage = parent(where, manifest)
+    run = RunRecord.start(model=f"llama {cfg.model or 'from ' + str(lineage['family'])}", topology=_topology(cfg), parent=where)
+    banner = (f"starting from the weights of {where} (step {manifest.step}, {lineage['family']}: {describe(model)}) "
+              f"at {_topology(cfg).describe()}; new optimizer, schedule, sampler and RNG; training steps 1-{cfg.steps}")
+    return Start(run, step=0, banner=banner, model=model, init_from=where, parent=lineage)
+
+
+def _named(cfg: TrainConfig) -> ModelConfig:
+    """The model size `cfg` names, with the tokenizer's vocabulary."""
+    return model_config(cfg.model or "tiny", vocab_size=Tokenizer().vocab_size, tie_embeddings=cfg.tie_embeddings)
+
+
+def _resumed_model(cfg: TrainConfig, manifest: Manifest) -> ModelConfig:
+    """The model a resume builds: the one the checkpoint records (the trainer's own), else the named size."""
+    info = manifest.info.model
+    recorded = recorded_model(info.config) if info is not None and info.family == "llama" else None
+    return recorded or _named(cfg)
 
 
 def resume_banner(cfg: TrainConfig, path: str, manifest: Manifest) -> str:
@@ -115,7 +156,7 @@ def _check_resumable(cfg: TrainConfig, path: str, manifest: Manifest, committed:
         raise RunError(f"{path} is at step {manifest.step}, past --steps {cfg.steps}: nothing to train; "
                        f"give --steps above {manifest.step}")
     saved = (manifest.info.config or {}).get("model")
-    if isinstance(saved, str) and saved != cfg.model:
+    if isinstance(saved, str) and cfg.model is not None and saved != cfg.model:
         raise RunError(f"{path} was saved by a run of --model {saved}, not --model {cfg.model}; resume it with --model {saved}")
     names = {name for name, _ in committed}
     clash = [NAME_FORMAT.format(step=s) for s in save_steps(cfg, manifest.step) if NAME_FORMAT.format(step=s) in names]
@@ -155,7 +196,7 @@ def _under(path: str, out: str) -> bool:
 
 
 def _model(cfg: TrainConfig) -> str:
-    return f"llama {cfg.model}"
+    return f"llama {cfg.model}" if cfg.model else "llama (the checkpoint's model)"
 
 
 def _topology(cfg: TrainConfig) -> Topology:

@@ -1,8 +1,9 @@
 """The training loop of one rank, checkpointing through ckptkit, and starting the ranks.
 
-Call order for a run: ``prepare`` (checks the topology and decides where the run starts,
-``start.plan_start``, before any process starts), then ``launch`` with what it returned (spawns
-the ranks on this machine, or runs as one rank under torchrun), whose ranks run ``run_rank``.
+Call order for a run: ``prepare`` (decides where the run starts and with which model,
+``start.plan_start``, and checks the topology, before any process starts), then ``launch`` with
+what it returned (spawns the ranks on this machine, or runs as one rank under torchrun), whose
+ranks run ``run_rank``.
 """
 
 from __future__ import annotations
@@ -52,9 +53,13 @@ def prepare(cfg: TrainConfig) -> Start:
         LayoutError: the topology cannot run the model.
         CheckpointExistsError, CheckpointNotFoundError, RunError: see `start.plan_start`.
     """
-    model = model_config(cfg.model, vocab_size=Tokenizer().vocab_size, tie_embeddings=cfg.tie_embeddings)
-    check_topology(cfg, model, max_world=max_world() if "RANK" not in os.environ else None)
-    return plan_start(cfg)
+    if cfg.init_from is None:  # the named model's topology problems come first, before any checkpoint is read
+        model = model_config(cfg.model or "tiny", vocab_size=Tokenizer().vocab_size, tie_embeddings=cfg.tie_embeddings)
+        check_topology(cfg, model, max_world=max_world() if "RANK" not in os.environ else None)
+    start = plan_start(cfg)
+    assert start.model is not None
+    check_topology(cfg, start.model, max_world=max_world() if "RANK" not in os.environ else None)
+    return start
 
 
 def launch(cfg: TrainConfig, start: Start | None = None) -> None:
@@ -101,15 +106,19 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, plan: Start | None = None)
     say = _phase if cfg.phases and rank == 0 else (lambda text: None)
     mesh = Mesh(cfg.tp, cfg.dp, cfg.pp, rank)
     tokenizer = Tokenizer()
-    model = model_config(cfg.model, vocab_size=tokenizer.vocab_size, tie_embeddings=cfg.tie_embeddings)
+    model = plan.model or model_config(cfg.model or "tiny", vocab_size=tokenizer.vocab_size, tie_embeddings=cfg.tie_embeddings)
     say("preparing the data")
     dataset, dataset_id = load_dataset(cfg.corpus, tokenizer, cfg.seq_len, seed=cfg.seed)
     seed_rngs(cfg.seed * 1_000_003 + rank)  # distinct streams per rank from the start
-    say(f"building the {cfg.model} model on {world} rank(s)")
+    size = cfg.model or "checkpoint's"
+    say(f"building the {size} model on {world} rank(s)")
     engine = Engine(cfg, model, mesh, build_groups(mesh))
     sampler = Sampler(dataset.num_samples, cfg.seed)
     if plan.resume is not None:
         say(f"loading {plan.resume}")
+    elif plan.init_from is not None:
+        say(f"loading the weights of {plan.init_from}")
+        _init_weights(plan.init_from, engine)
     start = _resume(plan.resume, cfg, engine, sampler, rank, world)
     say(f"training steps {start + 1}-{cfg.steps}")
     log = None
@@ -134,7 +143,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, plan: Start | None = None)
                 log.write(json.dumps(record) + "\n")
                 log.flush()
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-                saves.append(_save(manager, cfg, engine, sampler, step, rank, world, tok_dir, dataset, dataset_id))
+                saves.append(_save(manager, cfg, plan, engine, sampler, step, rank, world, tok_dir, dataset, dataset_id))
             saves = _report_saves(saves, cfg, rank, log, final=False)
         manager.wait()
         _report_saves(saves, cfg, rank, log, final=True)
@@ -172,7 +181,7 @@ def _micro_batches(cfg: TrainConfig, mesh: Mesh, dataset: Dataset, ids: list[int
     return [torch.stack([dataset.sample(i) for i in mine[m * size : (m + 1) * size]]) for m in range(cfg.micro_batches)]
 
 
-def _info(cfg: TrainConfig, engine: Engine, sampler: Sampler, dataset: Dataset, dataset_id: str) -> CheckpointInfo:
+def _info(cfg: TrainConfig, plan: Start, engine: Engine, sampler: Sampler, dataset: Dataset, dataset_id: str) -> CheckpointInfo:
     names = tuple(sorted(engine.model_cfg.layout().tensors()))
     return CheckpointInfo(
         optimizer=OptimizerInfo(
@@ -190,18 +199,26 @@ def _info(cfg: TrainConfig, engine: Engine, sampler: Sampler, dataset: Dataset, 
                                    consumed_tokens=sampler.consumed_tokens),
         code=code_version(os.path.dirname(os.path.abspath(__file__))),
         data=DataVersion(dataset_id=dataset_id, fingerprint=dataset.fingerprint),
-        config=cfg.to_json(),
+        config={**cfg.to_json(), **({"parent": plan.parent} if plan.parent is not None else {})},
         model=ModelInfo(family="llama", config=engine.model_cfg.to_json()),
     )
 
 
-def _save(manager: CheckpointManager, cfg: TrainConfig, engine: Engine, sampler: Sampler, step: int, rank: int,
-          world: int, tok_dir: str, dataset: Dataset, dataset_id: str) -> SaveHandle:
+def _save(manager: CheckpointManager, cfg: TrainConfig, plan: Start, engine: Engine, sampler: Sampler, step: int,
+          rank: int, world: int, tok_dir: str, dataset: Dataset, dataset_id: str) -> SaveHandle:
     """Start saving this rank's state as checkpoint `step` (in the background unless --sync-save)."""
     state = tensor_state(list(engine.units.values()))
     state["rng"] = rng_state(rank, world)
     topo = Topology(world_size=world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero_stage=cfg.zero)
-    return manager.save(step, state, topology=topo, info=_info(cfg, engine, sampler, dataset, dataset_id), tokenizer=tok_dir)
+    return manager.save(step, state, topology=topo, info=_info(cfg, plan, engine, sampler, dataset, dataset_id), tokenizer=tok_dir)
+
+
+def _init_weights(path: str, engine: Engine) -> None:
+    """Load this rank's boxes of the parameters of the checkpoint at `path` (any topology; a
+    converted Hugging Face Llama's names mapped); optimizer, schedule, sampler and RNG stay new."""
+    ckptkit.load_weights(path, tensor_state(list(engine.units.values()))["model"], layout=engine.model_cfg.layout())
+    for unit in engine.units.values():
+        unit.publish()
 
 
 def _resume(path: str | None, cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world: int) -> int:
@@ -242,5 +259,9 @@ def _phase(text: str) -> None:
 
 
 def config_from(**options: Any) -> TrainConfig:
-    """Build a TrainConfig from CLI options, ignoring the ones left unset."""
-    return replace(TrainConfig(), **{k: v for k, v in options.items() if v is not None})
+    """Build a TrainConfig from CLI options, ignoring the ones left unset (with ``init_from``
+    and no ``model``, the model is the checkpoint's)."""
+    values = {k: v for k, v in options.items() if v is not None}
+    if values.get("init_from") and options.get("model") is None:
+        values["model"] = None
+    return replace(TrainConfig(), **values)
