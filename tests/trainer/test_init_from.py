@@ -54,10 +54,19 @@ def _hf_loss(model: Any, sample_ids: list[int]) -> float:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("combo", [(1, 1, 1, 0), (2, 2, 1, 0), (1, 1, 2, 3)], ids=["tp1", "tp2-pp2", "dp2-zero3"])
-def test_step_one_loss_is_the_hf_models_loss_on_the_same_batch(hf: tuple[Any, Path], tmp_path: Path, combo: tuple[int, int, int, int]) -> None:
+def test_step_one_loss_is_the_hf_models_loss_on_the_same_batch(
+    hf: tuple[Any, Path], tmp_path: Path, combo: tuple[int, int, int, int], run_ckptkit: Any
+) -> None:
     model, converted = hf
-    records = train(tmp_path / "run", combo, 1, init_from=str(converted))
-    first = records[0]
+    tp, pp, dp, zero = combo
+    proc = run_ckptkit("train", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--zero", str(zero), "--steps", "1",
+                       "--out", str(tmp_path / "run"), "--init-from", str(converted), "--log-jsonl", str(tmp_path / "log.jsonl"),
+                       "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"ckptkit: train: starting from the weights of {converted} (step 0, hf-llama: hidden 64, 4 layers, 8 heads (4 kv), "
+        f"vocabulary 128) at tp={tp} pp={pp} dp={dp} zero={zero}; new optimizer, schedule, sampler and RNG; training steps 1-1"]
+    first = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1 and first["consumed_samples"] == 8
     expected = _hf_loss(model, first["sample_ids"])
     assert abs(first["loss"] - expected) <= 1e-5
