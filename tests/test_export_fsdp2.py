@@ -32,6 +32,7 @@ from .trainer.runs import train
 
 STEPS = 7  # saves at 4 and 7: the job resumes at 4 and trains 5, 6, 7
 RESUMED = 4
+LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "llama-v1.1"
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +119,20 @@ def test_the_plain_form_keeps_the_checkpoints_names(run: tuple[Path, list[dict[s
 def test_a_checkpoint_of_another_model_is_refused_naming_the_plain_form(tmp_path: Path, run_ckptkit: Any) -> None:
     ckptkit.save({"model": {"w": torch.ones(3, 2)}}, tmp_path / "src", step=1)
     with pytest.raises(LayoutError, match="--dcp-form plain"):
-        export(tmp_path / "src", tmp_path / "out", format="dcp")
-    done = run_ckptkit("export", str(tmp_path / "src"), str(tmp_path / "out"), "--format", "dcp")
+        export(tmp_path / "src", tmp_path / "out", format="dcp", dcp_form="fsdp2")
+    done = run_ckptkit("export", str(tmp_path / "src"), str(tmp_path / "out"), "--format", "dcp", "--dcp-form", "fsdp2")
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "--dcp-form plain" in done.stderr
     bad = run_ckptkit("export", str(tmp_path / "src"), str(tmp_path / "out"), "--format", "hf", "--dcp-form", "plain")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--dcp-form" in bad.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "src"]
+
+
+def test_the_default_form_is_fsdp2_for_the_trainers_model_and_plain_for_any_other(tmp_path: Path) -> None:
+    ckptkit.save({"model": {"w": torch.ones(3, 2)}}, tmp_path / "src", step=1)
+    other = export(tmp_path / "src", tmp_path / "out", format="dcp")
+    assert other.form == "plain" and [t.name for t in other.tensors] == ["model.w"]
+    trainer = export(LLAMA, tmp_path / "llama", format="dcp")
+    assert trainer.form == "fsdp2" and "model.layers.0.attn.qkv.weight" in {t.name for t in trainer.tensors}
 
 
 def test_the_next_learning_rate_follows_the_trainers_schedule() -> None:

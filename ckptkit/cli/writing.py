@@ -98,9 +98,9 @@ def _latest_note(report: ckptkit.ReshardReport, no_latest: bool) -> str:
 @click.option("--pp", default=1, show_default=True, type=click.IntRange(min=1),
               help="megatron: the pipeline-parallel size the layout must allow.")
 @click.option("--dcp-form", "dcp_form", default=None, type=click.Choice(["fsdp2", "plain"]),
-              help="dcp: fsdp2 (default): the state dict FSDP2's get_state_dict gives for the reference trainer's model, "
-                   "which an FSDP2 job at any world size loads with dcp.load + set_state_dict; plain: the checkpoint's "
-                   "own tensor names (any model), for dcp.load into a plain state dict.")
+              help="dcp: fsdp2 (the default for the reference trainer's checkpoints): the state dict FSDP2's get_state_dict "
+                   "gives for its model, which an FSDP2 job at any world size loads with dcp.load + set_state_dict; plain "
+                   "(the default for any other): the checkpoint's own tensor names, for dcp.load into a plain state dict.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the export report).")
 def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, layout_file: str | None,
                tp: int, pp: int, dcp_form: str | None, as_json: bool) -> None:

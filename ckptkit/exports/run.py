@@ -82,7 +82,8 @@ def export(
       checkpoint records none) becomes a LlamaForCausalLM: q, k, v and gate, up are cut out of
       Megatron's fused tensors.
     - ``dcp``: a torch.distributed.checkpoint directory, in their saved dtype unless `dtype` is
-      given, in one of two forms (`dcp_form`). ``fsdp2`` (the default): the state dict
+      given, in one of two forms (`dcp_form`; by default ``fsdp2`` for a checkpoint of the
+      reference trainer's model, ``plain`` for any other). ``fsdp2``: the state dict
       ``get_state_dict(model, optimizer)`` gives for the reference trainer's model wrapped with
       FSDP2, as ``{"model": ..., "optim": ...}`` (module fqns, fused q/k/v and gate/up; with
       `include_optimizer` each parameter's moments and step and the AdamW parameter groups),
@@ -122,7 +123,7 @@ def export(
         raise LayoutError("--tp and --pp set the pieces of the megatron format; the other formats hold whole tensors")
     if dcp_form is not None and (format != "dcp" or dcp_form not in DCP_FORMS):
         raise LayoutError(f"dcp_form {dcp_form!r}: the dcp format's forms are {', '.join(DCP_FORMS)}; other formats have none")
-    form = (dcp_form or DCP_FORMS[0]) if format == "dcp" else None
+    form = dcp_form if format == "dcp" else None
     out_dtype = hf.DTYPES[dtype or "bf16"] if format == "hf" else hf.DTYPES[dtype] if dtype else None
     started = time.perf_counter()
     src_loc, manifest = open_checkpoint(src, storage)
@@ -140,9 +141,10 @@ def _export(
     writer: Writer
     if format == "hf":
         writer = _hf_writer(source, out_dtype or hf.DTYPES["bf16"], max_shard_bytes, layout)
-    elif format == "dcp" and form == "fsdp2":
+    elif format == "dcp" and (form or _dcp_form(manifest, str(src_loc))) == "fsdp2":
         from .fsdp2 import fsdp2_writer
 
+        form = "fsdp2"
         try:
             model = layout_for(manifest, where=str(src_loc))
         except LayoutError:
@@ -152,6 +154,7 @@ def _export(
     elif format == "dcp":
         from .dcp import dcp_writer
 
+        form = "plain"
         writer = dcp_writer(source, out_dtype, include_optimizer)
     elif format == "megatron":
         from .megatron import megatron_writer
@@ -190,6 +193,17 @@ def _export(
             raise StorageError(f"{dst_loc}: export failed, nothing written: {exc}") from exc
         raise
     return report
+
+
+def _dcp_form(manifest: Any, where: str) -> str:
+    """The dcp form a checkpoint exports to by default: ``fsdp2`` for the reference trainer's
+    model (the module names that form knows), ``plain`` for any other."""
+    from .fsdp2 import MODULE_NAMES
+
+    try:
+        return "fsdp2" if layout_for(manifest, where=where).name in MODULE_NAMES else "plain"
+    except LayoutError:
+        return "plain"
 
 
 def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Layout | None = None) -> Writer:
