@@ -16,22 +16,9 @@ from typing import Any
 
 from ..errors import LayoutError, summarize
 from ..layouts import Layout
+from ..layouts.names import MEGATRON_TO_HF_LAYER, MEGATRON_TO_HF_TOP, hf_name
 from ..manifest import CheckpointInfo
 from ..state.tree import unescape
-
-_LAYER = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.q.weight": "self_attn.q_proj.weight",
-    "attn.k.weight": "self_attn.k_proj.weight",
-    "attn.v.weight": "self_attn.v_proj.weight",
-    "attn.o.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.gate.weight": "mlp.gate_proj.weight",
-    "mlp.up.weight": "mlp.up_proj.weight",
-    "mlp.down.weight": "mlp.down_proj.weight",
-}
-_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
-_LAYER_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -40,24 +27,6 @@ Rows = tuple[tuple[int, int], ...] | None
 # A Hugging Face tensor's source: a checkpoint tensor (fqn) and which of its rows.
 Piece = tuple[str, Rows]
 
-_MEGATRON_LAYER = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-_MEGATRON_TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-                 "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
-
-
-def hf_name(logical: str) -> str | None:
-    """Return the Hugging Face Llama name of a logical parameter name, or None if it has none."""
-    if logical in _TOP:
-        return _TOP[logical]
-    match = _LAYER_NAME.match(logical)
-    if match and match.group(2) in _LAYER:
-        return f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
-    return None
 
 
 def name_map(tensors: Mapping[str, Any], expected: list[str]) -> dict[str, str]:
@@ -114,10 +83,10 @@ def megatron_map(tensors: Mapping[str, Any], layout: Layout) -> dict[str, Piece]
     for fqn in sorted(t for t in tensors if t.startswith("model/")):
         name = unescape(fqn.removeprefix("model/"))
         match = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
-        if name in _MEGATRON_TOP:
-            out[_MEGATRON_TOP[name]] = (fqn, None)
-        elif match and match.group(2) in _MEGATRON_LAYER:
-            out[f"model.layers.{match.group(1)}.{_MEGATRON_LAYER[match.group(2)]}"] = (fqn, None)
+        if name in MEGATRON_TO_HF_TOP:
+            out[MEGATRON_TO_HF_TOP[name]] = (fqn, None)
+        elif match and match.group(2) in MEGATRON_TO_HF_LAYER:
+            out[f"model.layers.{match.group(1)}.{MEGATRON_TO_HF_LAYER[match.group(2)]}"] = (fqn, None)
         elif match and match.group(2) == "self_attention.linear_qkv.weight":
             p = f"model.layers.{match.group(1)}.self_attn."
             out[p + "q_proj.weight"] = (fqn, tuple((g * block, per * hd) for g in range(groups)))

@@ -39,6 +39,7 @@ from ..boxes import Box
 from ..errors import LayoutError, summarize
 from ..io.checksum import checksum_of
 from ..layouts import Layout, builtin
+from ..layouts.names import LLAMA_TO_MEGATRON_LAYER, LLAMA_TO_MEGATRON_TOP
 from ..layouts.placement import local_param, topology_problems
 from ..manifest import Topology
 from ..state.torch_io import byte_view, torch_dtype
@@ -170,10 +171,6 @@ def megatron_gpt_of_llama(layout: Layout) -> Layout:
     })
 
 
-_LLAMA_LAYER = {"attn_norm.weight": "self_attention.linear_qkv.layer_norm_weight", "attn.o.weight": "self_attention.linear_proj.weight",
-                "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight", "mlp.down.weight": "mlp.linear_fc2.weight"}
-_LLAMA_TOP = {"embed.weight": "embedding.word_embeddings.weight", "norm.weight": "decoder.final_layernorm.weight",
-              "lm_head.weight": "output_layer.weight"}
 
 
 def fused_llama(tensors: Any, layout: Layout) -> dict[str, list[Run]]:
@@ -188,13 +185,13 @@ def fused_llama(tensors: Any, layout: Layout) -> dict[str, list[Run]]:
     heads, groups, h, f = (int(c[k]) for k in ("num_heads", "num_kv_heads", "hidden_size", "intermediate_size"))  # type: ignore[arg-type]
     hd, per = h // heads, heads // groups
     out: dict[str, list[Run]] = {}
-    for name, mine in _LLAMA_TOP.items():
+    for name, mine in LLAMA_TO_MEGATRON_TOP.items():
         out[mine] = [Run(0, int(c["vocab_size"]) if name != "norm.weight" else h, f"model/{name}", 0)]  # type: ignore[arg-type]
     if c.get("tie_embeddings"):
         del out["output_layer.weight"]
     for i in range(layout.num_layers):
         p, m = f"model/layers.{i}.", f"decoder.layers.{i}."
-        for name, mine in _LLAMA_LAYER.items():
+        for name, mine in LLAMA_TO_MEGATRON_LAYER.items():
             out[m + mine] = [Run(0, h, p + name, 0)]
         out[m + "self_attention.linear_qkv.weight"] = [
             run for g in range(groups) for run in (Run(g * (per + 2) * hd, per * hd, p + "attn.q.weight", g * per * hd),

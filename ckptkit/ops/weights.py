@@ -4,7 +4,7 @@ A checkpoint's parameters may be named by another layout than the model loading 
 Hugging Face Llama converted by ``ckptkit convert`` (layout ``hf-llama``) holds
 ``model/model.layers.0.self_attn.q_proj.weight`` where the reference trainer (layout ``llama``)
 has ``model/layers.0.attn.q.weight``. The names are mapped through the one Hugging Face name
-map (``exports.hf.hf_name``), read the other way; the bytes are then read by the ordinary load,
+map (``layouts.names.hf_name``), read the other way; the bytes are then read by the ordinary load,
 each rank reading only its own boxes.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import LayoutError, summarize
-from ..exports.hf import hf_name
+from ..layouts.names import hf_name
 from ..layouts import Layout, layout_for
 from ..manifest import Manifest
 from ..state.sharded import ShardedTensor
