@@ -121,10 +121,12 @@ def test_targets_and_sources_the_format_cannot_take_fail_in_one_line(tmp_path: P
     assert proc.returncode == 2 and "--tp/--pp" in proc.stderr
 
 
-def test_the_reference_trainers_llama_loads_in_megatron_core_with_its_logits(tmp_path: Path, run_ckptkit: Any) -> None:
+@pytest.mark.parametrize(("export_at", "load_at"), [(("--tp", "2"), 1), (("--tp", "1", "--pp", "2"), 2)])
+def test_the_reference_trainers_llama_loads_in_megatron_core_with_its_logits(export_at: tuple[str, ...], load_at: int,
+                                                                             tmp_path: Path, run_ckptkit: Any) -> None:
     transformers = pytest.importorskip("transformers")
     out, hf = tmp_path / "megatron", tmp_path / "hf"
-    proc = run_ckptkit("export", str(LLAMA), str(out), "--format", "megatron", "--tp", "2")
+    proc = run_ckptkit("export", str(LLAMA), str(out), "--format", "megatron", *export_at)
     assert proc.returncode == 0, proc.stderr
     assert run_ckptkit("export", str(LLAMA), str(hf), "--format", "hf", "--dtype", "fp32").returncode == 0
     c = ckptkit.read_manifest(LLAMA).info.model.config  # type: ignore[union-attr]
@@ -135,7 +137,7 @@ def test_the_reference_trainers_llama_loads_in_megatron_core_with_its_logits(tmp
     from safetensors.torch import save_file
 
     save_file({"ids": ids}, str(tmp_path / "ids.safetensors"))
-    logits, plain = _load_in_megatron(out, 2, "float32", tmp_path, tmp_path / "ids.safetensors", config)
+    logits, plain = _load_in_megatron(out, load_at, "float32", tmp_path, tmp_path / "ids.safetensors", config)
     with torch.no_grad():
         want = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()(ids).logits
     # The fixture's exact random weights give logits up to ~110: fp32 sums in another order
@@ -147,3 +149,22 @@ def test_the_reference_trainers_llama_loads_in_megatron_core_with_its_logits(tmp
     hd = c["hidden_size"] // c["num_heads"]
     assert torch.equal(qkv[3 * hd:4 * hd], state["layers.1.attn.q.weight"][hd:2 * hd])
     assert torch.equal(plain["decoder.layers.mlp.linear_fc1.weight"][0][c["intermediate_size"]:], state["layers.0.mlp.up.weight"])
+
+
+def test_the_llama_in_megatron_files_converts_back_to_every_original_tensor(tmp_path: Path, run_ckptkit: Any) -> None:
+    # reference Llama -> Megatron files -> ckptkit convert -> Hugging Face, against the Llama's own
+    # Hugging Face export: every tensor bitwise (q, k, v and gate, up fused and cut again).
+    from ckptkit.exports.megatron import megatron_gpt_of_llama
+    from ckptkit.layouts import layout_for
+
+    out, layout = tmp_path / "megatron", tmp_path / "layout.json"
+    assert run_ckptkit("export", str(LLAMA), str(out), "--format", "megatron", "--tp", "2").returncode == 0
+    layout.write_text(json.dumps(megatron_gpt_of_llama(layout_for(ckptkit.read_manifest(LLAMA))).to_json()))
+    proc = run_ckptkit("convert", "--from", "megatron", str(out), str(tmp_path / "back"), "--layout", str(layout))
+    assert proc.returncode == 0, proc.stderr
+    for src, dst in ((tmp_path / "back", tmp_path / "hf-back"), (LLAMA, tmp_path / "hf")):
+        assert run_ckptkit("export", str(src), str(dst), "--format", "hf", "--dtype", "fp32").returncode == 0
+    got = {k: v for f in (tmp_path / "hf-back").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    want = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert sorted(got) == sorted(want) and len(want) == 21
+    assert all(torch.equal(got[k], want[k]) for k in want)
