@@ -84,13 +84,14 @@ def _latest_note(report: ckptkit.ReshardReport, no_latest: bool) -> str:
 @cli.command("export")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--format", "fmt", default="hf", show_default=True, type=click.Choice(["hf", "dcp", "zarr", "megatron"]),
+@click.option("--format", "fmt", default="hf", show_default=True, type=click.Choice(["hf", "dcp", "zarr", "megatron", "deepspeed"]),
               help="hf: Hugging Face model directory; dcp: torch.distributed.checkpoint; zarr: the topology-free form; "
-                   "megatron: a Megatron-Core dist_checkpointing (torch_dist) directory.")
+                   "megatron: a Megatron-Core dist_checkpointing (torch_dist) directory; deepspeed: a DeepSpeed universal "
+                   "checkpoint (load_universal), from a checkpoint converted from DeepSpeed.")
 @click.option("--dtype", default=None, type=click.Choice(["bf16", "fp16", "fp32"]),
-              help="Output dtype. hf: default bf16; dcp: default the saved dtype; zarr: always the saved dtype.")
+              help="Output dtype. hf: default bf16; dcp: default the saved dtype; zarr, deepspeed: always the saved dtype.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="hf: largest output file (5GB, 500MB, 2GiB, bytes).")
-@click.option("--include-optimizer", is_flag=True, help="dcp, megatron: also export the optimizer state (zarr always has it).")
+@click.option("--include-optimizer", is_flag=True, help="dcp, megatron: also export the optimizer state (zarr and deepspeed always have it).")
 @click.option("--layout", "layout_file", default=None,
               help="hf, megatron: a layout file naming the model (default: the one SRC records), e.g. megatron-gpt for a converted Megatron GPT.")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1),
@@ -105,8 +106,8 @@ def _latest_note(report: ckptkit.ReshardReport, no_latest: bool) -> str:
 def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, layout_file: str | None,
                tp: int, pp: int, dcp_form: str | None, as_json: bool) -> None:
     """Export the checkpoint at SRC (any topology) to DST: a Hugging Face model directory, a
-    torch DCP checkpoint, the zarr form (every tensor as a zarr v3 array, manifest beside it), or
-    a Megatron-Core torch_dist checkpoint.
+    torch DCP checkpoint, the zarr form (every tensor as a zarr v3 array, manifest beside it), a
+    Megatron-Core torch_dist checkpoint, or a DeepSpeed universal checkpoint.
 
     Exit 0 when DST is complete, 1 on a ckptkit error (unmapped or missing tensors, DST exists;
     DST does not appear), 2 on bad usage or when SRC holds no committed checkpoint.
@@ -117,10 +118,12 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
         usage(f"--max-shard-size: {exc}")
     if fmt == "zarr" and dtype is not None:
         usage("--dtype: the zarr form keeps every tensor in its saved dtype")
+    if fmt == "deepspeed" and dtype is not None:
+        usage("--dtype: the deepspeed format keeps the fp32 masters and moments, and the module in its saved dtype")
     if fmt == "hf" and include_optimizer:
         usage("--include-optimizer: the hf format holds model weights only (use --format dcp, megatron or zarr)")
     if fmt not in ("hf", "megatron") and layout_file is not None:
-        usage("--layout: names the model for --format hf and megatron; dcp and zarr keep the checkpoint's names")
+        usage("--layout: names the model for --format hf and megatron; dcp, zarr and deepspeed keep the checkpoint's names")
     if fmt != "megatron" and (tp, pp) != (1, 1):
         usage("--tp/--pp: set the pieces of --format megatron; the other formats hold whole tensors")
     if fmt != "dcp" and dcp_form is not None:

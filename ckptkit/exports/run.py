@@ -1,4 +1,5 @@
-"""Export a checkpoint (any topology) to portable full weights: Hugging Face, torch DCP, zarr.
+"""Export a checkpoint (any topology) to portable full weights: Hugging Face, torch DCP, zarr,
+Megatron-Core, a DeepSpeed universal checkpoint.
 
 Call order: open the source and plan the output (an unmapped or missing tensor fails before
 anything is written); then stream the tensors one at a time (each read whole from whatever
@@ -49,7 +50,7 @@ __all__ = ["REPORT_NAME", "ExportReport", "export"]
 DEFAULT_MAX_SHARD = 5 * 10**9
 
 
-FORMATS = ("hf", "dcp", "zarr", "megatron")
+FORMATS = ("hf", "dcp", "zarr", "megatron", "deepspeed")
 DCP_FORMS = ("fsdp2", "plain")
 
 
@@ -96,6 +97,12 @@ def export(
       layers stacked, each chunk a TP rank's piece as megatron-core at `tp` x `pp` writes it
       (a target the layout must allow), with `include_optimizer` the distributed optimizer's
       ``fully_reshardable`` state; the layout is ``megatron-gpt`` (recorded, or `layout`).
+    - ``deepspeed``: a DeepSpeed universal checkpoint (see ``ckptkit.exports.deepspeed``): each
+      parameter's fp32 master, ``exp_avg`` and ``exp_avg_sq`` whole under ``<tag>/zero/<name>/``,
+      the model-states file and ``latest_universal``, which an engine with ``"checkpoint":
+      {"load_universal": true}`` loads at ZeRO 1 or 2 and any data-parallel size; the source
+      must be a checkpoint converted from DeepSpeed; the optimizer state always comes along,
+      `dtype` must be None.
     - ``zarr``: the topology-free form (see ``ckptkit.exports.zarr_form``): every tensor as a zarr v3
       array with the manifest beside it, bit for bit; `dtype` must be None.
 
@@ -115,10 +122,12 @@ def export(
         raise LayoutError(f"dtype {dtype!r} is not one of {', '.join(hf.DTYPES)}")
     if format == "zarr" and dtype is not None:
         raise LayoutError("the zarr form keeps every tensor in its saved dtype; drop --dtype")
+    if format == "deepspeed" and dtype is not None:
+        raise LayoutError("the deepspeed format keeps the fp32 masters and moments, and the module in its saved dtype; drop --dtype")
     if format == "hf" and include_optimizer:
         raise LayoutError("the hf format holds model weights only; --include-optimizer applies to dcp and megatron")
     if format not in ("hf", "megatron") and layout is not None:
-        raise LayoutError("a layout names the model for the hf and megatron formats; dcp and zarr keep the checkpoint's names")
+        raise LayoutError("a layout names the model for the hf and megatron formats; dcp, zarr and deepspeed keep the checkpoint's names")
     if format != "megatron" and (tp, pp) != (1, 1):
         raise LayoutError("--tp and --pp set the pieces of the megatron format; the other formats hold whole tensors")
     if dcp_form is not None and (format != "dcp" or dcp_form not in DCP_FORMS):
@@ -161,6 +170,10 @@ def _export(
 
         writer = megatron_writer(source, out_dtype, include_optimizer, layout or layout_for(manifest, where=str(src_loc)),
                                  *target)
+    elif format == "deepspeed":
+        from .deepspeed import deepspeed_writer
+
+        writer = deepspeed_writer(source)
     else:
         from .zarr_form import zarr_writer
 

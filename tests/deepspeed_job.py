@@ -1,0 +1,121 @@
+"""A DeepSpeed job on CPU (gloo ranks, ``DS_ACCELERATOR=cpu``) that loads a checkpoint into the
+DeepSpeed fixtures' model (``fixtures/make_deepspeed.py``: ``Tiny``, torch's AdamW in two groups,
+WarmupLR, gradient clipping) and trains one more step, as a DeepSpeed user resumes: either a
+DeepSpeed save as DeepSpeed saved it (``engine.load_checkpoint(DIR)`` at the save's own ZeRO stage
+and data-parallel size), or a universal checkpoint (``"checkpoint": {"load_universal": true}``) at
+another stage and size. The step's global batch is the same whatever the size (each rank its
+rows of it). Rank 0 writes what the test compares: DeepSpeed's own view of every parameter right
+after the load (``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``, the module's
+parameter), the loss of the step and the loss of the same batch after it, the counters and the
+client state the load returned. Used by ``tests/test_export_deepspeed.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+BATCH_SEED = 97
+GLOBAL_BATCH = 4
+
+
+def fixture_module() -> ModuleType:
+    """fixtures/make_deepspeed.py as a module (its model, groups and config)."""
+    spec = importlib.util.spec_from_file_location("make_deepspeed", FIXTURES / "make_deepspeed.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # leave no __pycache__ in fixtures/
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = dont_write
+    return module
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of the step: ids and targets of GLOBAL_BATCH rows."""
+    gen = torch.Generator().manual_seed(BATCH_SEED)
+    return torch.randint(0, 13, (GLOBAL_BATCH, 5), generator=gen), torch.randn(GLOBAL_BATCH, 5, 3, generator=gen)
+
+
+def job(rank: int, world: int, path: str, stage: int, universal: bool, out: str, port: int) -> None:
+    """Load `path` at ZeRO `stage` over `world` ranks, train one step; see the module."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from safetensors.torch import save_file
+
+    warnings.simplefilter("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    deepspeed.init_distributed(dist_backend="gloo")
+    try:
+        fx = fixture_module()
+        cfg = fx.config(stage, "fp32")
+        cfg["train_micro_batch_size_per_gpu"] = GLOBAL_BATCH // world
+        if universal:
+            cfg["checkpoint"] = {"load_universal": True}
+        torch.manual_seed(fx.SEED + 1)  # another init than the save's: the load must replace every value
+        model = fx.Tiny()
+        opt = torch.optim.AdamW(fx._groups(model), lr=0.02, betas=(0.9, 0.95))
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        load_path, client = engine.load_checkpoint(path)
+        assert load_path is not None, f"DeepSpeed loaded nothing from {path}"
+        # Link each parameter to the optimizer's state as it now is (DeepSpeed links them at the
+        # first step only; the fixtures' generator does the same): safe_get_full_optimizer_state
+        # then reads what the optimizer will step from.
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
+        loaded: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters():
+            loaded[f"model/{name}"] = p.data.detach().clone()
+            loaded[f"fp32/{name}"] = safe_get_full_fp32_param(p).detach().clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                loaded[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).detach().clone()
+        ids, target = batch()
+        rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+        ids, target = ids[rows], target[rows]
+        loss = ((engine(ids) - target) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        with torch.no_grad():
+            after = ((engine(ids) - target) ** 2).mean()
+        losses = torch.stack([loss.detach(), after]).double()
+        dist.all_reduce(losses)
+        losses /= world  # every rank holds as many rows: the mean of the means is the batch's mean
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in loaded.items()}, os.path.join(out, "loaded.safetensors"))
+            result = {
+                "loss": losses[0].item(), "loss_after": losses[1].item(), "global_steps": engine.global_steps,
+                "global_samples": engine.global_samples, "lr": [g["lr"] for g in engine.optimizer.param_groups],
+                "client": {k: v for k, v in (client or {}).items() if isinstance(v, (int, float, str, list, dict))},
+                "loaded_from": load_path,
+            }
+            Path(out, "result.json").write_text(json.dumps(result, default=str) + "\n")
+        dist.barrier()
+        engine.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world: int, path: str, stage: int, universal: bool, out: str, port: int) -> dict[str, Any]:
+    """Spawn the job over `world` ranks and return rank 0's result (its tensors under ``loaded``)."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    os.makedirs(out, exist_ok=True)
+    mp.start_processes(job, args=(world, path, stage, universal, out, port), nprocs=world, join=True, start_method="spawn")
+    result: dict[str, Any] = json.loads(Path(out, "result.json").read_text())
+    result["loaded"] = load_file(os.path.join(out, "loaded.safetensors"))
+    return result

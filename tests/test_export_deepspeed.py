@@ -1,0 +1,207 @@
+"""``ckptkit export --format deepspeed``: a DeepSpeed save converted with ``ckptkit convert`` and
+written back as a universal checkpoint, which DeepSpeed itself loads (``"checkpoint":
+{"load_universal": true}``, CPU, gloo) at another data-parallel size and ZeRO stage with every
+master and moment bitwise the source's, and trains on as the original engine does; its files
+hold what DeepSpeed's own ``ds_to_universal`` writes of the same save; what it cannot write is
+refused in one line, writing nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptkit
+
+from .conftest import _run
+from .converters.checks import assert_nothing_written, one_line_error
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+SOURCE = FIXTURES / "deepspeed" / "zero2-fp32"  # ZeRO-2, 2 data-parallel ranks, fp32
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+TAG = "global_step3_universal"
+
+
+@pytest.fixture(scope="module")
+def deepspeed_env(monkeypatch_module: pytest.MonkeyPatch) -> None:
+    """DeepSpeed importable, on its CPU accelerator (the jobs it spawns inherit the setting).
+    Missing, it fails the test under CI (``CI`` set: ``make test`` installs it) and skips it elsewhere."""
+    if importlib.util.find_spec("deepspeed") is None:
+        message = "DeepSpeed is not installed (make test installs it: DS_BUILD_OPS=0 pip install -c constraints.txt deepspeed)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    monkeypatch_module.setenv("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Any:
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The fixture converted with ``ckptkit convert`` and exported with ``--format deepspeed``."""
+    root = tmp_path_factory.mktemp("deepspeed-export")
+    converted, out = root / "converted", root / "universal"
+    proc = _run("convert", str(SOURCE), str(converted))
+    assert proc.returncode == 0, proc.stderr
+    proc = _run("export", str(converted), str(out), "--format", "deepspeed")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{out}: 50 tensors (deepspeed, saved)"), proc.stdout
+    return converted, out
+
+
+def _port(k: int) -> int:
+    return 31000 + os.getpid() % 1000 + 10 * k
+
+
+@pytest.fixture(scope="module")
+def original(deepspeed_env: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The original save loaded by DeepSpeed as it saved it (ZeRO-2, dp 2) and trained one more step."""
+    from .deepspeed_job import run
+
+    return run(2, str(SOURCE), 2, False, str(tmp_path_factory.mktemp("original")), _port(0))
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_loads_the_export_at_dp1_with_the_sources_state_and_trains_on_alike(
+    stage: int, deepspeed_env: None, exported: tuple[Path, Path], original: dict[str, Any], tmp_path: Path
+) -> None:
+    from .deepspeed_job import run
+
+    converted, out = exported
+    got = run(1, str(out), stage, True, str(tmp_path / "job"), _port(stage))
+    assert got["loaded_from"] == str(out / TAG / "mp_rank_00_model_states.pt")
+    source = ckptkit.load(converted)
+    names = [n for n, t in source["optimizer"]["fp32"].items()]
+    assert len(names) == 12
+    for name in names:
+        for state in STATES:
+            want = source["optimizer"][state][name]
+            loaded = got["loaded"][f"{state}/{name}"]
+            assert loaded.dtype == want.dtype and torch.equal(loaded, want), (state, name)  # bitwise the source
+            assert torch.equal(loaded, original["loaded"][f"{state}/{name}"]), (state, name)  # and the original engine's
+        assert torch.equal(got["loaded"][f"model/{name}"], source["model"][name]), name  # the module refreshed from the masters
+    assert any(bool((source["optimizer"]["exp_avg"][n] != 0).any()) for n in names)
+    # one more step: the original at dp 2 (each rank 2 rows), the export at dp 1 (all 4 rows)
+    assert _relative(got["loss"], original["loss"]) < 1e-6
+    assert _relative(got["loss_after"], original["loss_after"]) < 1e-6
+    assert got["loss_after"] != got["loss"]  # the step changed the weights
+    assert (got["global_steps"], got["global_samples"]) == (original["global_steps"], original["global_samples"]) == (4, 16)
+    assert got["lr"] == original["lr"]  # WarmupLR's next learning rate: the scheduler came along
+    assert {k: got["client"][k] for k in ("epoch", "note", "seen")} == {"epoch": 2, "note": "fixture", "seen": [3, 5]}
+
+
+def _load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _assert_same(ours: Any, theirs: Any, where: str) -> None:
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor) and ours.dtype == theirs.dtype and ours.shape == theirs.shape, where
+        assert torch.equal(ours, theirs), where
+    elif isinstance(theirs, dict):
+        assert type(ours) is type(theirs) and sorted(ours) == sorted(theirs), where
+        for key in theirs:
+            _assert_same(ours[key], theirs[key], f"{where}/{key}")
+    elif isinstance(theirs, (list, tuple)):
+        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            _assert_same(a, b, f"{where}[{i}]")
+    else:
+        assert type(ours) is type(theirs) and ours == theirs, where
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["zero2-fp32", "zero2-fp32-frozen", "zero1-bf16", "zero2-fp32-dp3"])
+def test_the_files_hold_what_deepspeeds_ds_to_universal_writes(name: str, deepspeed_env: None, tmp_path: Path) -> None:
+    converted, out = tmp_path / "converted", tmp_path / "universal"
+    assert _run("convert", str(FIXTURES / "deepspeed" / name), str(converted)).returncode == 0
+    proc = _run("export", str(converted), str(out), "--format", "deepspeed")
+    assert proc.returncode == 0, proc.stderr
+    save = Path(shutil.copytree(FIXTURES / "deepspeed" / name, tmp_path / "save"))
+    theirs = save / TAG
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(save / "global_step3"),
+                           "--output_folder", str(theirs), "--num_extract_workers", "1", "--num_merge_workers", "1",
+                           "--inject_missing_state"], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(out / TAG)) for p in (out / TAG).rglob("*") if p.is_file())
+    assert (out / "latest_universal").read_text() == (save / "latest_universal").read_text() == TAG
+    for path in files:
+        ours, want = _load(out / TAG / path), _load(theirs / path)
+        if path == "zero/optimizer_state.pt":
+            # what DeepSpeed's universal loader reads of it; the loss scaler (a DeepSpeed object) and
+            # the source's own partitioning (paddings, partition counts, ZeRO stage) are left out
+            assert sorted(ours) == ["clip_grad", "ds_version", "overflow", "param_groups"]
+            want = {k: want[k] for k in ours}
+        _assert_same(ours, want, path)
+
+
+# --- refusals: one line, exit 1, nothing written ------------------------------------------------
+
+
+def _refused(src: Path, tmp_path: Path, *args: str) -> str:
+    dst = tmp_path / "out"
+    proc = _run("export", str(src), str(dst), "--format", "deepspeed", *args)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert_nothing_written(tmp_path, dst)
+    return one_line_error(proc.stderr)
+
+
+def test_a_checkpoint_that_names_no_deepspeed_parameters_is_refused(tmp_path: Path) -> None:
+    line = _refused(FIXTURES / "llama-v1.1" / "step_00000005", tmp_path)
+    assert "records no DeepSpeed parameter names (deepspeed/param_shapes" in line
+
+
+def test_a_stage_0_save_without_optimizer_state_by_name_is_refused(tmp_path: Path) -> None:
+    converted = tmp_path / "zero0"
+    assert _run("convert", str(FIXTURES / "deepspeed" / "zero0-fp32"), str(converted)).returncode == 0  # stage 0: moments by index
+    line = _refused(converted, tmp_path)
+    assert "a ZeRO stage 0 save names its optimizer state by index only" in line
+
+
+def test_a_zero3_save_is_refused(tmp_path: Path) -> None:
+    converted = tmp_path / "zero3"
+    assert _run("convert", str(FIXTURES / "deepspeed" / "zero3-bf16"), str(converted)).returncode == 0
+    assert "a ZeRO-3 save is not written as a universal checkpoint yet" in _refused(converted, tmp_path)
+
+
+def test_dtype_is_bad_usage(tmp_path: Path) -> None:
+    converted = tmp_path / "converted"
+    assert _run("convert", str(SOURCE), str(converted)).returncode == 0
+    proc = _run("export", str(converted), str(tmp_path / "out"), "--format", "deepspeed", "--dtype", "bf16")
+    assert proc.returncode == 2 and "--dtype" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_missing_or_odd_state_is_listed_before_anything_is_written(tmp_path: Path) -> None:
+    from ckptkit.errors import LayoutError
+    from ckptkit.exports.deepspeed import plan_universal
+
+    converted = tmp_path / "converted"
+    assert _run("convert", str(SOURCE), str(converted)).returncode == 0
+    manifest = ckptkit.read_manifest(converted)
+    tensors = dict(manifest.tensors)
+    del tensors["optimizer/exp_avg/head.weight"]
+    tensors["optimizer/fp32/norm.bias"] = tensors["optimizer/fp32/norm.bias"].model_copy(update={"dtype": "bfloat16"})
+    with pytest.raises(LayoutError) as err:
+        plan_universal(manifest.model_copy(update={"tensors": tensors}), "src")
+    assert "optimizer/exp_avg/head.weight is missing" in str(err.value)
+    assert "optimizer/fp32/norm.bias is bfloat16 [7], DeepSpeed's [7] in float32" in str(err.value)
+    with pytest.raises(LayoutError, match="a model-parallel save .mp_world_size 2."):
+        plan_universal(manifest.model_copy(update={"objects": {**manifest.objects, "deepspeed/mp_world_size": 2}}), "src")
