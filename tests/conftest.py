@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,9 +11,9 @@ from types import ModuleType
 
 import pytest
 
+from .fixture_scripts import fixture_script
 from .s3server import s3_bucket, s3_server  # noqa: F401  (fixtures for the S3 tests)
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def _ckptkit_command() -> list[str]:
@@ -67,12 +66,4 @@ def run_ckptkit() -> Callable[..., subprocess.CompletedProcess[str]]:
 @pytest.fixture(scope="session")
 def make_fixtures() -> ModuleType:
     """Return fixtures/make_fixtures.py as a module (its expected values and ``main``)."""
-    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES / "make_fixtures.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # leave no __pycache__ in fixtures/
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.dont_write_bytecode = dont_write
-    return module
+    return fixture_script("make_fixtures")

@@ -12,10 +12,8 @@ client state the load returned. Used by ``tests/test_export_deepspeed.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -25,22 +23,15 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+from .fixture_scripts import fixture_script  # noqa: E402
+
 BATCH_SEED = 97
 GLOBAL_BATCH = 4
 
 
 def fixture_module() -> ModuleType:
     """fixtures/make_deepspeed.py as a module (its model, groups and config)."""
-    spec = importlib.util.spec_from_file_location("make_deepspeed", FIXTURES / "make_deepspeed.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # leave no __pycache__ in fixtures/
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.dont_write_bytecode = dont_write
-    return module
+    return fixture_script("make_deepspeed")
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
