@@ -2,6 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+FRAMEWORKS := $(VENV)/.frameworks
 
 .PHONY: demo test test-fast bench schemas fixtures lint clean
 
@@ -9,18 +10,22 @@ $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+# The frameworks the tests load exports into (not needed to run ckptkit or the demo).
+$(FRAMEWORKS): $(STAMP)
 	$(PY) -m pip install -q --no-deps -c constraints.txt megatron-core  # the Megatron export's tests load into megatron-core
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt deepspeed  # the DeepSpeed export's tests load into DeepSpeed (pure-Python install; its CPU op is built at first use)
-	touch $(STAMP)
+	touch $(FRAMEWORKS)
 
 demo: $(STAMP)
 	$(VENV)/bin/ckptkit demo demo-out
 
-test: $(STAMP)
+test: $(FRAMEWORKS)
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(FRAMEWORKS)
 	$(PY) -m pytest -q -m "not multiprocess and not slow"
 
 bench: $(STAMP)
@@ -30,7 +35,7 @@ schemas: $(STAMP)
 	$(PY) -m ckptkit.schemas schemas
 
 # fixtures/megatron-lm/ is not made here: it needs Megatron-LM's source tree and its own environment
-# (fixtures/README.md): PYTHONPATH=/work/mlm-src /work/mlm-env/bin/python fixtures/make_megatron_lm.py
+# (fixtures/README.md): PYTHONPATH=../Megatron-LM ../mlm-env/bin/python fixtures/make_megatron_lm.py
 fixtures: $(STAMP)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e '.[fixtures]'
 	$(PY) -m pip install -q --no-deps -c constraints.txt megatron-core
