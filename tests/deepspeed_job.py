@@ -24,6 +24,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 from .fixture_scripts import fixture_script  # noqa: E402
+from .ranks import run_ranks  # noqa: E402
 
 BATCH_SEED = 97
 GLOBAL_BATCH = 4
@@ -102,11 +103,10 @@ def job(rank: int, world: int, path: str, stage: int, universal: bool, out: str,
 
 def run(world: int, path: str, stage: int, universal: bool, out: str, port: int) -> dict[str, Any]:
     """Spawn the job over `world` ranks and return rank 0's result (its tensors under ``loaded``)."""
-    import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
     os.makedirs(out, exist_ok=True)
-    mp.start_processes(job, args=(world, path, stage, universal, out, port), nprocs=world, join=True, start_method="spawn")
+    run_ranks(job, (world, path, stage, universal, out, port), world)
     result: dict[str, Any] = json.loads(Path(out, "result.json").read_text())
     result["loaded"] = load_file(os.path.join(out, "loaded.safetensors"))
     return result

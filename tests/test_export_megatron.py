@@ -53,14 +53,13 @@ def _convert_and_export(name: str, tmp_path: Path, run_ckptkit: Any, *args: str)
 def _load_in_megatron(path: Path, tp: int, dtype: str, tmp_path: Path, ids: Path,
                       config: dict[str, int] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Load `path` with megatron-core at TP `tp` (that many gloo ranks); its logits and plain tensors."""
-    import torch.multiprocessing as mp
-
     from .megatron_job import job
+    from .ranks import run_ranks
 
     out = tmp_path / f"loaded-tp{tp}"
     out.mkdir()
     port = 29400 + os.getpid() % 500 + tp
-    mp.start_processes(job, args=(tp, str(path), str(ids), str(out), port, dtype, config), nprocs=tp, join=True, start_method="spawn")
+    run_ranks(job, (tp, str(path), str(ids), str(out), port, dtype, config), tp)
     return load_file(str(out / "logits.safetensors"))["logits"], load_file(str(out / "plain.safetensors"))
 
 
