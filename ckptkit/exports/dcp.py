@@ -68,10 +68,9 @@ def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -
     return write
 
 
-def save_dcp(state: dict[str, Any], planner: DefaultSavePlanner, report: list[ExportedTensor], dst: Storage, tmp: str,
-             skipped: list[str]) -> Written:
-    """Save `state` with torch's DCP writer in this process through `planner` (which fills
-    `report` as it resolves tensors) under `tmp`; return what was written."""
+def write_dcp(state: dict[str, Any], planner: DefaultSavePlanner, dst: Storage, tmp: str) -> dict[tuple[str, tuple[int, ...]], str]:
+    """Save `state` with torch's DCP writer in this process through `planner` under `tmp`;
+    return the file each stored item went to, by (key, chunk offsets)."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -82,7 +81,14 @@ def save_dcp(state: dict[str, Any], planner: DefaultSavePlanner, report: list[Ex
             metadata = save(state, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as exc:  # DCP wraps what its writer or our planner raised
             raise unwrapped(exc) from exc
-    where = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+    return {(index.fqn, tuple(index.offset or ())): info.relative_path for index, info in metadata.storage_data.items()}
+
+
+def save_dcp(state: dict[str, Any], planner: DefaultSavePlanner, report: list[ExportedTensor], dst: Storage, tmp: str,
+             skipped: list[str]) -> Written:
+    """Save `state` (whole tensors, one item each) with `write_dcp` through `planner` (which
+    fills `report` as it resolves tensors); return what was written."""
+    where = {key: path for (key, _), path in write_dcp(state, planner, dst, tmp).items()}
     tensors = sorted((t.model_copy(update={"file": where[t.name]}) for t in report), key=lambda t: t.name)
     files = [file_entry(dst, tmp, key) for key in sorted(dst.list(tmp))]
     return Written(tensors, files, skipped)

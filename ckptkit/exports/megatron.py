@@ -25,12 +25,10 @@ from __future__ import annotations
 import io
 import json
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -44,9 +42,9 @@ from ..layouts.placement import local_param, topology_problems
 from ..manifest import Topology
 from ..state.torch_io import byte_view, torch_dtype
 from ..state.tree import unescape
-from ..storage import Storage, local_path
+from ..storage import Storage
 from .convert import output_dtype
-from .dcp import file_entry, unwrapped
+from .dcp import file_entry, write_dcp
 from .source import ExportedFile, ExportedTensor, Source, Writer, Written
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
@@ -101,20 +99,9 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
     skipped = sorted(set(source.manifest.tensors) - chosen)
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-        from torch.distributed.checkpoint.state_dict_saver import save
-
         source.expect(sorted(chosen))
         report: dict[tuple[str, tuple[int, ...]], ExportedTensor] = {}
-        planner = _Planner(source, entries, _extra_states(target), report)
-        writer = FileSystemWriter(local_path(dst, tmp, "a Megatron export"), thread_count=1, sync_files=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                metadata = save({}, storage_writer=writer, planner=planner, no_dist=True)
-            except CheckpointException as exc:  # DCP wraps what its writer or our planner raised
-                raise unwrapped(exc) from exc
-        where = {(index.fqn, tuple(index.offset or ())): info.relative_path for index, info in metadata.storage_data.items()}
+        where = write_dcp({}, _Planner(source, entries, _extra_states(target), report), dst, tmp)
         tensors = [t.model_copy(update={"file": where[at]}) for at, t in report.items()]
         common: dict[str, Any] = {}
         if groups is not None:
