@@ -131,6 +131,8 @@ def plan_buckets(path: str, md: DcpMetadata, plan: Plan, layout: Layout) -> None
                 f" and {len(got) - 1} more" if len(got) > 1 else "")
             spec = TensorSpec(name=f"optimizer/{escape(STATES.get(state, state))}/{escape(name)}", source=source,
                               dtype=entry.dtype.dtype, shape=model[name].spec.shape, kind="optimizer")
+            if state == "param" and entry.dtype.dtype != "float32":
+                raise IntegrityError(f"{path}: {key} holds {entry.dtype.dtype} masters; the distributed optimizer's are float32")
             check = model[name] if state == "param" else None
             chunks = sum(_chunks_met(md, f"{place.bucket.prefix}.{state}", place)
                          for place in {(p.group, p.bucket.prefix, p.start): p for p, _ in got}.values())
@@ -180,7 +182,7 @@ def _from_buckets(path: str, md: DcpMetadata, got: list[tuple[Place, Part]], sta
     if model is not None:
         want = assemble(path, md, model)
         derived = cast_float32(buf.view(np.float32), model.spec.dtype).view(np.uint8)
-        if spec.dtype != "float32" or not np.array_equal(derived, want):
+        if not np.array_equal(derived, want):
             raise IntegrityError(f"{path}: the fp32 master of {model.spec.name[len('model/'):]} in the dp_reshardable "
                                  f"buckets does not round to the model's tensor: the derived bucket layout does not fit "
                                  f"this save (refused rather than guessed)")
