@@ -20,6 +20,27 @@ def test_every_logical_parameter_has_a_distinct_llama_name() -> None:
     assert hf.hf_name("layers.0.attn.qkv.weight") is None and hf.hf_name("rng/torch_cpu") is None
 
 
+def test_every_moe_parameter_has_a_distinct_mixtral_name() -> None:
+    names = list(model_config("tiny-moe", vocab_size=98).layout().tensors())
+    mapped = {n: hf.RENAMES["llama-moe"](n) for n in names}
+    assert mapped["layers.1.mlp.router.weight"] == "model.layers.1.block_sparse_moe.gate.weight"
+    assert [mapped[f"layers.0.mlp.experts.7.{w}.weight"] for w in ("gate", "down", "up")] == [
+        f"model.layers.0.block_sparse_moe.experts.7.{w}.weight" for w in ("w1", "w2", "w3")]
+    assert mapped["layers.0.attn.q.weight"] == "model.layers.0.self_attn.q_proj.weight"
+    assert None not in mapped.values() and len(set(mapped.values())) == len(names)
+    assert hf.mixtral_name("layers.0.mlp.gate.weight") is None and hf.hf_name("layers.0.mlp.router.weight") is None
+    # Experts in numeric order within their layer.
+    order = [s.names for s in hf.plan_shards({hf.mixtral_name(f"layers.0.mlp.experts.{e}.up.weight") or "": 1 for e in (10, 2)}, 10)]
+    assert order == [("model.layers.0.block_sparse_moe.experts.2.w3.weight", "model.layers.0.block_sparse_moe.experts.10.w3.weight")]
+
+
+def test_parameters_the_config_has_no_place_for_are_listed() -> None:
+    names = ["embed.weight", "norm.weight"]
+    tensors = {"model/embed.weight": 1, "model/norm.weight": 1, "model/lm_head.weight": 1}
+    with pytest.raises(LayoutError, match=r"1 tensor\(s\) the model config has no place for .*: model/lm_head.weight$"):
+        hf.name_map(tensors, names)
+
+
 def test_unmapped_and_missing_tensors_are_all_listed() -> None:
     names = ["embed.weight", "norm.weight", "layers.0.attn.q.weight"]
     tensors = {"model/embed.weight": 1, "model/layers.0.attn.q.weight": 1, "model/extra.bias": 1, "model/other": 1}
@@ -56,5 +77,8 @@ def test_config_describes_the_model() -> None:
     doc = hf.config_json(cfg, "bfloat16")
     assert doc["model_type"] == "llama" and doc["num_key_value_heads"] == 4 and doc["head_dim"] == 8
     assert doc["torch_dtype"] == "bfloat16" and doc["tie_word_embeddings"] is False
+    moe = hf.model_config_json("llama-moe", model_config("tiny-moe", vocab_size=98).to_json(), "float32")
+    assert moe["architectures"] == ["MixtralForCausalLM"] and moe["num_local_experts"] == 8 and moe["num_experts_per_tok"] == 2
+    assert "mlp_bias" not in moe and moe["sliding_window"] is None and moe["head_dim"] == 8
     tok = hf.tokenizer_config_json({"model": {"vocab": {"<unk>": 0, "<eos>": 1, "a": 2}}}, 256)
     assert tok == {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 256, "unk_token": "<unk>", "eos_token": "<eos>"}

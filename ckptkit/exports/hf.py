@@ -2,7 +2,9 @@
 
 The reference trainer saves unfused, unpadded logical tensors (``model/layers.3.attn.q.weight``),
 so the Hugging Face Llama layout is a rename: same shapes, same bytes (its rotary embedding uses
-the same half-split convention, so q and k need no permutation). Megatron-Core's GPT (layout
+the same half-split convention, so q and k need no permutation). Its mixture of experts (layout
+``llama-moe``) is likewise a rename to ``MixtralForCausalLM``, under the per-expert names of the
+Mixtral checkpoints on the Hub (`mixtral_name`). Megatron-Core's GPT (layout
 ``megatron-gpt``) fuses q, k, v per query group and gate, up: each Hugging Face tensor is then
 runs of rows of a fused one (`Rows`), taken in order.
 """
@@ -10,13 +12,13 @@ runs of rows of a fused one (`Rows`), taken in order.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import LayoutError, summarize
 from ..layouts import Layout
-from ..layouts.names import MEGATRON_TO_HF_LAYER, MEGATRON_TO_HF_TOP, hf_name
+from ..layouts.names import LAYER_NAME, LLAMA_TO_HF_LAYER, LLAMA_TO_HF_TOP, MEGATRON_TO_HF_LAYER, MEGATRON_TO_HF_TOP, hf_name
 from ..manifest import CheckpointInfo
 from ..state.tree import unescape
 
@@ -29,33 +31,72 @@ Piece = tuple[str, Rows]
 
 
 
-def name_map(tensors: Mapping[str, Any], expected: list[str]) -> dict[str, str]:
+# The reference Llama's mixture of experts (layout ``llama-moe``) under the names of the Mixtral
+# checkpoints on the Hub: attention and norms as the Llama's, the router as the sparse block's
+# ``gate``, each expert's gate, down and up as w1, w2 and w3. transformers 5 fuses the experts
+# in memory (``experts.gate_up_proj``, ``experts.down_proj``) and converts these names when it
+# loads; vLLM and older transformers read them as they are.
+MIXTRAL_LAYER = {k: v for k, v in LLAMA_TO_HF_LAYER.items() if not k.startswith("mlp.")} | {
+    "mlp.router.weight": "block_sparse_moe.gate.weight"}
+MIXTRAL_EXPERT = {"gate.weight": "w1.weight", "down.weight": "w2.weight", "up.weight": "w3.weight"}
+EXPERT_NAME = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
+
+
+def mixtral_name(logical: str) -> str | None:
+    """Return the Hugging Face Mixtral name of a ``llama-moe`` parameter, or None if it has none."""
+    if logical in LLAMA_TO_HF_TOP:
+        return LLAMA_TO_HF_TOP[logical]
+    match = LAYER_NAME.match(logical)
+    if not match:
+        return None
+    layer, rest = match.groups()
+    expert = EXPERT_NAME.match(rest)
+    if expert and expert.group(2) in MIXTRAL_EXPERT:
+        return f"model.layers.{layer}.block_sparse_moe.experts.{expert.group(1)}.{MIXTRAL_EXPERT[expert.group(2)]}"
+    return f"model.layers.{layer}.{MIXTRAL_LAYER[rest]}" if rest in MIXTRAL_LAYER else None
+
+
+# How each reference family's parameters are named under Hugging Face.
+RENAMES: dict[str, Callable[[str], str | None]] = {"llama": hf_name, "llama-moe": mixtral_name}
+
+
+def name_map(tensors: Mapping[str, Any], expected: list[str], rename: Callable[[str], str | None] = hf_name) -> dict[str, str]:
     """Map every parameter (``model/<name>``) of a checkpoint to its Hugging Face name.
 
     Args:
         tensors: the checkpoint's tensors by fqn.
         expected: the logical parameter names the model config implies.
+        rename: the family's name map (a logical name to its Hugging Face name, or None).
 
     Raises:
-        LayoutError: a parameter has no Hugging Face name, or an expected one is missing;
-            all of them are listed.
+        LayoutError: a parameter has no Hugging Face name, the model config has no place for
+            one (an ``lm_head`` with tied embeddings, an expert past ``num_experts``), or an
+            expected one is missing; all of them are listed.
     """
-    params = sorted(fqn for fqn in tensors if fqn.startswith("model/"))
-    refuse_unmapped([fqn for fqn in params if hf_name(fqn.removeprefix("model/")) is None], tensors, expected)
-    return {fqn: hf_name(fqn.removeprefix("model/")) or "" for fqn in params}
+    names = {fqn: rename(fqn.removeprefix("model/")) for fqn in sorted(tensors) if fqn.startswith("model/")}
+    known = set(expected)
+    refuse_unmapped([fqn for fqn, name in names.items() if name is None], tensors, expected,
+                    [fqn for fqn, name in names.items() if name is not None and fqn.removeprefix("model/") not in known])
+    return {fqn: name or "" for fqn, name in names.items()}
 
 
-def refuse_unmapped(unmapped: list[str], tensors: Mapping[str, Any], expected: Iterable[str]) -> None:
-    """Fail, listing them, when parameters have no Hugging Face name or the `expected` ones
-    (logical names, without ``model/``) are not all among `tensors`.
+def refuse_unmapped(
+    unmapped: list[str], tensors: Mapping[str, Any], expected: Iterable[str], extra: list[str] | None = None
+) -> None:
+    """Fail, listing them, when parameters have no Hugging Face name, `extra` ones have no place
+    in the model config, or the `expected` ones (logical names, without ``model/``) are not all
+    among `tensors`.
 
     Raises:
-        LayoutError: either (both listed).
+        LayoutError: any of them (all listed).
     """
     missing = sorted(f"model/{n}" for n in expected if f"model/{n}" not in tensors)
     problems = []
     if unmapped:
         problems.append(f"{len(unmapped)} tensor(s) with no Hugging Face name: {', '.join(unmapped[:20])}")
+    if extra:
+        problems.append(f"{len(extra)} tensor(s) the model config has no place for (tie_embeddings, num_layers, "
+                        f"num_experts): {', '.join(extra[:20])}")
     if missing:
         problems.append(f"{len(missing)} tensor(s) the model config needs are missing: {', '.join(missing[:20])}")
     if problems:
@@ -150,8 +191,9 @@ def carried_config(info: CheckpointInfo, layout: Layout, where: str, dtype: str)
 def sort_key(name: str) -> tuple[Any, ...]:
     """Order Hugging Face names as a model's modules come: embedding, layers by number, norm, head."""
     match = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
-    if match:
-        return (1, int(match.group(1)), match.group(2))
+    if match:  # numbers within a layer's names (experts) in numeric order
+        rest = tuple(int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", match.group(2))))
+        return (1, int(match.group(1)), rest)
     return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, name)
 
 
@@ -180,20 +222,35 @@ def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[Shard]:
 
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings")
+# The config keys each reference family's export needs.
+FAMILY_KEYS = {"llama": CONFIG_KEYS, "llama-moe": (*CONFIG_KEYS, "num_experts", "top_k", "aux_loss_coef")}
 
 
 def llama_config(layout: Layout, where: str) -> dict[str, Any]:
-    """Return the reference Llama config a Hugging Face export needs, from the checkpoint's layout.
+    """Return the reference Llama's config (or its mixture of experts') a Hugging Face export
+    needs, from the checkpoint's layout.
 
     Raises:
-        LayoutError: the layout is not the reference Llama's, or its config lacks a value.
+        LayoutError: the layout is neither ``llama`` nor ``llama-moe``, its config lacks a
+            value, or its ``top_k`` is not between 1 and ``num_experts``.
     """
-    if layout.name != "llama":
-        raise LayoutError(f"{where}: the checkpoint's layout is {layout.name!r}; export --format hf maps the layout 'llama'")
-    missing = [k for k in CONFIG_KEYS if k not in layout.config]
+    if layout.name not in FAMILY_KEYS:
+        raise LayoutError(f"{where}: the checkpoint's layout is {layout.name!r}; export --format hf maps the layouts "
+                          + ", ".join(repr(f) for f in FAMILY_KEYS))
+    missing = [k for k in FAMILY_KEYS[layout.name] if k not in layout.config]
     if missing:
-        raise LayoutError(f"{where}: the llama layout's config lacks {', '.join(missing)}")
-    return dict(layout.config)
+        raise LayoutError(f"{where}: the {layout.name} layout's config lacks {', '.join(missing)}")
+    c = dict(layout.config)
+    top_k, experts = c.get("top_k"), c.get("num_experts")
+    if layout.name == "llama-moe" and not (isinstance(top_k, int) and isinstance(experts, int) and 1 <= top_k <= experts):
+        raise LayoutError(f"{where}: the llama-moe layout's config routes each token to top_k {c['top_k']} of "
+                          f"{c['num_experts']} experts; top_k must be between 1 and num_experts")
+    return c
+
+
+def model_config_json(family: str, model: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    """The ``config.json`` of a reference family's model: `config_json` or `mixtral_config_json`."""
+    return mixtral_config_json(model, dtype) if family == "llama-moe" else config_json(model, dtype)
 
 
 def config_json(model: Mapping[str, Any], dtype: str) -> dict[str, Any]:
@@ -220,6 +277,25 @@ def config_json(model: Mapping[str, Any], dtype: str) -> dict[str, Any]:
         "initializer_range": 0.02,
         "use_cache": True,
         "torch_dtype": dtype,
+    }
+
+
+def mixtral_config_json(model: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    """The ``config.json`` of a MixtralForCausalLM with the reference trainer's mixture-of-experts
+    config: the Llama's, with its experts, each token's ``top_k`` of them (renormalized, no
+    jitter), full attention (no sliding window) and no biases."""
+    llama = config_json(model, dtype)
+    del llama["mlp_bias"], llama["attention_bias"], llama["rope_scaling"]
+    return {
+        **llama,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": model["num_experts"],
+        "num_experts_per_tok": model["top_k"],
+        "router_aux_loss_coef": model["aux_loss_coef"],
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
     }
 
 

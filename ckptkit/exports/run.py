@@ -81,7 +81,8 @@ def export(
       under its original names with the ``config.json`` and ``generation_config.json`` it carries.
       A Megatron-Core GPT (layout ``megatron-gpt``, given as `layout` when the converted
       checkpoint records none) becomes a LlamaForCausalLM: q, k, v and gate, up are cut out of
-      Megatron's fused tensors.
+      Megatron's fused tensors. The reference trainer's mixture of experts (layout
+      ``llama-moe``) becomes a MixtralForCausalLM, its experts under the Hub's per-expert names.
     - ``dcp``: a torch.distributed.checkpoint directory, in their saved dtype unless `dtype` is
       given, in one of two forms (`dcp_form`; by default ``fsdp2`` for a checkpoint of the
       reference trainer's model, ``plain`` for any other). ``fsdp2``: the state dict
@@ -237,8 +238,9 @@ def _hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Lay
         max_len = config["max_position_embeddings"]
     else:
         model = hf.llama_config(layout, str(source.loc))
-        pieces = {name: (fqn, None) for fqn, name in hf.name_map(manifest.tensors, list(layout.tensors())).items()}
-        config, max_len = hf.config_json(model, out_dtype), model["max_seq_len"]
+        names = hf.name_map(manifest.tensors, list(layout.tensors()), hf.RENAMES[layout.name])
+        pieces = {name: (fqn, None) for fqn, name in names.items()}
+        config, max_len = hf.model_config_json(layout.name, model, out_dtype), model["max_seq_len"]
     shapes = {name: _piece_shape(manifest.tensors[fqn].shape, rows) for name, (fqn, rows) in pieces.items()}
     nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in shapes.items()}
     shards = hf.plan_shards(nbytes, max_shard_bytes)
