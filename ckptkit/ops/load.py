@@ -15,6 +15,7 @@ from ..io.read import Reader
 from ..manifest import Manifest
 from ..plan.load import plan_load
 from ..io.payload import open_checkpoint
+from ..state.device import DEFAULT_PINNED_BYTES, BouncePool, device_problems, load_through
 from ..state.sharded import ShardedTensor
 from ..storage import Storage
 from ..state.torch_io import byte_array, is_leaf, leaf_shards, torch_dtype
@@ -36,7 +37,7 @@ class Checkpoint:
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.location)!r}, step={self.manifest.step})"
 
-    def load(self, target: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def load(self, target: Mapping[str, Any] | None = None, *, pinned_bytes: int = DEFAULT_PINNED_BYTES) -> dict[str, Any]:
         """Load the checkpoint, whole or into `target`; see :func:`ckptkit.load`."""
         manifest = self.manifest
         if target is None:
@@ -51,7 +52,7 @@ class Checkpoint:
         with still_committed(self.location):
             if target is None:  # every payload file, those of empty tensors included
                 self._reader.open_files_of(manifest.tensors)
-            fill(self._reader, pieces)
+            fill(self._reader, pieces, pinned_bytes=pinned_bytes)
         return unflatten({**manifest.objects, **leaves})
 
 
@@ -67,7 +68,8 @@ def open(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Che
 
 
 def load(
-    path: str | os.PathLike[str], target: Mapping[str, Any] | None = None, *, storage: Storage | None = None
+    path: str | os.PathLike[str], target: Mapping[str, Any] | None = None, *, storage: Storage | None = None,
+    pinned_bytes: int = DEFAULT_PINNED_BYTES,
 ) -> dict[str, Any]:
     """Load a committed checkpoint (or the one a root's ``latest`` names).
 
@@ -78,6 +80,12 @@ def load(
     Returns the target's structure with its tensors, plus every non-tensor value saved.
     With `storage`, `path` is the checkpoint's name under that backend's root (or ``latest``).
 
+    Target tensors may be on the CPU or on CUDA devices, mixed. Bytes for CUDA targets are read
+    into a small pool of reused pinned host buffers (at most `pinned_bytes` in all, 1 GiB by
+    default) and copied to the device on a side stream while the next bytes are read; a target
+    larger than one buffer (a quarter of the pool) is read in chunks along its leading dim. The
+    host never holds a whole copy of the state. Every copy has finished when the call returns.
+
     Every byte returned is checked against the payload's block checksums (reading whole the
     blocks at the ends of each range); a checkpoint written before block checksums (schema 1.1
     and older) is checked file by file where a load reads all of a file's tensor bytes.
@@ -86,20 +94,38 @@ def load(
         CheckpointNotFoundError: nothing committed at `path`.
         ManifestError: the manifest is malformed or of a newer schema.
         IntegrityError: payload files disagree with the manifest.
-        LayoutError: a target tensor is missing from the checkpoint or has another shape or dtype.
+        LayoutError: a target tensor is missing from the checkpoint, has another shape or dtype,
+            or is on a device other than cpu and cuda (or on cuda where CUDA is not available).
     """
-    return open(path, storage=storage).load(target)
+    return open(path, storage=storage).load(target, pinned_bytes=pinned_bytes)
 
 
-def fill(reader: Reader, pieces: Mapping[str, list[ShardedTensor]]) -> None:
+def fill(
+    reader: Reader, pieces: Mapping[str, list[ShardedTensor]], *, pinned_bytes: int = DEFAULT_PINNED_BYTES,
+    pool: BouncePool | None = None,
+) -> None:
     """Fill every ShardedTensor of `pieces` (by fqn) in place with its box of the checkpoint
     `reader` reads (reuse one reader across calls: it keeps the checked headers).
 
+    CPU tensors are read into directly; CUDA tensors through `pool` (default: a new pool of
+    `pinned_bytes`, allocated only when a target is on CUDA), see :func:`ckptkit.load`.
+
     Raises:
-        LayoutError: a target tensor is missing from the checkpoint or has another shape or dtype.
+        LayoutError: a target tensor is missing from the checkpoint, has another shape or dtype,
+            or is on a device ckptkit cannot load into.
         IntegrityError: a payload file or a byte read does not match the manifest.
     """
     _check_targets(reader.manifest, pieces)
+    host = {fqn: [p for p in ps if p.local.device.type == "cpu"] for fqn, ps in pieces.items()}
+    device = [(fqn, p) for fqn, ps in pieces.items() for p in ps if p.local.device.type != "cpu"]
+    with ThreadPoolExecutor(max_workers=READ_THREADS) as threads:
+        _fill_host(reader, host, threads)
+        if device:
+            moving = sum(p.local.numel() * p.local.element_size() for _, p in device)
+            load_through(reader, device, pool or BouncePool(pinned_bytes, moving=moving), threads=threads)
+
+
+def _fill_host(reader: Reader, pieces: Mapping[str, list[ShardedTensor]], threads: ThreadPoolExecutor) -> None:
     flat = [p for ps in pieces.values() for p in ps]
     plan = plan_load(reader.manifest, [(fqn, p.box) for fqn, ps in pieces.items() for p in ps])
     dests = []
@@ -110,14 +136,13 @@ def fill(reader: Reader, pieces: Mapping[str, list[ShardedTensor]]) -> None:
             out = torch.empty(tuple(out.shape), dtype=out.dtype)
             copies.append((out, p.local))
         dests.append(byte_array(out))
-    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
-        reader.fill(plan.targets, dests, pool=pool)
+    reader.fill(plan.targets, dests, pool=threads)
     for buf, dest in copies:
         dest.copy_(buf)
 
 
 def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]) -> None:
-    problems = []
+    problems = device_problems((fqn, p.local.device) for fqn, ps in pieces.items() for p in ps)
     for fqn, ps in pieces.items():
         entry = manifest.tensors.get(fqn)
         if entry is None:

@@ -33,6 +33,7 @@ from ..manifest import (
 from ..io.write import Written, write_safetensors, write_small
 from ..plan.save import FilePlan, ItemDesc, SavePlan, plan_save, tensor_entries
 from ..storage import Storage
+from ..state.device import DEFAULT_PINNED_BYTES, BouncePool, device_problems, staged_bytes
 from ..state.torch_io import byte_view, dtype_name, host_contiguous, is_leaf, leaf_shards
 from ..state.tree import flatten, json_problems
 
@@ -54,6 +55,7 @@ def save(
     update_latest: bool = True,
     storage: Storage | None = None,
     layout: Layout | None = None,
+    pinned_bytes: int = DEFAULT_PINNED_BYTES,
 ) -> Manifest:
     """Write `state` as the committed checkpoint directory `path`.
 
@@ -83,14 +85,17 @@ def save(
         layout: the model's layout (``ckptkit.layouts``), recorded in the manifest so that the
             checkpoint can be resharded offline to any topology the layout allows; checked
             against the saved tensors and the topology first.
+        pinned_bytes: the host memory CUDA tensors are staged through: a pool of reused pinned
+            buffers (default 1 GiB in all), device-to-host copies on a side stream overlapping
+            the hashing and writing of the bytes before them; never a host copy of the state.
 
     Returns:
         The manifest that was committed.
 
     Raises:
         LayoutError: boxes overlap or leave gaps, shapes or dtypes disagree across ranks,
-            a value is neither a tensor nor JSON, or the layout does not fit the tensors or
-            the topology.
+            a value is neither a tensor nor JSON, a tensor is on a device other than cpu and
+            cuda, or the layout does not fit the tensors or the topology.
         CheckpointExistsError: something already exists at `path`.
         StorageError: a write failed; nothing was committed, unless the message says the
             checkpoint is committed and only the root's ``latest`` pointer was not moved.
@@ -98,6 +103,7 @@ def save(
     coll = default_collective(process_group)
     loc = locate(path, storage)
     local, descs, objects, error = _describe(state, kinds or {})
+    pool = _pool(local.values(), pinned_bytes) if not error else None
     gathered = coll.gather((descs, _digest(objects), error))
     planned: tuple[str, Any] = ("ok", None)
     plan: SavePlan | None = None
@@ -112,7 +118,7 @@ def save(
     unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
     my_files, uid = coll.scatter(shares)
     stage = staging(loc, uid)
-    written = guard(lambda: _write_files(loc.storage, stage, my_files, local, io_threads))
+    written = guard(lambda: _write_files(loc.storage, stage, my_files, local, io_threads, pool))
     results = coll.gather(written)
     outcome: tuple[str, Any] = ("ok", None)
     if results is not None:
@@ -140,12 +146,26 @@ def _describe(
                 item = ItemDesc(fqn, dtype_name(piece.local.dtype, fqn=fqn), piece.global_shape, piece.box)
                 local[(fqn, piece.box)] = piece.local
                 descs.append(item)
+        devices = device_problems((fqn, t.device) for (fqn, _), t in local.items())
+        if devices:
+            raise LayoutError("cannot save tensors on these devices: " + summarize(devices))
         problems = json_problems(objects)
         if problems:
             raise LayoutError("values must be tensors or JSON: " + summarize(problems))
     except CkptkitError as exc:
         return {}, [], {}, f"{type(exc).__name__}: {exc}"
     return local, descs, objects, ""
+
+
+def _pool(tensors: Any, pinned_bytes: int) -> BouncePool | None:
+    """The staging pool of the CUDA tensors to save (None without any), its side streams
+    ordered after the work the caller has queued on them."""
+    cuda = [t for t in tensors if t.device.type == "cuda"]
+    if not cuda:
+        return None
+    pool = BouncePool(pinned_bytes, moving=sum(t.numel() * t.element_size() for t in cuda))
+    pool.follow(t.device for t in cuda)
+    return pool
 
 
 def _digest(objects: dict[str, Any]) -> str:
@@ -182,16 +202,20 @@ def _check_layout(layout: Layout, topology: Topology, shapes: dict[str, tuple[in
 
 
 def _write_files(
-    storage: Storage, stage: Staging, files: tuple[FilePlan, ...], local: dict[tuple[str, Box], torch.Tensor], threads: int
+    storage: Storage, stage: Staging, files: tuple[FilePlan, ...], local: dict[tuple[str, Box], torch.Tensor], threads: int,
+    staging_pool: BouncePool | None,
 ) -> list[Written]:
     if threads <= 1 or len(files) <= 1:
-        return [_write_file(storage, stage.key(f.path), f, local) for f in files]
+        return [_write_file(storage, stage.key(f.path), f, local, staging_pool) for f in files]
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        return list(pool.map(lambda f: _write_file(storage, stage.key(f.path), f, local), files))
+        return list(pool.map(lambda f: _write_file(storage, stage.key(f.path), f, local, staging_pool), files))
 
 
-def _write_file(storage: Storage, key: str, plan: FilePlan, local: dict[tuple[str, Box], torch.Tensor]) -> Written:
-    bodies = (byte_view(host_contiguous(local[(item.fqn, item.box)])) for item, _ in plan.items)
+def _write_file(
+    storage: Storage, key: str, plan: FilePlan, local: dict[tuple[str, Box], torch.Tensor], pool: BouncePool | None
+) -> Written:
+    tensors = [local[(item.fqn, item.box)] for item, _ in plan.items]
+    bodies = staged_bytes(tensors, pool) if pool is not None else (byte_view(host_contiguous(t)) for t in tensors)
     return write_safetensors(storage, key, plan.path, [(k, item.dtype, item.box.lengths) for item, k in plan.items], bodies)
 
 
