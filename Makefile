@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 FRAMEWORKS := $(VENV)/.frameworks
 
-.PHONY: demo test test-fast bench schemas fixtures lint clean
+.PHONY: demo test test-fast bench bench-gpu schemas fixtures lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -30,6 +30,10 @@ test-fast: $(FRAMEWORKS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+
+# Needs a CUDA device (exits 2 without one); see README, Development.
+bench-gpu: $(STAMP)
+	$(PY) benchmarks/gpu.py
 
 schemas: $(STAMP)
 	$(PY) -m ckptkit.schemas schemas

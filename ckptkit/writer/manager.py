@@ -1,9 +1,10 @@
 """Asynchronous checkpointing: a trainer pays only for copying its state out of the way.
 
 ``CheckpointManager(root).save(step, state)`` copies every tensor of `state` into a pool of
-host buffers allocated on the first save and reused by the next ones (pinned memory filled on
-a side CUDA stream for GPU tensors, plain preallocated memory for CPU tensors), then returns
-a `SaveHandle`. A background thread hashes, writes and commits the copy exactly as
+buffers allocated on the first save and reused by the next ones, then returns a `SaveHandle`:
+plain preallocated host memory for CPU tensors; for CUDA tensors, pinned host memory filled on
+a side CUDA stream (a host snapshot) or GPU buffers filled device to device and drained to
+pinned memory in the background (a device snapshot: `snapshot=`, see `snapshot.py`). A background thread hashes, writes and commits the copy exactly as
 ``ckptkit.save`` does (temporary name, manifest last, rename, ``latest``), then applies the
 retention policy. One save is in flight at a time: the next save, `wait` or `close` first
 waits for it and re-raises its error, if it failed.
@@ -19,6 +20,7 @@ hashing (xxhash) release the GIL, so the training thread keeps running while a s
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -26,12 +28,16 @@ import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import retention
+from .snapshot import (
+    BufferPool, DeviceCopy, HostCopy, Key, SnapshotChoice, check_snapshot_options, choose_snapshot, copy_to_device,
+    copy_to_host, device_memory,
+)
 from ..io.catalog import LATEST_NAME, read_latest, step_of
 from ..io.run_record import RunRecord, record_run
 from ..errors import CheckpointNotFoundError, CkptkitError, LayoutError
@@ -41,12 +47,14 @@ from ..storage import Storage, open_storage
 from ..state.torch_io import is_leaf
 from ..state.tree import flatten, unflatten
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class SaveHandle:
     """One save: `staged` is done when the state may be changed again (at return for CPU
     tensors, once the side stream's copies finish for GPU tensors); `committed` gives the
-    committed manifest, or raises the save's error."""
+    committed manifest, or raises the save's error; `snapshot` says how its CUDA tensors were
+    copied (host or device, and why)."""
 
     step: int
     name: str
@@ -54,25 +62,7 @@ class SaveHandle:
     committed: Future[Manifest]
     stall_s: float = 0.0  # how long save() blocked its caller
     background_s: float | None = None  # from the end of staging to the commit (set when committed)
-
-
-@dataclass
-class _Buffers:
-    """Host buffers by (fqn, piece index), reused while the state keeps its shapes and dtypes."""
-
-    tensors: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-    allocations: int = 0
-    allocated_bytes: int = 0
-
-    def get(self, key: tuple[str, int], like: torch.Tensor) -> torch.Tensor:
-        buf = self.tensors.get(key)
-        pinned = like.device.type == "cuda"
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype or buf.is_pinned() != pinned:
-            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
-            self.tensors[key] = buf
-            self.allocations += 1
-            self.allocated_bytes += buf.numel() * buf.element_size()
-        return buf
+    snapshot: SnapshotChoice | None = None
 
 
 class CheckpointManager:
@@ -90,6 +80,16 @@ class CheckpointManager:
         sync: save in the caller's thread (for comparison); handles are done at return.
         run: the run these checkpoints belong to, recorded as the root's ``run.json`` after the
             first commit (``ckptkit.RunRecord``; None: record nothing).
+        snapshot: how `save` copies CUDA tensors: "host" (into pinned host memory, on a side
+            stream; the current stream waits for these device-to-host copies), "device" (into
+            GPU buffers reused from save to save, device to device; the current stream waits
+            only for that, and the background thread drains them to pinned host memory), or
+            "auto" (device when the GPU's free memory and `max_device_bytes` allow, else host).
+            CPU tensors are always copied into host memory, whatever it says. Each save's
+            choice is its handle's `snapshot` (and `snapshot_choice` here, and logged).
+        max_device_bytes: the most GPU memory a device snapshot's buffers may hold (None: what
+            the GPU has free, less 5% of its memory). Over it, "auto" takes host snapshots and
+            "device" refuses to save.
         save_options: passed to every ``ckptkit.save`` (max_file_bytes, io_threads, layout).
 
     Use as a context manager, or call `close`, so the last save is committed.
@@ -106,8 +106,11 @@ class CheckpointManager:
         name_format: str = "step_{step:08d}",
         sync: bool = False,
         run: RunRecord | None = None,
+        snapshot: str = "host",
+        max_device_bytes: int | None = None,
         **save_options: Any,
     ) -> None:
+        check_snapshot_options(snapshot, max_device_bytes)
         if keep_last is not None and keep_last < 1:
             raise LayoutError(f"keep_last must be at least 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -121,7 +124,11 @@ class CheckpointManager:
         self.run = run
         self._run_recorded = run is None
         self._group, self._rank = _background_group(process_group)
-        self._buffers = _Buffers()
+        self.snapshot = snapshot
+        self.max_device_bytes = max_device_bytes
+        self.snapshot_choice: SnapshotChoice | None = None  # the last save's
+        self._buffers = BufferPool()
+        self._device_buffers = BufferPool(on_device=True)
         self._pinned: set[int] = set()
         self._reading: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -149,16 +156,17 @@ class CheckpointManager:
 
         Raises:
             LayoutError: a value of `state` is neither a tensor nor JSON (nothing staged).
-            CkptkitError: the previous save failed (this one is not started).
+            CkptkitError: the previous save failed (this one is not started); or
+                ``snapshot="device"`` and the state's CUDA tensors do not fit (nothing staged).
         """
         started = time.perf_counter()
         self._check_open()
         self.wait()
         name = self.name_format.format(step=step)
-        staged_state, ready = self._stage(state)
+        staged_state, ready, choice = self._stage(state)
         staged: Future[None] = Future()
         committed: Future[Manifest] = Future()
-        handle = SaveHandle(step, name, staged, committed)
+        handle = SaveHandle(step, name, staged, committed, snapshot=choice)
         options = dict(self.save_options, topology=topology, info=info, tokenizer=tokenizer, kinds=kinds)
         if ready is None:
             staged.set_result(None)
@@ -200,6 +208,16 @@ class CheckpointManager:
             self.close()
         except CkptkitError:
             pass
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Host memory the buffer pool holds (pinned for CUDA tensors)."""
+        return self._buffers.held_bytes()
+
+    @property
+    def device_buffer_bytes(self) -> int:
+        """GPU memory the device snapshots' buffers hold (0 unless the last save was one)."""
+        return self._device_buffers.held_bytes()
 
     # --- retention and reading --------------------------------------------------------------
 
@@ -268,60 +286,78 @@ class CheckpointManager:
         if self._closed:
             raise CkptkitError("the checkpoint manager is closed")
 
-    def _stage(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], torch.cuda.Event | None]:
+    def _stage(self, state: Mapping[str, Any]) -> tuple[dict[str, Any], HostCopy | DeviceCopy | None, SnapshotChoice]:
         """Copy the tensors of `state` into the buffers; snapshot its JSON values. Returns the
-        staged state and, when GPU copies are in flight, the event that marks their end."""
+        staged state, what the background thread waits on while GPU copies are in flight, and
+        the snapshot kind chosen (before anything is copied)."""
         leaves, objects = flatten(state, is_leaf)
         try:
             objects = json.loads(json.dumps(objects))
         except (TypeError, ValueError) as exc:
             raise LayoutError(f"values must be tensors or JSON: {exc}") from None
+        pieces = {fqn: [leaf] if isinstance(leaf, (torch.Tensor, ShardedTensor)) else list(leaf) for fqn, leaf in leaves.items()}
+        locals_ = {(fqn, i): p.local if isinstance(p, ShardedTensor) else p for fqn, ps in pieces.items() for i, p in enumerate(ps)}
+        cuda = [(key, t) for key, t in locals_.items() if t.device.type == "cuda"]
+        choice = self._choose(cuda)
         staged: dict[str, Any] = {}
-        keep: set[tuple[str, int]] = set()
-        cuda_copies = []
         for fqn, leaf in leaves.items():
-            pieces = [leaf] if isinstance(leaf, (torch.Tensor, ShardedTensor)) else list(leaf)
             out = []
-            for i, piece in enumerate(pieces):
-                local = piece.local if isinstance(piece, ShardedTensor) else piece
-                buf = self._buffers.get((fqn, i), local)
-                keep.add((fqn, i))
-                if local.device.type == "cuda":
-                    cuda_copies.append((buf, local))
-                else:
-                    buf.copy_(local.detach())
+            for i, piece in enumerate(pieces[fqn]):
+                buf = self._buffers.get((fqn, i), locals_[fqn, i])
+                if locals_[fqn, i].device.type != "cuda":
+                    buf.copy_(locals_[fqn, i].detach())
                 out.append(ShardedTensor(buf, piece.global_shape, piece.global_offsets) if isinstance(piece, ShardedTensor) else buf)
             staged[fqn] = out[0] if isinstance(leaf, (torch.Tensor, ShardedTensor)) else out
-        for key in set(self._buffers.tensors) - keep:  # tensors no longer in the state
-            del self._buffers.tensors[key]
-        event = self._copy_from_gpu(cuda_copies) if cuda_copies else None
-        return unflatten({**objects, **staged}), event
+        self._buffers.retain(set(locals_))
+        self._device_buffers.retain({key for key, _ in cuda} if choice.kind == "device" else set())
+        copies = [(key, self._buffers.tensors[key], t) for key, t in cuda]
+        ready, choice = self._copy_cuda(copies, choice)
+        return unflatten({**objects, **staged}), ready, choice
 
-    def _copy_from_gpu(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
-        """Enqueue device-to-host copies on a side stream that first waits for the current
-        stream; later work on the current stream waits for the copies (on the device, not the
-        host), so tensors overwritten after save returns cannot leak into the checkpoint."""
+    def _choose(self, cuda: list[tuple[Key, torch.Tensor]]) -> SnapshotChoice:
+        """The snapshot kind of a save whose CUDA pieces are `cuda`; logged when it changes."""
+        nbytes = sum(t.numel() * t.element_size() for _, t in cuda)
+        devices = {t.device for _, t in cuda}
+        memory = device_memory(next(iter(devices))) if len(devices) == 1 and self.snapshot != "host" else None
+        choice = choose_snapshot(
+            self.snapshot, cuda_bytes=nbytes, reusable_bytes=self._device_buffers.reusable_bytes(cuda),
+            memory=memory, max_device_bytes=self.max_device_bytes, devices=len(devices),
+        )
+        if self.snapshot_choice is None or self.snapshot_choice.kind != choice.kind:
+            log.info("ckptkit: %s snapshots from now on: %s", choice.kind, choice.reason)
+        self.snapshot_choice = choice
+        return choice
+
+    def _copy_cuda(
+        self, copies: list[tuple[Key, torch.Tensor, torch.Tensor]], choice: SnapshotChoice
+    ) -> tuple[HostCopy | DeviceCopy | None, SnapshotChoice]:
+        """Enqueue the copies of the CUDA pieces (key, host buffer, source) the way `choice`
+        says; return what to wait on, and the choice (host, if "auto" ran out of GPU memory)."""
+        if not copies:
+            return None, choice
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side = self._side_stream
-        current = torch.cuda.current_stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for buf, src in copies:
-                buf.copy_(src.detach(), non_blocking=True)
-                src.record_stream(side)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(side)
-        current.wait_stream(side)
-        return event
+        if choice.kind == "device":
+            try:
+                return copy_to_device(self._side_stream, self._device_buffers, copies), choice
+            except torch.OutOfMemoryError:
+                self._device_buffers.clear()
+                failed = f"the GPU ran out of memory allocating {choice.cuda_bytes / 1e9:.2f} GB of buffers"
+                if self.snapshot == "device":
+                    raise CkptkitError(f"snapshot='device': {failed}; nothing was saved (pass snapshot='auto' or 'host')") from None
+                choice = SnapshotChoice("host", f"snapshot='auto' fell back to host: {failed}", choice.cuda_bytes)
+                self.snapshot_choice = choice
+                log.info("ckptkit: host snapshots: %s", choice.reason)
+        return copy_to_host(self._side_stream, [(buf, src) for _, buf, src in copies]), choice
 
     def _background(self, handle: SaveHandle, state: dict[str, Any], ready: Any, options: dict[str, Any]) -> None:
         from ..ops.save import save
 
         try:
             if ready is not None:
-                ready.synchronize()
+                ready.wait_staged()
                 handle.staged.set_result(None)
+                ready.wait_on_host()
             start = time.perf_counter()
             manifest = save(state, handle.name, step=handle.step, storage=self.storage, process_group=self._group, **options)
             if self._rank == 0:

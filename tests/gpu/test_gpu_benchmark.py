@@ -1,0 +1,76 @@
+"""The GPU benchmark and its check script, where they can be checked without a GPU: the state's
+sizing, the ratios and targets from a run's numbers, and a clean exit without CUDA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import gpu
+from benchmarks.gpu_state import BYTES_PER_PARAM, DEFAULT_BYTES, SMALL_BYTES, build_state, llama_for, tensors_of
+
+ROOT = Path(__file__).resolve().parents[2]
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+
+
+def test_the_state_comes_near_the_requested_size_with_14_bytes_a_parameter() -> None:
+    for target, small in ((DEFAULT_BYTES, False), (SMALL_BYTES, True), (3 * 10**9, False)):
+        model = llama_for(target, small=small)
+        assert abs(model.state_bytes() - target) / target < 0.06
+        assert model.state_bytes() == model.parameter_count() * BYTES_PER_PARAM
+    state = build_state(llama_for(1, small=True), "cpu")
+    dtypes = {k: {t.dtype for t in tensors_of(v)} for k, v in state.items()}
+    assert dtypes == {"model": {torch.bfloat16}, "optimizer": {torch.float32}}
+    assert set(state["optimizer"]) == {"master", "exp_avg", "exp_avg_sq"}
+    assert sum(t.numel() * t.element_size() for t in tensors_of(state)) == llama_for(1, small=True).state_bytes()
+
+
+def _results() -> dict:
+    stall = {"stall_s": 0.30, "first_stall_s": 2.0, "all_stall_s": [2.0, 0.3], "slowdown": 0.01,
+             "host_peak_added_bytes": 10**9, "first_host_peak_added_bytes": 8 * 10**9}
+    return {
+        "device": "GPU", "torch": "x", "model": {"hidden": 512, "layers": 10}, "state_bytes": 5 * 10**8, "repeats": 2,
+        "auto_choice": "snapshot='auto': ...", "copy_host": {"seconds": 0.30}, "copy_device": {"seconds": 0.01},
+        "ckptkit_host": {**stall, "stall_s": 0.3075}, "ckptkit_device": {**stall, "stall_s": 0.03, "slowdown": None},
+        "dcp defaults": {**stall, "stall_s": 0.9}, "dcp DefaultStager(pinned)": {"error": "RuntimeError: no"},
+        "cold_read": {"seconds": 1.0}, "load_pool_bytes": 2 * 10**9,
+        "load_ckptkit": {"unavailable": "TypeError: no CUDA targets"}, "load_dcp": {"seconds": 2.0, "host_peak_added_bytes": 10**9},
+    }
+
+
+def test_ratios_and_targets_come_from_the_run_and_missing_sides_are_not_applicable() -> None:
+    results = _results()
+    results["ratios"] = ratios = gpu.ratios(results)
+    assert ratios["host_stall_vs_d2h"] == pytest.approx(1.025) and ratios["device_stall_vs_d2d"] == pytest.approx(3.0)
+    assert ratios["host_stall_vs_dcp defaults"] == pytest.approx(0.3075 / 0.9)
+    assert ratios["host_stall_vs_dcp DefaultStager(pinned)"] is None and ratios["load_vs_cold_read"] is None
+    results["targets"] = targets = gpu.targets(ratios)
+    met = {t["target"].split(" <=")[0].split(" >=")[0]: t["met"] for t in targets}
+    assert met["host-snapshot stall"] is True and met["device-snapshot stall"] is False and met["load"] is None
+    report = gpu.render(results)
+    assert "FAILED: RuntimeError: no" in report and "unavailable: TypeError: no CUDA targets" in report
+    assert "MISSED" in report and "n/a" in report
+
+
+@no_cuda
+@pytest.mark.parametrize("how", [["benchmarks/gpu.py"], ["-m", "benchmarks.gpu", "--small"]])
+def test_the_benchmark_exits_2_with_one_line_without_cuda(how: list[str]) -> None:
+    proc = subprocess.run([sys.executable, *how], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1 and "no CUDA device" in proc.stderr
+
+
+@no_cuda
+def test_the_check_script_exits_2_with_one_line_without_cuda(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "WHEELS": str(tmp_path / "none")}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == "" and proc.stdout.splitlines() == [
+        "gpu_check: no CUDA device here: nothing checked (the gpu tests skip and the benchmark needs one)"
+    ]
+    assert not (tmp_path / "out" / "status.txt").exists()
