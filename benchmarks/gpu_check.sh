@@ -9,7 +9,8 @@
 #   here, once:   benchmarks/gpu_check.sh --fetch-wheels   (downloads them into .whl/, git-ignored)
 #   there:        bash benchmarks/gpu_check.sh             (with .whl carried beside the tree)
 # Settings (environment): PYTHON (python3), OUT, WHEELS (.whl), WORK (scratch for checkpoints,
-# /tmp/ckptkit-gpu-work), TESTS_S, SMALL_S, FULL_S (time limits of the stages: 150, 150, 330),
+# /tmp/ckptkit-gpu-work), TESTS_S, SMALL_S, FULL_S (time limits of the stages: 120, 120, 300; 540 s in all, inside a
+# device run's 600 s),
 # FULL_ARGS (--repeats 3).
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -74,11 +75,11 @@ stage() {  # stage NAME LIMIT_S LOG COMMAND...: run one stage, record its status
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$OUT/status.txt" 2>&1
 # The test files with gpu tests, so that no other file's missing dependency stops the collection.
 mapfile -t gpu_tests < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include='*.py' | sort)
-stage "pytest -m gpu" "${TESTS_S:-150}" "$OUT/pytest.log" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider "${gpu_tests[@]}"
+stage "pytest -m gpu" "${TESTS_S:-120}" "$OUT/pytest.log" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider "${gpu_tests[@]}"
 rm -rf "$WORK"
-stage "benchmark --small" "${SMALL_S:-150}" "$OUT/small.txt" "$PYTHON" benchmarks/gpu.py --small --repeats 3 --out "$OUT/small" --work "$WORK/small"
+stage "benchmark --small" "${SMALL_S:-120}" "$OUT/small.txt" "$PYTHON" benchmarks/gpu.py --small --repeats 3 --out "$OUT/small" --work "$WORK/small"
 rm -rf "$WORK"
 # shellcheck disable=SC2086
-stage "benchmark (full)" "${FULL_S:-330}" "$OUT/full.txt" "$PYTHON" benchmarks/gpu.py ${FULL_ARGS:---repeats 3} --out "$OUT/full" --work "$WORK/full"
+stage "benchmark (full)" "${FULL_S:-300}" "$OUT/full.txt" "$PYTHON" benchmarks/gpu.py ${FULL_ARGS:---repeats 3} --out "$OUT/full" --work "$WORK/full"
 rm -rf "$WORK"
 exit $failed
