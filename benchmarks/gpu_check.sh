@@ -46,6 +46,14 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
 fi
 
 mkdir -p "$OUT"
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    echo "gpu_check: $PYTHON has no torch: nothing checked (the check needs torch with CUDA and a CUDA device)"
+    exit 2
+fi
+if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)"; then
+    echo "gpu_check: no CUDA device here: nothing checked (the gpu tests skip and the benchmark needs one)"
+    exit 2
+fi
 export PYTHONPATH="$ROOT:$ROOT/converters${PYTHONPATH:+:$PYTHONPATH}"
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ckptkit-site \
@@ -55,10 +63,6 @@ fi
 if ! "$PYTHON" -c "import torch, ckptkit.writer.manager" 2>"$OUT/import.log"; then
     echo "gpu_check: ckptkit does not import with $PYTHON ($(tail -n 1 "$OUT/import.log")); run benchmarks/gpu_check.sh --fetch-wheels where pip works and carry $WHEELS"
     exit 1
-fi
-if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)"; then
-    echo "gpu_check: no CUDA device here: nothing checked (the gpu tests skip and the benchmark needs one)"
-    exit 2
 fi
 
 export PYTHONUNBUFFERED=1
