@@ -17,6 +17,10 @@ from .base import cli
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Tensor-parallel degree.")
 @click.option("--pp", default=1, show_default=True, type=click.IntRange(1), help="Pipeline stages.")
 @click.option("--dp", default=1, show_default=True, type=click.IntRange(1), help="Data-parallel degree.")
+@click.option("--cp", default=1, show_default=True, type=click.IntRange(1),
+              help="Context-parallel degree: each CP rank holds a slice of every sequence.")
+@click.option("--ep", default=1, show_default=True, type=click.IntRange(1),
+              help="Expert-parallel degree (a mixture of experts): experts split over EP ranks carved out of --dp.")
 @click.option("--zero", default=0, show_default=True, type=click.IntRange(0, 3), help="ZeRO stage (0-3).")
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(0), help="Global step to stop at.")
 @click.option("--save-every", default=0, show_default=True, type=click.IntRange(0), help="Save every K steps and at the end (0: never).")
@@ -26,8 +30,9 @@ from .base import cli
 @click.option("--init-from", default=None, metavar="CKPT",
               help="Start a new run from the parameters of this checkpoint (any topology; a converted Hugging Face Llama too): "
                    "its model, a new optimizer, schedule, sampler and RNG, step 0.")
-@click.option("--model", default=None, type=click.Choice(["tiny", "small", "base"]),
-              help="Model size (default tiny; with --init-from the checkpoint's, which a given --model must match).")
+@click.option("--model", default=None, type=click.Choice(["tiny", "small", "base", "tiny-moe", "small-moe"]),
+              help="Model size (default tiny; *-moe: a mixture of experts, 8 experts, top-2; with --init-from the "
+                   "checkpoint's, which a given --model must match).")
 @click.option("--seed", default=1234, show_default=True, type=int)
 @click.option("--log-jsonl", default=None, help="Append one JSON object per step (and per save, with \"event\": \"save\") to this file.")
 @click.option("--sync-save", is_flag=True, help="Save in the training loop instead of in the background (to compare stalls).")
@@ -39,7 +44,8 @@ from .base import cli
 @click.option("--tie-embeddings", is_flag=True, help="Share the embedding and output head weights (pp 1 only).")
 @click.option("--quiet", is_flag=True, help="Print nothing per step.")
 def train_cmd(**options: Any) -> None:
-    """Train the reference Llama-style model with TP x PP x DP (ZeRO 0-3), checkpointing through ckptkit.
+    """Train the reference Llama-style model (or its mixture of experts) with TP x PP x CP x DP
+    (ZeRO 0-3, EP within DP), checkpointing through ckptkit.
 
     A new run (no --resume) into an --out that holds checkpoints is refused before anything is
     written: continue that run with --resume latest, or choose another --out. --init-from starts

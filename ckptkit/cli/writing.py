@@ -18,6 +18,9 @@ from .base import cli, emit_json, init_torchrun, parse_size, progress, shows_pro
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(1), help="Target tensor-parallel degree.")
 @click.option("--pp", default=1, show_default=True, type=click.IntRange(1), help="Target pipeline stages.")
 @click.option("--dp", default=1, show_default=True, type=click.IntRange(1), help="Target data-parallel degree.")
+@click.option("--cp", default=1, show_default=True, type=click.IntRange(1), help="Target context-parallel degree.")
+@click.option("--ep", default=1, show_default=True, type=click.IntRange(1),
+              help="Target expert-parallel degree (within --dp; a model with experts).")
 @click.option("--zero", default=0, show_default=True, type=int, help="Target ZeRO stage (0-3).")
 @click.option("--threads", default=4, show_default=True, type=click.IntRange(1, 64), help="Files written at once per process.")
 @click.option("--no-check", is_flag=True, help="Do not check the source checksums while copying.")
@@ -26,10 +29,10 @@ from .base import cli, emit_json, init_torchrun, parse_size, progress, shows_pro
 @click.option("--layout", "layout_file", default=None, help="A layout file for the model (default: the one SRC records).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def reshard_cmd(
-    src: str, dst: str, tp: int, pp: int, dp: int, zero: int, threads: int, no_check: bool, no_latest: bool,
-    layout_file: str | None, as_json: bool,
+    src: str, dst: str, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int, threads: int, no_check: bool,
+    no_latest: bool, layout_file: str | None, as_json: bool,
 ) -> None:
-    """Write the checkpoint at SRC as the one a tp x pp x dp (ZeRO) job would have saved, at DST.
+    """Write the checkpoint at SRC as the one a tp x pp x cp x dp (ZeRO, EP) job would have saved, at DST.
 
     Every tensor is copied bitwise; training assets and the tokenizer come along. The
     tensors are placed by the model's layout: the one SRC records (or the built-in one of
@@ -43,7 +46,7 @@ def reshard_cmd(
     if zero not in (0, 1, 2, 3):
         usage(f"--zero: stage {zero} is not one of 0, 1, 2, 3")
     layout = load_layout(layout_file) if layout_file is not None else None
-    target = ckptkit.Topology(world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp, zero_stage=zero)
+    target = ckptkit.Topology(world_size=tp * pp * cp * dp, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=zero)
     dist = init_torchrun()
     rank = dist.get_rank() if dist is not None else 0
     try:
@@ -98,13 +101,15 @@ def _latest_note(report: ckptkit.ReshardReport, no_latest: bool) -> str:
               help="megatron: the tensor-parallel size whose pieces the files hold (megatron-core loads them at any).")
 @click.option("--pp", default=1, show_default=True, type=click.IntRange(min=1),
               help="megatron: the pipeline-parallel size the layout must allow.")
+@click.option("--ep", default=1, show_default=True, type=click.IntRange(min=1),
+              help="megatron: the expert-parallel size the layout must allow (a mixture of experts; the files are the same at any).")
 @click.option("--dcp-form", "dcp_form", default=None, type=click.Choice(["fsdp2", "plain"]),
               help="dcp: fsdp2 (the default for the reference trainer's checkpoints): the state dict FSDP2's get_state_dict "
                    "gives for its model, which an FSDP2 job at any world size loads with dcp.load + set_state_dict; plain "
                    "(the default for any other): the checkpoint's own tensor names, for dcp.load into a plain state dict.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the export report).")
 def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, layout_file: str | None,
-               tp: int, pp: int, dcp_form: str | None, as_json: bool) -> None:
+               tp: int, pp: int, ep: int, dcp_form: str | None, as_json: bool) -> None:
     """Export the checkpoint at SRC (any topology) to DST: a Hugging Face model directory, a
     torch DCP checkpoint, the zarr form (every tensor as a zarr v3 array, manifest beside it), a
     Megatron-Core torch_dist checkpoint, or a DeepSpeed universal checkpoint.
@@ -124,8 +129,8 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
         usage("--include-optimizer: the hf format holds model weights only (use --format dcp, megatron or zarr)")
     if fmt not in ("hf", "megatron") and layout_file is not None:
         usage("--layout: names the model for --format hf and megatron; dcp, zarr and deepspeed keep the checkpoint's names")
-    if fmt != "megatron" and (tp, pp) != (1, 1):
-        usage("--tp/--pp: set the pieces of --format megatron; the other formats hold whole tensors")
+    if fmt != "megatron" and (tp, pp, ep) != (1, 1, 1):
+        usage("--tp/--pp/--ep: set the pieces of --format megatron; the other formats hold whole tensors")
     if fmt != "dcp" and dcp_form is not None:
         usage("--dcp-form: chooses the form of --format dcp; the other formats have one form")
     from ..layouts import load_layout
@@ -133,7 +138,7 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     layout = load_layout(layout_file) if layout_file is not None else None
     with progress("exporting", shows_progress(as_json)) as update:
         report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
-                                layout=layout, progress=update, tp=tp, pp=pp, dcp_form=dcp_form)
+                                layout=layout, progress=update, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form)
     if as_json:
         emit_json(report)
         return

@@ -13,16 +13,16 @@ import os
 
 from ..errors import LayoutError
 from ..manifest import Manifest
-from .builtin import FAMILIES, builtin, gpt2, hf_llama, reference_llama
+from .builtin import FAMILIES, builtin, gpt2, hf_llama, reference_llama, reference_llama_moe
 from .model import Constraint, Layout, Param, StateGroup, TensorPart, TPCut, Unit, Zero, layout_json_schema, layout_problems, parse_layout
-from .parts import ParamSpec, Part, column_parts, norm_parts, part_ranges, partition, row_parts, unit_offsets, vocab_parts, vocab_rows
+from .parts import ParamSpec, Part, column_parts, norm_parts, part_ranges, partition, replicated_parts, row_parts, unit_offsets, vocab_parts, vocab_rows
 from .placement import Holders, fit_problems, holders, placed_tensors, rank_boxes, stage_units, topology_problems
 
 __all__ = [
     "FAMILIES", "Constraint", "Holders", "Layout", "Param", "ParamSpec", "Part", "StateGroup", "TPCut", "TensorPart",
     "Unit", "Zero", "builtin", "column_parts", "gpt2", "hf_llama", "holders", "layout_for",
     "fit_problems", "layout_json_schema", "layout_problems", "load_layout", "norm_parts", "parse_layout", "part_ranges", "partition", "placed_tensors",
-    "rank_boxes", "reference_llama", "row_parts", "stage_units", "topology_problems", "unit_offsets", "vocab_parts",
+    "rank_boxes", "reference_llama", "reference_llama_moe", "replicated_parts", "row_parts", "stage_units", "topology_problems", "unit_offsets", "vocab_parts",
     "vocab_rows",
 ]
 

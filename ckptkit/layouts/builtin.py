@@ -1,4 +1,4 @@
-"""Built-in layouts: the reference trainer's Llama, the Hugging Face Llama (Qwen2) and GPT-2
+"""Built-in layouts: the reference trainer's Llama and its mixture of experts, the Hugging Face Llama (Qwen2) and GPT-2
 families, and Megatron-Core's GPT, each made from a model config (pure).
 
 ``builtin(family, config)`` returns one; ``FAMILIES`` lists them. A checkpoint written before
@@ -37,36 +37,69 @@ def _need(config: Mapping[str, Any], keys: tuple[str, ...], family: str) -> dict
     return dict(config)
 
 
+LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+
+
 def reference_llama(config: Mapping[str, Any]) -> Layout:
     """The reference trainer's Llama: ``model/<name>`` and both Adam moments; q, k, v fused per
     TP rank and gate, up likewise (each split evenly), vocabularies padded to a multiple of tp."""
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
-    c = _need(config, keys, "llama")
-    h, f, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_heads"], c["num_kv_heads"]
-    hd = h // heads
+    c = _need(config, LLAMA_KEYS, "llama")
+    h, f = c["hidden_size"], c["intermediate_size"]
     p = f"layers.{L}."
     layer = Unit(name=f"layers.{L}", place="layers", params=(
-        _param("attn_norm.weight", [(p + "attn_norm.weight", (h,))]),
-        _param("attn.qkv.weight", [(p + "attn.q.weight", (heads * hd, h)), (p + "attn.k.weight", (kv * hd, h)),
-                                   (p + "attn.v.weight", (kv * hd, h))], 0),
-        _param("attn.o.weight", [(p + "attn.o.weight", (h, heads * hd))], 1),
+        *_llama_attention(c),
         _param("mlp_norm.weight", [(p + "mlp_norm.weight", (h,))]),
         _param("mlp.gate_up.weight", [(p + "mlp.gate.weight", (f, h)), (p + "mlp.up.weight", (f, h))], 0),
         _param("mlp.down.weight", [(p + "mlp.down.weight", (h, f))], 1),
     ))
-    return _decoder("llama", c, c["num_layers"], layer, ("embed", "embed.weight"), ("norm", "norm.weight"),
-                    "lm_head.weight", bool(c.get("tie_embeddings")), kv)
+    return _decoder("llama", c, c["num_layers"], (layer,), ("embed", "embed.weight"), ("norm", "norm.weight"),
+                    "lm_head.weight", bool(c.get("tie_embeddings")), c["num_kv_heads"])
+
+
+def reference_llama_moe(config: Mapping[str, Any]) -> Layout:
+    """The reference trainer's mixture of experts (Mixtral's structure): the Llama's layers with
+    the MLP replaced by a router (``layers.<i>.mlp.router.weight`` [experts, hidden], replicated
+    over TP) and ``num_experts`` SwiGLU experts (``layers.<i>.mlp.experts.<e>.{gate,up,down}.weight``,
+    cut over TP as the dense MLP is, and over EP: an expert unit per layer)."""
+    c = _need(config, (*LLAMA_KEYS, "num_experts"), "llama-moe")
+    h, f, experts = c["hidden_size"], c["intermediate_size"], c["num_experts"]
+    p = f"layers.{L}."
+    e = p + "mlp.experts.{expert}."
+    layer = Unit(name=f"layers.{L}", place="layers", params=(
+        *_llama_attention(c),
+        _param("mlp_norm.weight", [(p + "mlp_norm.weight", (h,))]),
+        _param("mlp.router.weight", [(p + "mlp.router.weight", (experts, h))]),
+    ))
+    moe = Unit(name=f"layers.{L}.experts", place="layers", experts=experts, params=(
+        _param("{expert}.gate_up.weight", [(e + "gate.weight", (f, h)), (e + "up.weight", (f, h))], 0),
+        _param("{expert}.down.weight", [(e + "down.weight", (h, f))], 1),
+    ))
+    return _decoder("llama-moe", c, c["num_layers"], (layer, moe), ("embed", "embed.weight"), ("norm", "norm.weight"),
+                    "lm_head.weight", bool(c.get("tie_embeddings")), c["num_kv_heads"])
+
+
+def _llama_attention(c: dict[str, Any]) -> tuple[Param, ...]:
+    """The reference Llama's attention parameters of a layer: its norm, fused QKV and output."""
+    h, heads, kv = c["hidden_size"], c["num_heads"], c["num_kv_heads"]
+    hd = h // heads
+    p = f"layers.{L}."
+    return (
+        _param("attn_norm.weight", [(p + "attn_norm.weight", (h,))]),
+        _param("attn.qkv.weight", [(p + "attn.q.weight", (heads * hd, h)), (p + "attn.k.weight", (kv * hd, h)),
+                                   (p + "attn.v.weight", (kv * hd, h))], 0),
+        _param("attn.o.weight", [(p + "attn.o.weight", (h, heads * hd))], 1),
+    )
 
 
 def _decoder(
-    name: str, config: dict[str, Any], layers: int, layer: Unit, embed: tuple[str, str], norm: tuple[str, str],
+    name: str, config: dict[str, Any], layers: int, layer: tuple[Unit, ...], embed: tuple[str, str], norm: tuple[str, str],
     head: str, tied: bool, kv: int,
 ) -> Layout:
     """A decoder-only layout: the (unit, tensor) of a vocabulary-parallel embedding first, the
-    layer unit, the final norm and (unless tied to the embedding) a vocabulary-parallel head last."""
+    layer's units, the final norm and (unless tied to the embedding) a vocabulary-parallel head last."""
     v, h, heads = config["vocab_size"], config["hidden_size"], config.get("num_heads") or config["num_attention_heads"]
     units = [Unit(name=embed[0], place="first", params=(_param("weight", [(embed[1], (v, h))], 0, pad_multiple=1),)),
-             layer, Unit(name=norm[0], place="last", params=(_param("weight", [(norm[1], (h,))]),))]
+             *layer, Unit(name=norm[0], place="last", params=(_param("weight", [(norm[1], (h,))]),))]
     constraints = [Constraint(axis="tp", divides=heads, what="attention heads"),
                    Constraint(axis="tp", divides=kv, what="key/value heads")]
     if tied:
@@ -99,7 +132,7 @@ def hf_llama(config: Mapping[str, Any]) -> Layout:
         _param("mlp.down_proj.weight", [(p + "mlp.down_proj.weight", (h, f))], 1),
     ]
     layer = Unit(name=f"model.layers.{L}", place="layers", params=tuple(params))
-    return _decoder("hf-llama", c, c["num_hidden_layers"], layer, ("embed_tokens", "model.embed_tokens.weight"),
+    return _decoder("hf-llama", c, c["num_hidden_layers"], (layer,), ("embed_tokens", "model.embed_tokens.weight"),
                     ("norm", "model.norm.weight"), "lm_head.weight", bool(c.get("tie_word_embeddings")), kv)
 
 
@@ -183,7 +216,7 @@ def megatron_gpt(config: Mapping[str, Any]) -> Layout:
 
 
 FAMILIES: dict[str, Callable[[Mapping[str, Any]], Layout]] = {
-    "llama": reference_llama, "hf-llama": hf_llama, "gpt2": gpt2, "megatron-gpt": megatron_gpt,
+    "llama": reference_llama, "llama-moe": reference_llama_moe, "hf-llama": hf_llama, "gpt2": gpt2, "megatron-gpt": megatron_gpt,
 }
 
 

@@ -8,7 +8,11 @@ A unit's parameters are what one TP rank holds locally: each is made of parts, e
 logical tensor or a partition of one along the TP dim, fused along that dim in order; TP
 cuts every part evenly (or, with ``groups``, in groups interleaved part by part, as Megatron
 stores fused QKV per query group; or, with ``pad_multiple``, padded as vocabularies are).
-A parameter without ``tp`` is replicated over TP. Every state group (``model``, each
+A parameter without ``tp`` is replicated over TP. An expert unit (``experts: E``, per layer)
+repeats its parameters once per expert (``{expert}`` in its names becomes the expert index):
+EP cuts the E experts into ``ep`` equal runs, carved out of the data-parallel ranks (DP rank d
+holds run ``d % ep``; the ``dp / ep`` ranks holding one run are its expert-data-parallel
+group, over which ZeRO shards the unit's buffer). Every state group (``model``, each
 optimizer moment) holds every tensor under its prefix; ZeRO shards the optimizer groups from
 stage 1 and the parameters at stage 3; context-parallel ranks hold replicas.
 """
@@ -26,8 +30,9 @@ from ..errors import LayoutError
 
 FORMAT = "ckptkit-layout"
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: expert units (experts, {expert})
 LAYER = "{layer}"
+EXPERT = "{expert}"
 Axis = Literal["tp", "cp", "dp", "pp"]
 AXES: tuple[Axis, ...] = ("tp", "cp", "dp", "pp")
 
@@ -67,6 +72,7 @@ class Unit(_Model):
     name: str = Field(min_length=1)
     place: Literal["first", "layers", "last"]
     params: tuple[Param, ...] = Field(min_length=1)
+    experts: int | None = Field(default=None, ge=1)  # an expert unit: its params once per expert, cut over EP
 
 
 class StateGroup(_Model):
@@ -125,10 +131,16 @@ class Layout(_Model):
         out: dict[str, tuple[int, ...]] = {}
         for unit in self.units:
             for layer in range(self.num_layers) if unit.place == "layers" else (None,):
-                for param in unit.params:
-                    for part in param.parts:
-                        out[expand(part.tensor, layer)] = part.shape
+                for expert in range(unit.experts) if unit.experts else (None,):
+                    for param in unit.params:
+                        for part in param.parts:
+                            out[expand(part.tensor, layer, expert)] = part.shape
         return out
+
+    @property
+    def experts(self) -> int:
+        """The number of experts of the model's expert units (0: no expert unit)."""
+        return max((u.experts or 0 for u in self.units), default=0)
 
     def tensor_groups(self) -> dict[str, list[str]]:
         """Every tensor (fqn) the layout places, in groups a checkpoint holds whole or not at all."""
@@ -136,8 +148,10 @@ class Layout(_Model):
         return {g.prefix: [f"{g.prefix}/{n}" for n in names] for g in self.states}
 
 
-def expand(name: str, layer: int | None) -> str:
-    return name if layer is None else name.replace(LAYER, str(layer))
+def expand(name: str, layer: int | None, expert: int | None = None) -> str:
+    """`name` with ``{layer}`` (and ``{expert}``) replaced by the indices given."""
+    name = name if layer is None else name.replace(LAYER, str(layer))
+    return name if expert is None else name.replace(EXPERT, str(expert))
 
 
 def parse_layout(data: bytes | str | dict[str, Any], *, source: str = "layout") -> Layout:
@@ -195,11 +209,20 @@ def _semantic_problems(layout: Layout) -> list[str]:
         if in_layers != (LAYER in unit.name):
             problems.append(f"unit {unit.name!r}: " + ("a per-layer unit's name must contain {layer}" if in_layers
                                                        else "only per-layer units (place 'layers') may use {layer}"))
+        if unit.experts is not None and not in_layers:
+            problems.append(f"unit {unit.name!r}: only per-layer units (place 'layers') may hold experts")
+        if len([u for u in layout.units if u.experts is not None and u.experts != unit.experts]) and unit.experts:
+            problems.append(f"unit {unit.name!r}: every expert unit must hold the same number of experts")
         for param in unit.params:
             where = f"unit {unit.name!r} param {param.name!r}"
             if (unit.name, param.name) in seen_params:
                 problems.append(f"{where}: listed twice")
             seen_params.add((unit.name, param.name))
+            for part in param.parts:
+                if (EXPERT in part.tensor) != (unit.experts is not None):
+                    problems.append(f"{where}: tensor {part.tensor!r} " + (
+                        "must contain {expert} (its unit holds experts)" if unit.experts is not None
+                        else "may not use {expert} (only expert units hold experts)"))
             problems += _param_problems(where, param, in_layers, cover)
     for tensor, spans in cover.items():
         problems += _cover_problems(tensor, spans)

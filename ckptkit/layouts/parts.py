@@ -92,7 +92,12 @@ def vocab_parts(name: str, vocab: int, hidden: int, tp: int, tp_rank: int) -> li
 
 
 def norm_parts(name: str, hidden: int) -> list[Part]:
-    return [Part(name, (hidden,), (0,), (hidden,), 0, hidden, replicated=True)]
+    return replicated_parts(name, (hidden,))
+
+
+def replicated_parts(name: str, shape: tuple[int, ...]) -> list[Part]:
+    """The part of a parameter every TP rank holds whole (a norm, a router)."""
+    return [Part(name, shape, (0,) * len(shape), shape, 0, shape[0], replicated=True)]
 
 
 def unit_offsets(params: list[ParamSpec]) -> tuple[list[int], int]:

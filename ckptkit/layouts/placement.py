@@ -4,7 +4,9 @@ which ranks hold each distinct box.
 Ranks are numbered by the layout's mesh order (fastest axis first). A stage holds the
 ``first`` units (stage 0), its layers' units, and the ``last`` units (the last stage). ZeRO
 cuts each buffer (per the layout's ``zero.flatten``) into equal DP ranges; context-parallel
-ranks hold the same boxes as their DP peer.
+ranks hold the same boxes as their DP peer. An expert unit's buffer holds the experts of the
+rank's EP run (DP rank d holds run ``d % ep``) and is cut into equal ranges over the ``dp / ep``
+ranks holding that run (d's range is ``d // ep``); an expert unit is always a buffer of its own.
 """
 
 from __future__ import annotations
@@ -28,8 +30,13 @@ def topology_problems(layout: Layout, topology: Topology) -> list[str]:
     problems = []
     if t.world_size != t.tp * t.pp * t.dp * t.cp:
         problems.append(f"world size {t.world_size} is not tp x pp x dp x cp ({t.tp * t.pp * t.dp * t.cp})")
-    if t.ep != 1:
-        problems.append("this layout has no expert parallelism (ep must be 1)")
+    experts = layout.experts
+    if t.ep != 1 and not experts:
+        problems.append("this layout has no experts (ep must be 1)")
+    if experts and t.dp % t.ep:
+        problems.append(f"ep {t.ep} does not divide dp {t.dp} (expert-parallel ranks are carved out of the data-parallel ranks)")
+    if experts and experts % t.ep:
+        problems.append(f"{experts} experts are not divisible by ep {t.ep}")
     sizes = {"tp": t.tp, "pp": t.pp, "dp": t.dp, "cp": t.cp, "ep": t.ep}
     for c in layout.constraints:
         n = sizes[c.axis]
@@ -101,8 +108,9 @@ def _length(shape: tuple[int, ...], start: int, length: int | None, dim: int) ->
     return size - start if length is None else length
 
 
-def local_param(param: Param, layer: int | None, tp: int, tp_rank: int) -> ParamSpec:
-    """The parameter as TP rank `tp_rank` of `tp` holds it: local shape and parts."""
+def local_param(param: Param, layer: int | None, tp: int, tp_rank: int, expert: int | None = None) -> ParamSpec:
+    """The parameter as TP rank `tp_rank` of `tp` holds it (of `expert`, in an expert unit):
+    local shape and parts."""
     cut = param.tp
     dim = cut.dim if cut is not None else 0
     pieces: list[tuple[int, int, int]] = []  # (part index, start along dim, length); stacked in order
@@ -132,11 +140,11 @@ def local_param(param: Param, layer: int | None, tp: int, tp_rank: int) -> Param
             lengths = tuple(n if d == dim else s for d, s in enumerate(p.shape))
         else:
             offsets, lengths = (), ()
-        parts.append(Part(expand(p.tensor, layer), p.shape, offsets, lengths, row, row + n, cut is None, dim))
+        parts.append(Part(expand(p.tensor, layer, expert), p.shape, offsets, lengths, row, row + n, cut is None, dim))
         row += n
     first = param.parts[0].shape
     shape = tuple(max(row, pos) if d == dim else s for d, s in enumerate(first))
-    return ParamSpec(param.name, shape, tuple(parts))
+    return ParamSpec(expand(param.name, None, expert), shape, tuple(parts))
 
 
 def stage_layers(layout: Layout, pp: int, pp_rank: int) -> list[int]:
@@ -146,28 +154,50 @@ def stage_layers(layout: Layout, pp: int, pp_rank: int) -> list[int]:
     return [i for c in range(pp_rank, chunks, pp) for i in range(c * per, (c + 1) * per)]
 
 
-def stage_units(layout: Layout, tp: int, tp_rank: int, pp: int, pp_rank: int) -> list[list[ParamSpec]]:
-    """The local parameters of each unit of a pipeline stage, in the order the stage runs them."""
-    def unit(u: Unit, layer: int | None) -> list[ParamSpec]:
-        return [local_param(p, layer, tp, tp_rank) for p in u.params]
+Placed = list[tuple[bool, list[ParamSpec]]]  # (expert unit?, its local parameters), per unit in stage order
 
-    out = [unit(u, None) for u in layout.units if u.place == "first" and pp_rank == 0]
-    layer_units = [u for u in layout.units if u.place == "layers"]
+
+def stage_units(
+    layout: Layout, tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0
+) -> list[list[ParamSpec]]:
+    """The local parameters of each unit of a pipeline stage, in the order the stage runs them
+    (an expert unit: the parameters of EP run `ep_rank`'s experts, expert by expert)."""
+    return [specs for _, specs in _stage(layout, tp, tp_rank, pp, pp_rank, ep, ep_rank)]
+
+
+def _stage(layout: Layout, tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int, ep_rank: int,
+           experts_only: bool = False) -> Placed:
+    def unit(u: Unit, layer: int | None) -> tuple[bool, list[ParamSpec]]:
+        if not u.experts:
+            return False, [local_param(p, layer, tp, tp_rank) for p in u.params]
+        per = u.experts // ep
+        return True, [local_param(p, layer, tp, tp_rank, e) for e in range(ep_rank * per, (ep_rank + 1) * per) for p in u.params]
+
+    def wanted(u: Unit) -> bool:
+        return bool(u.experts) or not experts_only
+
+    out = [unit(u, None) for u in layout.units if u.place == "first" and pp_rank == 0 and wanted(u)]
+    layer_units = [u for u in layout.units if u.place == "layers" and wanted(u)]
     out += [unit(u, layer) for layer in stage_layers(layout, pp, pp_rank) for u in layer_units]
-    out += [unit(u, None) for u in layout.units if u.place == "last" and pp_rank == pp - 1]
+    out += [unit(u, None) for u in layout.units if u.place == "last" and pp_rank == pp - 1 and wanted(u)]
     return out
 
 
-def buffers(layout: Layout, units: list[list[ParamSpec]]) -> Iterator[tuple[list[ParamSpec], int]]:
-    """Yield the flat buffers ZeRO cuts, with the quantum of their DP ranges (in elements)."""
+def buffers(layout: Layout, units: Placed) -> Iterator[tuple[list[ParamSpec], int, bool]]:
+    """Yield the flat buffers ZeRO cuts, with the quantum of their DP ranges (in elements) and
+    whether they hold experts (cut over the expert-data-parallel ranks)."""
     align = layout.zero.align
     if layout.zero.flatten == "unit":
-        yield from ((u, align) for u in units)
+        yield from ((u, align, expert) for expert, u in units)
     elif layout.zero.flatten == "stage":
-        yield [p for u in units for p in u], align
+        dense = [p for expert, u in units if not expert for p in u]
+        if dense:
+            yield dense, align, False
+        yield from ((u, align, True) for expert, u in units if expert)
     else:
-        for spec in (p for u in units for p in u):
-            yield [spec], math.prod(spec.shape[1:]) if spec.shape else 1
+        for expert, u in units:
+            for spec in u:
+                yield [spec], math.prod(spec.shape[1:]) if spec.shape else 1, expert
 
 
 def coordinates(layout: Layout, topology: Topology, rank: int) -> dict[str, int]:
@@ -195,11 +225,14 @@ def _sharded(role: str, zero: int) -> bool:
 
 def rank_boxes(layout: Layout, topology: Topology, rank: int) -> dict[str, dict[str, list[Box]]]:
     """Return the boxes of every logical tensor that `rank` holds, by state prefix then name."""
-    c = coordinates(layout, topology, rank)
+    t = topology
+    c = coordinates(layout, t, rank)
     out: dict[str, dict[str, list[Box]]] = {g.prefix: {} for g in layout.states}
-    for params, quantum in buffers(layout, stage_units(layout, topology.tp, c["tp"], topology.pp, c["pp"])):
+    placed = _stage(layout, t.tp, c["tp"], t.pp, c["pp"], t.ep, c["dp"] % t.ep)
+    for params, quantum, expert in buffers(layout, placed):
         offsets, numel = unit_offsets(params)
-        _, lo, hi = partition(numel, topology.dp, c["dp"], quantum)
+        size, index = (t.dp // t.ep, c["dp"] // t.ep) if expert else (t.dp, c["dp"])
+        _, lo, hi = partition(numel, size, index, quantum)
         for group in layout.states:
             a, b = (lo, hi) if _sharded(group.role, topology.zero_stage) else (0, numel)
             for part, boxes in range_boxes(params, offsets, a, b):
@@ -230,14 +263,16 @@ def holders(layout: Layout, topology: Topology) -> Holders:
         for tp_rank in range(t.tp):
             by_dp = [[rank_of(layout, t, {"tp": tp_rank, "cp": c, "dp": d, "pp": pp_rank}) for c in range(t.cp)]
                      for d in range(t.dp)]
-            group = [r for ranks in by_dp for r in ranks]
-            for params, quantum in buffers(layout, stage_units(layout, t.tp, tp_rank, t.pp, pp_rank)):
-                offsets, numel = unit_offsets(params)
-                if whole:
-                    add(whole, range_boxes(params, offsets, 0, numel), group)
-                for d in range(t.dp) if split else ():
-                    _, lo, hi = partition(numel, t.dp, d, quantum)
-                    add(split, range_boxes(params, offsets, lo, hi), by_dp[d])
+            for ep_rank in range(t.ep):  # the dense buffers once, the experts of every EP run
+                placed = _stage(layout, t.tp, tp_rank, t.pp, pp_rank, t.ep, ep_rank, experts_only=ep_rank > 0)
+                for params, quantum, expert in buffers(layout, placed):
+                    dps = list(range(ep_rank, t.dp, t.ep)) if expert else list(range(t.dp))
+                    offsets, numel = unit_offsets(params)
+                    if whole:
+                        add(whole, range_boxes(params, offsets, 0, numel), [r for d in dps for r in by_dp[d]])
+                    for i, d in enumerate(dps) if split else ():
+                        _, lo, hi = partition(numel, len(dps), i, quantum)
+                        add(split, range_boxes(params, offsets, lo, hi), by_dp[d])
     return out
 
 

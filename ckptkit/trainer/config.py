@@ -6,12 +6,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .. import LayoutError, Topology
-from ..layouts import Layout, reference_llama, topology_problems
+from ..layouts import Layout, reference_llama, reference_llama_moe, topology_problems
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only Llama-architecture transformer."""
+    """A decoder-only Llama-architecture transformer; with ``num_experts``, a mixture of
+    experts (Mixtral's structure: each layer's MLP is a router and that many SwiGLU experts of
+    ``intermediate_size``, ``top_k`` of them per token, with an auxiliary load-balancing loss)."""
 
     vocab_size: int = 128
     hidden_size: int = 64
@@ -23,24 +25,38 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     max_seq_len: int = 256
+    num_experts: int = 0  # 0: a dense MLP
+    top_k: int = 2
+    aux_loss_coef: float = 0.01
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def family(self) -> str:
+        return "llama-moe" if self.num_experts else "llama"
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if not self.num_experts:  # a dense model's config is what it always was
+            del out["num_experts"], out["top_k"], out["aux_loss_coef"]
+        return out
 
     def layout(self) -> Layout:
-        """The model's layout: the library's built-in reference Llama layout for this config."""
-        return reference_llama(self.to_json())
+        """The model's layout: the library's built-in reference Llama (or its mixture of experts)."""
+        return (reference_llama_moe if self.num_experts else reference_llama)(self.to_json())
 
 
-# Named sizes: tiny for tests (0.16M parameters), small (6M), base (0.49B) for benchmarks.
+# Named sizes: tiny for tests (0.16M parameters), small (6M), base (0.49B) for benchmarks; the
+# mixtures of experts tiny-moe (0.24M, 8 experts of which 2 per token) and small-moe (19M).
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=4),
     "small": dict(hidden_size=256, intermediate_size=704, num_layers=8, num_heads=8, num_kv_heads=4),
     "base": dict(hidden_size=1536, intermediate_size=3072, num_layers=24, num_heads=24, num_kv_heads=8),
+    "tiny-moe": dict(hidden_size=64, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=4, num_experts=8, top_k=2),
+    "small-moe": dict(hidden_size=256, intermediate_size=352, num_layers=8, num_heads=8, num_kv_heads=4, num_experts=8,
+                      top_k=2),
 }
 
 
@@ -51,6 +67,8 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1  # context parallelism: each CP rank holds a slice of every sequence
+    ep: int = 1  # expert parallelism, carved out of dp (a mixture of experts only)
     zero: int = 0
     steps: int = 10
     save_every: int = 0
@@ -80,12 +98,21 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
+
+    def topology(self, zero: int | None = None) -> Topology:
+        """The topology the run trains at (the manifest's record of it), at ZeRO stage `zero`
+        (default: the run's)."""
+        return Topology(world_size=self.world_size, tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep,
+                        zero_stage=self.zero if zero is None else zero)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["betas"] = list(self.betas)
         del out["echo"], out["phases"], out["sync_save"]  # how the run reports and saves, not what it trains
+        for axis in ("cp", "ep"):
+            if out[axis] == 1:  # a run without them records what it always did
+                del out[axis]
         return out
 
 
@@ -99,11 +126,16 @@ def model_config(name: str, *, vocab_size: int, tie_embeddings: bool = False) ->
 def check_topology(cfg: TrainConfig, model: ModelConfig, *, max_world: int | None = None) -> None:
     """Raise LayoutError with every reason the topology cannot run this model; nothing when it can."""
     problems = [] if cfg.zero in (0, 1, 2, 3) else [f"zero stage {cfg.zero} is not one of 0, 1, 2, 3"]
-    if min(cfg.tp, cfg.pp, cfg.dp) < 1:
-        problems.append("tp, pp and dp must be at least 1")
+    if min(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep) < 1:
+        problems.append("tp, pp, dp, cp and ep must be at least 1")
     else:
-        topology = Topology(world_size=cfg.world_size, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero_stage=min(max(cfg.zero, 0), 3))
-        problems += topology_problems(model.layout(), topology)
+        topology = cfg.topology(zero=min(max(cfg.zero, 0), 3))
+        problems += [p.replace("this layout has no experts", f"the {model.family} model has no experts")
+                     for p in topology_problems(model.layout(), topology)]
+        if cfg.seq_len % cfg.cp:
+            problems.append(f"sequence length {cfg.seq_len} is not divisible by cp {cfg.cp}")
+        if model.num_experts and model.top_k > model.num_experts:
+            problems.append(f"top-{model.top_k} routing needs at least {model.top_k} experts, the model has {model.num_experts}")
     if cfg.dp >= 1 and cfg.micro_batches >= 1 and cfg.global_batch % (cfg.dp * cfg.micro_batches):
         problems.append(
             f"global batch {cfg.global_batch} is not divisible by dp {cfg.dp} x micro-batches {cfg.micro_batches}"

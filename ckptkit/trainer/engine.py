@@ -1,7 +1,13 @@
-"""One rank of the trainer: its pipeline stage, ZeRO units, the GPipe schedule and the optimizer step."""
+"""One rank of the trainer: its pipeline stage, ZeRO units, the GPipe schedule and the optimizer step.
+
+The loss is the sum of the per-token cross entropies over the global batch divided by its
+tokens, plus (a mixture of experts) every layer's auxiliary load-balancing loss; every rank
+reports the same value.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -12,6 +18,7 @@ from torch import nn
 from .config import ModelConfig, TrainConfig
 from .mesh import Groups, Mesh
 from .model import Stage
+from .moe import Axis
 from ..layouts import Part
 from .tp import TPContext, parallel_cross_entropy
 from .zero import AdamW, DPContext, Unit
@@ -40,18 +47,29 @@ class Engine:
         self.mesh = mesh
         self.tp = TPContext(mesh.tp, mesh.tp_rank, groups.tp)
         self.dp = DPContext(mesh.dp, mesh.dp_rank, groups.dp)
-        self.stage = Stage(model, self.tp, pp_rank=mesh.pp_rank, pp=mesh.pp, seed=cfg.seed)
+        self.cp = Axis(mesh.cp, mesh.cp_rank, groups.cp)
+        edp = DPContext(mesh.edp, mesh.edp_rank, groups.edp)  # the DP ranks holding this rank's experts
+        replicas = DPContext(mesh.cp, mesh.cp_rank, groups.cp)
+        self.stage = Stage(model, self.tp, pp_rank=mesh.pp_rank, pp=mesh.pp, seed=cfg.seed, cp=self.cp,
+                           ep=Axis(mesh.ep, mesh.ep_rank, groups.ep))
+        expert_units = {id(m) for m in self.stage.experts}
         self.units: dict[int, Unit] = {}
-        for module in self.stage.units():
-            if id(module) not in self.units:
-                self.units[id(module)] = Unit(module, module_params(module), self.dp, cfg.zero)
+        for module in self.stage.param_units():
+            dp = edp if id(module) in expert_units else self.dp
+            self.units[id(module)] = Unit(module, module_params(module), dp, cfg.zero, replicas)
+        self.moe = self.stage.moe_layers()
+        for moe in self.moe:
+            moe.aux_weight = model.aux_loss_coef / cfg.global_batch  # the mean over the global batch's samples
+            moe.run_experts = functools.partial(self._call, moe.experts)
         self.optimizer = AdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self._norm_masks = {key: self._norm_mask(u) for key, u in self.units.items()}
 
     def _norm_mask(self, unit: Unit) -> torch.Tensor:
         """1 for elements this rank counts in the gradient norm: TP-replicated ones only on TP rank 0."""
         mask = torch.ones(unit.numel)
-        if self.tp.rank != 0:
+        if self.cp.rank != 0:  # context-parallel ranks hold replicas
+            mask.zero_()
+        elif self.tp.rank != 0:
             for slot in unit.slots:
                 if any(p.replicated for p in slot.parts):
                     mask[slot.offset : slot.offset + slot.numel] = 0.0
@@ -65,8 +83,9 @@ class Engine:
 
         Returns (loss, lr, grad norm), the same on every rank.
         """
-        losses = self._forward_backward(micro_batches, global_tokens)
-        loss = self._global_loss(losses)
+        aux: list[torch.Tensor] = []
+        losses = self._forward_backward(micro_batches, global_tokens, aux)
+        loss = self._global_loss(losses, aux)
         self.optimizer.step += 1
         lr = learning_rate(self.cfg, self.optimizer.step)
         grads = {key: u.reduced_grad() for key, u in self.units.items()}
@@ -78,15 +97,22 @@ class Engine:
             unit.zero_grad()
         return loss, lr, norm
 
-    def _forward_backward(self, micro_batches: list[torch.Tensor], global_tokens: int) -> list[torch.Tensor]:
-        """GPipe: every micro-batch forward through the stages, then every one backward, in reverse."""
+    def _forward_backward(self, micro_batches: list[torch.Tensor], global_tokens: int,
+                          aux: list[torch.Tensor]) -> list[torch.Tensor]:
+        """GPipe: every micro-batch forward through the stages, then every one backward, in
+        reverse. Returns the last stage's losses; `aux` receives this stage's auxiliary losses."""
         mesh = self.mesh
         prev = mesh.rank_of(mesh.tp_rank, mesh.dp_rank, mesh.pp_rank - 1) if not mesh.is_first_stage else None
         nxt = mesh.rank_of(mesh.tp_rank, mesh.dp_rank, mesh.pp_rank + 1) if not mesh.is_last_stage else None
         hidden = self.model_cfg.hidden_size
         inputs, outputs, losses = [], [], []
+        for moe in self.moe:
+            moe.aux_sink = aux
         for batch in micro_batches:
-            ids = batch[:, :-1]
+            ids, targets = batch[:, :-1], batch[:, 1:]
+            if self.cp.size > 1:  # this CP rank's slice of every sequence
+                n = ids.shape[1] // self.cp.size
+                ids, targets = (t[:, self.cp.rank * n : (self.cp.rank + 1) * n] for t in (ids, targets))
             if prev is None:
                 x = ids
             else:
@@ -96,13 +122,15 @@ class Engine:
             y = self.stage(x, self._call)
             if nxt is None:
                 head = self.stage.output_head()
-                per_token = parallel_cross_entropy(y.reshape(-1, y.shape[-1]), batch[:, 1:].reshape(-1), head)
+                per_token = parallel_cross_entropy(y.reshape(-1, y.shape[-1]), targets.reshape(-1), head)
                 y = per_token.sum() / global_tokens
                 losses.append(y.detach())
             else:
                 dist.send(y.detach().contiguous(), dst=nxt)
             inputs.append(x)
             outputs.append(y)
+        for moe in self.moe:  # a backward that recomputes a forward (ZeRO 3) records nothing
+            moe.aux_sink = None
         for x, y in zip(reversed(inputs), reversed(outputs)):
             if nxt is None:
                 y.backward()
@@ -115,16 +143,24 @@ class Engine:
                 dist.send(x.grad.contiguous(), dst=prev)
         return losses
 
-    def _global_loss(self, losses: list[torch.Tensor]) -> float:
-        """Sum the micro-batch losses over DP on the last stage; every rank gets that exact value."""
+    def _global_loss(self, losses: list[torch.Tensor], aux: list[torch.Tensor]) -> float:
+        """Sum the micro-batch losses over DP (and CP) on the last stage, and the auxiliary
+        losses of every stage; every rank gets that exact value."""
         value = torch.tensor([float("-inf")])
         if losses:
             total = torch.stack(losses).sum().reshape(1)
             if self.dp.size > 1:
                 dist.all_reduce(total, group=self.dp.group)
+            if self.cp.size > 1:
+                dist.all_reduce(total, group=self.cp.group)
             value = total
         if self.mesh.world_size > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        if self.model_cfg.num_experts:  # each stage's layers, each DP rank's samples, each CP rank's share; TP ranks repeat them
+            extra = torch.stack(aux).sum().reshape(1) if aux and self.tp.rank == 0 else torch.zeros(1)
+            if self.mesh.world_size > 1:
+                dist.all_reduce(extra)
+            value = value + extra
         return float(value.item())
 
     def _grad_norm(self, grads: dict[int, torch.Tensor]) -> float:

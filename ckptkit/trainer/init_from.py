@@ -20,6 +20,7 @@ from .config import MODELS, ModelConfig, TrainConfig
 # What the trainer builds, and the Hugging Face config values that mean the same.
 _HF_FIXED = {"model_type": "llama", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 _SIZE_KEYS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+_MOE_KEYS = ("num_experts", "top_k", "aux_loss_coef")  # a dense model's config does not record them
 
 
 def source_model(cfg: TrainConfig, manifest: Manifest, where: str, *, min_vocab: int) -> ModelConfig:
@@ -33,7 +34,7 @@ def source_model(cfg: TrainConfig, manifest: Manifest, where: str, *, min_vocab:
             for (every reason listed).
     """
     info = manifest.info.model
-    if info is None or info.family not in ("llama", "hf-llama"):
+    if info is None or info.family not in ("llama", "llama-moe", "hf-llama"):
         family = "none (no info.model)" if info is None else repr(info.family)
         raise RunError(f"{where}: --init-from needs a Llama checkpoint (the trainer's own, or a Hugging Face Llama "
                        f"converted by ckptkit convert); its model family is {family}")
@@ -48,9 +49,9 @@ def source_model(cfg: TrainConfig, manifest: Manifest, where: str, *, min_vocab:
 
 
 def _from_llama(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The trainer's own model config (``info.model.config`` of family ``llama``)."""
+    """The trainer's own model config (``info.model.config`` of family ``llama`` or ``llama-moe``)."""
     names = [f.name for f in fields(ModelConfig)]
-    missing = [n for n in names if n not in config]
+    missing = [n for n in names if n not in config and n not in _MOE_KEYS]
     return {n: config[n] for n in names if n in config}, [f"its model config lacks {', '.join(missing)}"] if missing else []
 
 
@@ -90,7 +91,8 @@ def _asked(cfg: TrainConfig, model: ModelConfig, min_vocab: int) -> list[str]:
             problems.append(f"unknown --model {cfg.model!r}")
         else:
             named = MODELS[cfg.model]
-            diff = [f"{k} {getattr(model, k)} (--model {cfg.model}: {named[k]})" for k in _SIZE_KEYS if getattr(model, k) != named[k]]
+            diff = [f"{k} {getattr(model, k)} (--model {cfg.model}: {named.get(k, 0)})" for k in (*_SIZE_KEYS, "num_experts")
+                    if getattr(model, k) != named.get(k, 0)]
             if diff:
                 problems.append("its model is not --model " + cfg.model + ": " + ", ".join(diff) + "; drop --model to train the checkpoint's")
     if cfg.tie_embeddings and not model.tie_embeddings:

@@ -98,7 +98,7 @@ def _named(cfg: TrainConfig) -> ModelConfig:
 def _resumed_model(cfg: TrainConfig, manifest: Manifest) -> ModelConfig:
     """The model a resume builds: the one the checkpoint records (the trainer's own), else the named size."""
     info = manifest.info.model
-    recorded = recorded_model(info.config) if info is not None and info.family == "llama" else None
+    recorded = recorded_model(info.config) if info is not None and info.family in ("llama", "llama-moe") else None
     return recorded or _named(cfg)
 
 
@@ -106,7 +106,7 @@ def resume_banner(cfg: TrainConfig, path: str, manifest: Manifest) -> str:
     """The one line a resume prints: from which checkpoint and step, source and target topology,
     what was resharded, whether the RNG streams are restored or derived."""
     source, target = manifest.topology, _topology(cfg)
-    if (source.tp, source.pp, source.dp, source.zero_stage) == (target.tp, target.pp, target.dp, target.zero_stage):
+    if source.model_copy(update={"rank_order": target.rank_order}) == target:
         moved = "same topology, nothing resharded"
     else:
         moved = "parameters and optimizer state resharded at load"
@@ -119,13 +119,15 @@ def same_rng_topology(manifest: Manifest, cfg: TrainConfig) -> bool:
     """Whether the saved RNG rows belong to ranks of the topology `cfg` trains at (ZeRO aside)."""
     saved = (manifest.info.rng or {}).get("topology")
     if saved is None:
-        saved = rng_topology(manifest.topology.tp, manifest.topology.pp, manifest.topology.dp)
-    return bool(saved == rng_topology(cfg.tp, cfg.pp, cfg.dp))
+        saved = rng_topology(manifest.topology.tp, manifest.topology.pp, manifest.topology.dp, manifest.topology.cp)
+    return bool(saved == rng_topology(cfg.tp, cfg.pp, cfg.dp, cfg.cp))
 
 
-def rng_topology(tp: int, pp: int, dp: int) -> dict[str, Any]:
-    """The topology whose ranks the saved RNG rows belong to (ZeRO does not change the streams)."""
-    return {"world_size": tp * pp * dp, "tp": tp, "pp": pp, "dp": dp}
+def rng_topology(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, Any]:
+    """The topology whose ranks the saved RNG rows belong to (ZeRO and EP, which do not change
+    which rank is which, do not change the streams)."""
+    out = {"world_size": tp * pp * dp * cp, "tp": tp, "pp": pp, "dp": dp}
+    return out if cp == 1 else {**out, "cp": cp}
 
 
 def _resume_path(cfg: TrainConfig) -> str | None:
@@ -200,4 +202,4 @@ def _model(cfg: TrainConfig) -> str:
 
 
 def _topology(cfg: TrainConfig) -> Topology:
-    return Topology(world_size=cfg.world_size, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero_stage=cfg.zero)
+    return cfg.topology()

@@ -74,7 +74,7 @@ def launch(cfg: TrainConfig, start: Start | None = None) -> None:
         try:
             if dist.get_world_size() != cfg.world_size:
                 raise LayoutError(
-                    f"torchrun started {dist.get_world_size()} ranks but tp x pp x dp = {cfg.world_size}"
+                    f"torchrun started {dist.get_world_size()} ranks but tp x pp x cp x dp = {cfg.world_size}"
                 )
             torch.set_num_threads(1)
             run_rank(dist.get_rank(), dist.get_world_size(), cfg, start)
@@ -104,7 +104,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, plan: Start | None = None)
     """Train on this rank from the start or a checkpoint up to global step ``cfg.steps``."""
     plan = plan if plan is not None else plan_start(cfg)
     say = _phase if cfg.phases and rank == 0 else (lambda text: None)
-    mesh = Mesh(cfg.tp, cfg.dp, cfg.pp, rank)
+    mesh = Mesh(cfg.tp, cfg.dp, cfg.pp, rank, cfg.cp, cfg.ep)
     tokenizer = Tokenizer()
     model = plan.model or model_config(cfg.model or "tiny", vocab_size=tokenizer.vocab_size, tie_embeddings=cfg.tie_embeddings)
     say("preparing the data")
@@ -194,13 +194,13 @@ def _info(cfg: TrainConfig, plan: Start, engine: Engine, sampler: Sampler, datas
         scheduler={"type": "warmup-cosine", "lr": cfg.lr, "min_lr": cfg.min_lr, "warmup_steps": cfg.warmup_steps,
                    "total_steps": cfg.total_steps, "step": engine.optimizer.step},
         rng={"streams": ",".join(sorted(rng_state(0, 1))), "layout": "rng/<stream> is [world_size, state bytes], row = rank",
-             "topology": rng_topology(cfg.tp, cfg.pp, cfg.dp)},
+             "topology": rng_topology(cfg.tp, cfg.pp, cfg.dp, cfg.cp)},
         data_progress=DataProgress(seed=cfg.seed, epoch=sampler.epoch, consumed_samples=sampler.consumed_samples,
                                    consumed_tokens=sampler.consumed_tokens),
         code=code_version(os.path.dirname(os.path.abspath(__file__))),
         data=DataVersion(dataset_id=dataset_id, fingerprint=dataset.fingerprint),
         config={**cfg.to_json(), **({"parent": plan.parent} if plan.parent is not None else {})},
-        model=ModelInfo(family="llama", config=engine.model_cfg.to_json()),
+        model=ModelInfo(family=engine.model_cfg.family, config=engine.model_cfg.to_json()),
     )
 
 
@@ -209,7 +209,7 @@ def _save(manager: CheckpointManager, cfg: TrainConfig, plan: Start, engine: Eng
     """Start saving this rank's state as checkpoint `step` (in the background unless --sync-save)."""
     state = tensor_state(list(engine.units.values()))
     state["rng"] = rng_state(rank, world)
-    topo = Topology(world_size=world, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, zero_stage=cfg.zero)
+    topo = cfg.topology()
     return manager.save(step, state, topology=topo, info=_info(cfg, plan, engine, sampler, dataset, dataset_id), tokenizer=tok_dir)
 
 

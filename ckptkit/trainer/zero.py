@@ -12,6 +12,10 @@ Rank r of the data-parallel group owns range r:
   a reduce-scatter).
 - ZeRO 3: as 2, and parameters live only as ranges: each unit gathers its full parameters for its
   forward and again (recomputing) for its backward, whose gradient is reduce-scattered back.
+
+A unit of experts is partitioned over its expert-data-parallel group instead (the DP ranks
+holding the same experts). Context-parallel ranks hold replicas: their gradients (partial
+sums over their slices of the sequences) are summed over the CP group too.
 """
 
 from __future__ import annotations
@@ -84,9 +88,11 @@ class _GatherUnit(torch.autograd.Function):
 class Unit:
     """One module's parameters as a flat buffer partitioned over DP, with its optimizer state."""
 
-    def __init__(self, module: nn.Module, params: list[tuple[str, nn.Parameter, list[Part]]], dp: DPContext, zero: int):
+    def __init__(self, module: nn.Module, params: list[tuple[str, nn.Parameter, list[Part]]], dp: DPContext, zero: int,
+                 replicas: DPContext = DPContext(1, 0)):
         self.module = module
         self.dp = dp
+        self.replicas = replicas  # the context-parallel group, whose gradients are summed too
         self.zero = zero
         self.specs = [ParamSpec(name, tuple(p.shape), tuple(parts)) for name, p, parts in params]
         offsets, offset = unit_offsets(self.specs)
@@ -137,13 +143,13 @@ class Unit:
         """Return the data-parallel sum of this unit's gradient over the range this rank updates."""
         if self.zero == 3:
             assert self.shard.grad is not None
-            return self.shard.grad[: self.hi - self.lo]
+            return _all_reduce(self.shard.grad[: self.hi - self.lo], self.replicas)
         grad = torch.zeros(self.numel)
         for slot, p in zip(self.slots, self.params):
             if p.grad is not None:
                 grad[slot.offset : slot.offset + slot.numel] = p.grad.reshape(-1)
         _all_reduce(grad, self.dp)
-        return grad[self.state_lo : self.state_hi]
+        return _all_reduce(grad[self.state_lo : self.state_hi], self.replicas)
 
     def zero_grad(self) -> None:
         if self.zero == 3:

@@ -59,3 +59,38 @@ def test_each_kind_of_mistake_is_named(edit, problem: str) -> None:  # type: ign
 
 def test_not_json_is_one_problem() -> None:
     assert layout_problems(b"{oops")[0].startswith("not valid JSON")
+
+
+MOE = dict(LLAMA, num_layers=2, intermediate_size=64, num_experts=8)
+
+
+def test_expert_units_are_checked_and_expand_per_expert() -> None:
+    from ckptkit.layouts import reference_llama_moe
+
+    layout = reference_llama_moe(MOE)
+    assert layout.experts == 8 and layout_problems(layout.to_json()) == []
+    assert "layers.1.mlp.experts.7.down.weight" in layout.tensors()
+    doc = layout.to_json()
+    doc["units"][2]["params"][0]["parts"][0]["tensor"] = "layers.{layer}.mlp.gate.weight"  # no {expert} in an expert unit
+    doc["units"][0]["experts"] = 2  # experts outside the layers
+    problems = layout_problems(doc)
+    assert problems == [
+        "unit 'embed': only per-layer units (place 'layers') may hold experts",
+        "unit 'embed': every expert unit must hold the same number of experts",
+        "unit 'embed' param 'weight': tensor 'embed.weight' must contain {expert} (its unit holds experts)",
+        "unit 'layers.{layer}.experts': every expert unit must hold the same number of experts",
+        "unit 'layers.{layer}.experts' param '{expert}.gate_up.weight': tensor 'layers.{layer}.mlp.gate.weight' must "
+        "contain {expert} (its unit holds experts)",
+    ]
+
+
+def test_ep_is_refused_where_the_layout_cannot_hold_it() -> None:
+    from ckptkit.layouts import reference_llama_moe, topology_problems
+    from ckptkit.manifest import Topology
+
+    moe, dense = reference_llama_moe(MOE), reference_llama(LLAMA)
+    assert topology_problems(moe, Topology(world_size=4, dp=4, ep=4)) == []
+    assert topology_problems(moe, Topology(world_size=6, dp=6, ep=3)) == ["8 experts are not divisible by ep 3"]
+    assert topology_problems(moe, Topology(world_size=2, dp=2, ep=4)) == [
+        "ep 4 does not divide dp 2 (expert-parallel ranks are carved out of the data-parallel ranks)"]
+    assert topology_problems(dense, Topology(world_size=2, dp=2, ep=2)) == ["this layout has no experts (ep must be 1)"]

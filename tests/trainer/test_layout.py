@@ -11,6 +11,7 @@ from ckptkit.trainer.engine import module_params
 from ckptkit.layouts import holders, rank_boxes, stage_units
 from ckptkit.manifest import Topology
 from ckptkit.trainer.model import Stage
+from ckptkit.trainer.moe import Axis
 from ckptkit.trainer.tp import TPContext
 from ckptkit.trainer.zero import DPContext, Unit
 
@@ -21,11 +22,12 @@ def _topology(tp: int, pp: int, dp: int, zero: int) -> Topology:
 TOPOLOGIES = [(1, 1, 1, 0), (2, 2, 2, 1), (4, 1, 2, 2), (1, 2, 4, 3), (2, 1, 3, 0)]
 
 
-def _running_boxes(cfg, tp: int, pp: int, dp: int, zero: int, rank: int) -> dict:  # type: ignore[no-untyped-def]
-    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
-    stage = Stage(cfg, TPContext(tp, tp_rank), pp_rank=pp_rank, pp=pp, seed=1)
-    units = {id(m): m for m in stage.units()}
-    built = [Unit(m, module_params(m), DPContext(dp, dp_rank), zero) for m in units.values()]
+def _running_boxes(cfg, tp: int, pp: int, dp: int, zero: int, rank: int, cp: int = 1, ep: int = 1) -> dict:  # type: ignore[no-untyped-def]
+    tp_rank, cp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % cp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+    stage = Stage(cfg, TPContext(tp, tp_rank), pp_rank=pp_rank, pp=pp, seed=1, ep=Axis(ep, dp_rank % ep))
+    experts = {id(m) for m in stage.experts}
+    built = [Unit(m, module_params(m), DPContext(dp // ep, dp_rank // ep) if id(m) in experts else DPContext(dp, dp_rank), zero)
+             for m in stage.param_units()]
     state = tensor_state(built)
     flat = {"model": state["model"], "optimizer/exp_avg": state["optimizer"]["exp_avg"],
             "optimizer/exp_avg_sq": state["optimizer"]["exp_avg_sq"]}
@@ -66,5 +68,40 @@ def test_topology_holders_are_the_boxes_of_every_rank_with_their_holders(topolog
                 for box in boxes:
                     want.setdefault(f"{key}/{name}", {}).setdefault(box, set()).add(rank)
     got = holders(cfg.layout(), _topology(tp, pp, dp, zero))
+    assert {f: {b: sorted(r) for b, r in bs.items()} for f, bs in got.items()} == {
+        f: {b: sorted(r) for b, r in bs.items()} for f, bs in want.items()}
+
+
+# (tp, pp, dp, zero, cp, ep) of the mixture of experts
+MOE = [(1, 1, 1, 0, 1, 1), (2, 1, 2, 1, 1, 2), (1, 1, 4, 1, 1, 4), (1, 2, 4, 2, 1, 2), (2, 1, 2, 3, 2, 2), (1, 1, 8, 3, 1, 4)]
+
+
+def _moe_topology(tp: int, pp: int, dp: int, zero: int, cp: int, ep: int) -> Topology:
+    return Topology(world_size=tp * pp * dp * cp, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=zero)
+
+
+@pytest.mark.parametrize("topology", MOE, ids=lambda t: "tp{}-pp{}-dp{}-z{}-cp{}-ep{}".format(*t))
+def test_moe_layout_matches_the_running_trainer_and_tiles_every_expert(topology: tuple[int, ...]) -> None:
+    cfg = model_config("tiny-moe", vocab_size=98)
+    tp, pp, dp, zero, cp, ep = topology
+    t = _moe_topology(*topology)
+    distinct: dict[str, set] = {}
+    for rank in range(t.world_size):
+        boxes = rank_boxes(cfg.layout(), t, rank)
+        assert boxes == _running_boxes(cfg, tp, pp, dp, zero, rank, cp, ep), rank
+        for key, by_name in boxes.items():
+            for name, found in by_name.items():
+                distinct.setdefault(f"{key}/{name}", set()).update(b for b in found if b.volume)
+    shapes = cfg.layout().tensors()
+    assert {f.split("/")[-1] for f in distinct} == set(shapes) and len(shapes) == 3 + 2 * (7 + 3 * 8)
+    for fqn, boxes in distinct.items():
+        assert tiling_problems(shapes[fqn.split("/")[-1]], list(boxes)) == [], fqn
+    got = holders(cfg.layout(), t)
+    want: dict[str, dict] = {}
+    for rank in range(t.world_size):
+        for key, by_name in rank_boxes(cfg.layout(), t, rank).items():
+            for name, found in by_name.items():
+                for box in found:
+                    want.setdefault(f"{key}/{name}", {}).setdefault(box, set()).add(rank)
     assert {f: {b: sorted(r) for b, r in bs.items()} for f, bs in got.items()} == {
         f: {b: sorted(r) for b, r in bs.items()} for f, bs in want.items()}
