@@ -22,6 +22,10 @@ from .base import cli
 @click.option("--ep", default=1, show_default=True, type=click.IntRange(1),
               help="Expert-parallel degree (a mixture of experts): experts split over EP ranks carved out of --dp.")
 @click.option("--zero", default=0, show_default=True, type=click.IntRange(0, 3), help="ZeRO stage (0-3).")
+@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="Where to compute: cpu (gloo) or cuda (NCCL, one GPU per rank).")
+@click.option("--precision", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16", "fp16"]),
+              help="Compute dtype on fp32 master weights; fp16 with a dynamic loss scaler (checkpointed).")
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(0), help="Global step to stop at.")
 @click.option("--save-every", default=0, show_default=True, type=click.IntRange(0), help="Save every K steps and at the end (0: never).")
 @click.option("--out", default="runs/train", show_default=True, help="Directory of the run's checkpoints.")

@@ -86,10 +86,17 @@ RNG_STREAMS = {
 }
 
 
+def _streams() -> dict[str, tuple[Any, Any]]:
+    """The generators this process uses: CPU, Python, NumPy, and the current GPU's once CUDA is in use."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {**RNG_STREAMS, "torch_cuda": (torch.cuda.get_rng_state, torch.cuda.set_rng_state)}
+    return RNG_STREAMS
+
+
 def rng_state(rank: int, world: int) -> dict[str, ShardedTensor]:
     """Return every generator's state on this rank as row `rank` of a [world, n] uint8 tensor."""
     out = {}
-    for name, (get, _) in RNG_STREAMS.items():
+    for name, (get, _) in _streams().items():
         state = get().reshape(1, -1).clone()
         out[name] = ShardedTensor(state, (world, state.shape[1]), (rank, 0))
     return out
@@ -101,8 +108,9 @@ def rng_targets(rank: int, world: int) -> dict[str, ShardedTensor]:
 
 
 def restore_rng(loaded: dict[str, ShardedTensor]) -> None:
+    streams = _streams()
     for name, target in loaded.items():
-        RNG_STREAMS[name][1](target.local.reshape(-1).clone())
+        streams[name][1](target.local.reshape(-1).clone())
 
 
 def seed_rngs(seed: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -70,6 +71,10 @@ class TrainConfig:
     cp: int = 1  # context parallelism: each CP rank holds a slice of every sequence
     ep: int = 1  # expert parallelism, carved out of dp (a mixture of experts only)
     zero: int = 0
+    device: str = "cpu"  # or cuda: NCCL, one GPU per rank
+    precision: str = "fp32"  # or bf16 / fp16: compute in that dtype on fp32 master weights (fp16 with a loss scaler)
+    loss_scale: float = 2.0**16  # fp16: the loss scaler's first scale
+    loss_scale_window: int = 2000  # fp16: steps without overflow before the scale doubles
     steps: int = 10
     save_every: int = 0
     out: str = "runs/train"
@@ -113,6 +118,11 @@ class TrainConfig:
         for axis in ("cp", "ep"):
             if out[axis] == 1:  # a run without them records what it always did
                 del out[axis]
+        if out["precision"] != "fp16":
+            del out["loss_scale"], out["loss_scale_window"]
+        if out["precision"] == "fp32":
+            del out["precision"]
+        del out["device"]  # where it runs, not what it trains
         return out
 
 
@@ -123,9 +133,28 @@ def model_config(name: str, *, vocab_size: int, tie_embeddings: bool = False) ->
     return ModelConfig(vocab_size=vocab_size, tie_embeddings=tie_embeddings, **MODELS[name])
 
 
+def device_problems(cfg: TrainConfig) -> list[str]:
+    """Why the run cannot compute where and how it asks (empty when it can)."""
+    import torch
+
+    problems = []
+    if cfg.precision not in ("fp32", "bf16", "fp16"):
+        problems.append(f"precision {cfg.precision!r} is not one of fp32, bf16, fp16")
+    if cfg.device not in ("cpu", "cuda"):
+        problems.append(f"device {cfg.device!r} is not one of cpu, cuda")
+    elif cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            problems.append("--device cuda, but CUDA is not available here")
+        elif "RANK" not in os.environ and cfg.world_size > torch.cuda.device_count():
+            problems.append(f"--device cuda runs one rank per GPU (NCCL): world size {cfg.world_size}, "
+                            f"{torch.cuda.device_count()} GPU(s) here")
+    return problems
+
+
 def check_topology(cfg: TrainConfig, model: ModelConfig, *, max_world: int | None = None) -> None:
     """Raise LayoutError with every reason the topology cannot run this model; nothing when it can."""
     problems = [] if cfg.zero in (0, 1, 2, 3) else [f"zero stage {cfg.zero} is not one of 0, 1, 2, 3"]
+    problems += device_problems(cfg)
     if min(cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep) < 1:
         problems.append("tp, pp, dp, cp and ep must be at least 1")
     else:

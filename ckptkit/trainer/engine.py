@@ -19,6 +19,7 @@ from .config import ModelConfig, TrainConfig
 from .mesh import Groups, Mesh
 from .model import Stage
 from .moe import Axis
+from .precision import DTYPES, LossScaler
 from ..layouts import Part
 from .tp import TPContext, parallel_cross_entropy
 from .zero import AdamW, DPContext, Unit
@@ -45,18 +46,22 @@ class Engine:
         self.cfg = cfg
         self.model_cfg = model
         self.mesh = mesh
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+        self.compute = DTYPES[cfg.precision]
+        self.scaler = LossScaler(cfg.loss_scale, growth_interval=cfg.loss_scale_window) if cfg.precision == "fp16" else None
         self.tp = TPContext(mesh.tp, mesh.tp_rank, groups.tp)
         self.dp = DPContext(mesh.dp, mesh.dp_rank, groups.dp)
         self.cp = Axis(mesh.cp, mesh.cp_rank, groups.cp)
         edp = DPContext(mesh.edp, mesh.edp_rank, groups.edp)  # the DP ranks holding this rank's experts
         replicas = DPContext(mesh.cp, mesh.cp_rank, groups.cp)
         self.stage = Stage(model, self.tp, pp_rank=mesh.pp_rank, pp=mesh.pp, seed=cfg.seed, cp=self.cp,
-                           ep=Axis(mesh.ep, mesh.ep_rank, groups.ep))
+                           ep=Axis(mesh.ep, mesh.ep_rank, groups.ep)).to(self.device)
         expert_units = {id(m) for m in self.stage.experts}
         self.units: dict[int, Unit] = {}
         for module in self.stage.param_units():
             dp = edp if id(module) in expert_units else self.dp
-            self.units[id(module)] = Unit(module, module_params(module), dp, cfg.zero, replicas)
+            self.units[id(module)] = Unit(module, module_params(module), dp, cfg.zero, replicas, compute=self.compute,
+                                          device=self.device)
         self.moe = self.stage.moe_layers()
         for moe in self.moe:
             moe.aux_weight = model.aux_loss_coef / cfg.global_batch  # the mean over the global batch's samples
@@ -66,7 +71,7 @@ class Engine:
 
     def _norm_mask(self, unit: Unit) -> torch.Tensor:
         """1 for elements this rank counts in the gradient norm: TP-replicated ones only on TP rank 0."""
-        mask = torch.ones(unit.numel)
+        mask = torch.ones(unit.numel, device=self.device)
         if self.cp.rank != 0:  # context-parallel ranks hold replicas
             mask.zero_()
         elif self.tp.rank != 0:
@@ -81,14 +86,25 @@ class Engine:
     def train_step(self, micro_batches: list[torch.Tensor], global_tokens: int) -> tuple[float, float, float]:
         """Run forward and backward over this rank's micro-batches, then the optimizer step.
 
-        Returns (loss, lr, grad norm), the same on every rank.
+        Returns (loss, lr, grad norm), the same on every rank; under fp16, a step whose
+        gradients overflow is skipped (the optimizer step does not advance) and its norm is inf.
         """
         aux: list[torch.Tensor] = []
-        losses = self._forward_backward(micro_batches, global_tokens, aux)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        losses = self._forward_backward([b.to(self.device) for b in micro_batches], global_tokens, aux, scale)
         loss = self._global_loss(losses, aux)
+        grads = {key: u.reduced_grad() for key, u in self.units.items()}
+        if self.scaler is not None:
+            for g in grads.values():
+                g.div_(scale)
+            overflow = self._overflow(grads)
+            self.scaler.update(overflow)
+            if overflow:
+                for unit in self.units.values():
+                    unit.zero_grad()
+                return loss, learning_rate(self.cfg, self.optimizer.step + 1), float("inf")
         self.optimizer.step += 1
         lr = learning_rate(self.cfg, self.optimizer.step)
-        grads = {key: u.reduced_grad() for key, u in self.units.items()}
         norm = self._grad_norm(grads)
         clip = min(1.0, self.cfg.grad_clip / (norm + 1e-6)) if self.cfg.grad_clip > 0 else 1.0
         for key, unit in self.units.items():
@@ -97,17 +113,29 @@ class Engine:
             unit.zero_grad()
         return loss, lr, norm
 
+    def _overflow(self, grads: dict[int, torch.Tensor]) -> bool:
+        """Whether any rank's gradients hold an inf or a nan."""
+        flag = torch.zeros(1, device=self.device)
+        for g in grads.values():
+            if not bool(torch.isfinite(g).all()):
+                flag.fill_(1.0)
+                break
+        if self.mesh.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def _forward_backward(self, micro_batches: list[torch.Tensor], global_tokens: int,
-                          aux: list[torch.Tensor]) -> list[torch.Tensor]:
+                          aux: list[torch.Tensor], scale: float = 1.0) -> list[torch.Tensor]:
         """GPipe: every micro-batch forward through the stages, then every one backward, in
-        reverse. Returns the last stage's losses; `aux` receives this stage's auxiliary losses."""
+        reverse (the loss times `scale`). Returns the last stage's losses; `aux` receives this
+        stage's auxiliary losses."""
         mesh = self.mesh
         prev = mesh.rank_of(mesh.tp_rank, mesh.dp_rank, mesh.pp_rank - 1) if not mesh.is_first_stage else None
         nxt = mesh.rank_of(mesh.tp_rank, mesh.dp_rank, mesh.pp_rank + 1) if not mesh.is_last_stage else None
         hidden = self.model_cfg.hidden_size
         inputs, outputs, losses = [], [], []
         for moe in self.moe:
-            moe.aux_sink = aux
+            moe.aux_sink, moe.loss_scale = aux, scale
         for batch in micro_batches:
             ids, targets = batch[:, :-1], batch[:, 1:]
             if self.cp.size > 1:  # this CP rank's slice of every sequence
@@ -116,7 +144,7 @@ class Engine:
             if prev is None:
                 x = ids
             else:
-                x = torch.empty(ids.shape[0], ids.shape[1], hidden)
+                x = torch.empty(ids.shape[0], ids.shape[1], hidden, dtype=self.compute, device=self.device)
                 dist.recv(x, src=prev)
                 x.requires_grad_()
             y = self.stage(x, self._call)
@@ -133,7 +161,7 @@ class Engine:
             moe.aux_sink = None
         for x, y in zip(reversed(inputs), reversed(outputs)):
             if nxt is None:
-                y.backward()
+                (y * scale if scale != 1.0 else y).backward()
             else:
                 grad = torch.empty_like(y)
                 dist.recv(grad, src=nxt)
@@ -146,7 +174,7 @@ class Engine:
     def _global_loss(self, losses: list[torch.Tensor], aux: list[torch.Tensor]) -> float:
         """Sum the micro-batch losses over DP (and CP) on the last stage, and the auxiliary
         losses of every stage; every rank gets that exact value."""
-        value = torch.tensor([float("-inf")])
+        value = torch.tensor([float("-inf")], device=self.device)
         if losses:
             total = torch.stack(losses).sum().reshape(1)
             if self.dp.size > 1:
@@ -157,14 +185,14 @@ class Engine:
         if self.mesh.world_size > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         if self.model_cfg.num_experts:  # each stage's layers, each DP rank's samples, each CP rank's share; TP ranks repeat them
-            extra = torch.stack(aux).sum().reshape(1) if aux and self.tp.rank == 0 else torch.zeros(1)
+            extra = torch.stack(aux).sum().reshape(1) if aux and self.tp.rank == 0 else torch.zeros(1, device=self.device)
             if self.mesh.world_size > 1:
                 dist.all_reduce(extra)
             value = value + extra
         return float(value.item())
 
     def _grad_norm(self, grads: dict[int, torch.Tensor]) -> float:
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for key, unit in self.units.items():
             g = grads[key]
             own = g[unit.lo - unit.state_lo : unit.hi - unit.state_lo]

@@ -38,8 +38,9 @@ class RMSNorm(nn.Module):
         self.parts = norm_parts(name, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x * scale * self.weight
+        h = x.float()  # normalised in fp32 whatever the compute dtype
+        scale = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * scale).to(x.dtype) * self.weight
 
 
 def rotary(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +54,7 @@ def rotary(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, tor
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -106,8 +107,8 @@ class Attention(nn.Module):
         mask = None
         if self.cp.size > 1:
             k, v = _GatherSequence.apply(k, self.cp), _GatherSequence.apply(v, self.cp)
-            mine = torch.arange(s) + self.cp.rank * s
-            mask = mine.unsqueeze(1) >= torch.arange(k.shape[2]).unsqueeze(0)  # causal by global position
+            mine = torch.arange(s, device=q.device) + self.cp.rank * s
+            mask = mine.unsqueeze(1) >= torch.arange(k.shape[2], device=q.device).unsqueeze(0)  # causal by global position
         repeat = self.heads // self.kv_heads
         k = k.repeat_interleave(repeat, dim=1)
         v = v.repeat_interleave(repeat, dim=1)

@@ -60,17 +60,18 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _WithAux(torch.autograd.Function):
-    """Identity on the layer's output; backward also gives the auxiliary loss its gradient 1,
-    so that the loss of every layer on every pipeline stage trains the router."""
+    """Identity on the layer's output; backward also gives the auxiliary loss its gradient (1,
+    times the loss scale under fp16), so that the loss of every layer on every pipeline stage
+    trains the router."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.aux_shape = aux.shape
+    def forward(ctx: Any, y: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.aux_shape, ctx.scale = aux.shape, scale
         return y.view_as(y)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        return grad, torch.ones(ctx.aux_shape, dtype=grad.dtype)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
 class Router(nn.Module):
@@ -131,6 +132,7 @@ class MoE(nn.Module):
         self.run_experts: Callable[[torch.Tensor, list[int]], torch.Tensor] = self._run_here
         self.aux_weight = cfg.aux_loss_coef  # the weight of the summed per-sample losses: coef / global batch
         self.aux_sink: list[torch.Tensor] | None = None  # where the forward records its auxiliary loss
+        self.loss_scale = 1.0  # fp16: the scale the loss's gradient carries
 
     @property
     def experts(self) -> LocalExperts:
@@ -151,12 +153,12 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=n_experts)
         out = self._exchange(tokens[order // k], counts)
         inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
+        inverse[order] = torch.arange(order.numel(), device=order.device)
         y = (out[inverse].view(-1, k, h) * weights.unsqueeze(-1)).sum(dim=1).view(b, s, h)
         aux = self._aux_loss(probs.view(b, s, n_experts), chosen.view(b, s, k)) * self.aux_weight
         if self.aux_sink is not None:
             self.aux_sink.append(aux.detach())
-        return _WithAux.apply(y, aux)
+        return _WithAux.apply(y, aux, self.loss_scale)
 
     def _exchange(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run `rows` (grouped by expert, `counts` per expert) through their experts, on the

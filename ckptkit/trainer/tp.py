@@ -170,7 +170,7 @@ class _ParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         softmax, local_t, inside = ctx.saved_tensors
         g = softmax.clone()
-        rows = torch.arange(g.shape[0])
+        rows = torch.arange(g.shape[0], device=g.device)
         g[rows, local_t] -= inside.to(g.dtype)
         return g * grad.unsqueeze(-1), None, None, None
 

@@ -9,6 +9,7 @@ ranks run ``run_rank``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -37,6 +38,7 @@ from .checkpointing import derived_seed, restore_rng, rng_state, rng_targets, se
 from .config import ModelConfig, TrainConfig, check_topology, model_config
 from .data import Dataset, Sampler, Tokenizer, load_dataset
 from .engine import Engine
+from .precision import LossScaler
 from .start import Start, plan_start, rng_topology, same_rng_topology
 from .mesh import Mesh, build_groups
 
@@ -65,12 +67,13 @@ def prepare(cfg: TrainConfig) -> Start:
 def launch(cfg: TrainConfig, start: Start | None = None) -> None:
     """Start the ranks: under torchrun (RANK set) run as this rank, else spawn them here.
 
-    `start` is what `prepare` returned (default: decided here). The trainer computes on the
-    CPU (gloo) for now, also under torchrun.
+    `start` is what `prepare` returned (default: decided here). On the CPU the ranks talk over
+    gloo; with ``--device cuda`` over NCCL, one GPU per rank (``LOCAL_RANK`` under torchrun).
     """
     start = start if start is not None else plan_start(cfg)
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
     if "RANK" in os.environ:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
         try:
             if dist.get_world_size() != cfg.world_size:
                 raise LayoutError(
@@ -84,15 +87,15 @@ def launch(cfg: TrainConfig, start: Start | None = None) -> None:
     from .launch import run_ranks
 
     if cfg.world_size == 1:
-        _single(cfg, start)
+        _single(cfg, start, backend)
     else:
-        run_ranks(run_rank, cfg.world_size, cfg, start)
+        run_ranks(run_rank, cfg.world_size, cfg, start, backend=backend)
 
 
-def _single(cfg: TrainConfig, start: Start) -> None:
+def _single(cfg: TrainConfig, start: Start, backend: str) -> None:
     from .launch import free_port
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         torch.set_num_threads(1)
         run_rank(0, 1, cfg, start)
@@ -103,6 +106,8 @@ def _single(cfg: TrainConfig, start: Start) -> None:
 def run_rank(rank: int, world: int, cfg: TrainConfig, plan: Start | None = None) -> None:
     """Train on this rank from the start or a checkpoint up to global step ``cfg.steps``."""
     plan = plan if plan is not None else plan_start(cfg)
+    if cfg.device == "cuda":  # before the first collective: NCCL binds each rank to its GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     say = _phase if cfg.phases and rank == 0 else (lambda text: None)
     mesh = Mesh(cfg.tp, cfg.dp, cfg.pp, rank, cfg.cp, cfg.ep)
     tokenizer = Tokenizer()
@@ -137,7 +142,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, plan: Start | None = None)
             if cfg.echo and rank == 0:
                 print(f"step {step:>6}  loss {loss:.4f}  lr {lr:.2e}  grad norm {norm:.3f}", flush=True)
             if log is not None:
-                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm if math.isfinite(norm) else None,
                           "consumed_samples": sampler.consumed_samples, "consumed_tokens": sampler.consumed_tokens,
                           "sample_ids": ids}
                 log.write(json.dumps(record) + "\n")
@@ -191,6 +196,7 @@ def _info(cfg: TrainConfig, plan: Start, engine: Engine, sampler: Sampler, datas
             param_groups=(ParamGroup(params=names, options={"weight_decay": "on 2-D weights only"}),),
             step=engine.optimizer.step,
         ),
+        loss_scaler=engine.scaler.state() if engine.scaler is not None else None,
         scheduler={"type": "warmup-cosine", "lr": cfg.lr, "min_lr": cfg.min_lr, "warmup_steps": cfg.warmup_steps,
                    "total_steps": cfg.total_steps, "step": engine.optimizer.step},
         rng={"streams": ",".join(sorted(rng_state(0, 1))), "layout": "rng/<stream> is [world_size, state bytes], row = rank",
@@ -230,8 +236,8 @@ def _resume(path: str | None, cfg: TrainConfig, engine: Engine, sampler: Sampler
     target = tensor_state(list(engine.units.values()))
     # The RNG rows belong to the ranks that saved them, which a reshard does not change.
     same_topology = same_rng_topology(manifest, cfg)
-    if same_topology:
-        target["rng"] = rng_targets(rank, world)
+    if same_topology:  # the streams both have (a GPU's is not in a CPU run's checkpoint)
+        target["rng"] = {k: v for k, v in rng_targets(rank, world).items() if f"rng/{k}" in manifest.tensors}
     else:  # every rank reads every saved stream and derives its own from them
         target["rng"] = {
             fqn.split("/", 1)[1]: torch.empty(t.shape, dtype=torch.uint8)
@@ -244,6 +250,8 @@ def _resume(path: str | None, cfg: TrainConfig, engine: Engine, sampler: Sampler
     else:
         seed_rngs(derived_seed(dict(sorted(target["rng"].items())), rank, world))
     info = manifest.info
+    if engine.scaler is not None and info.loss_scaler is not None and info.loss_scaler.get("type") == "dynamic":
+        engine.scaler = LossScaler.from_state(dict(info.loss_scaler))
     engine.optimizer.step = info.optimizer.step if info.optimizer and info.optimizer.step is not None else manifest.step
     if info.data_progress is not None:
         sampler.consumed_samples = info.data_progress.consumed_samples

@@ -13,6 +13,12 @@ Rank r of the data-parallel group owns range r:
 - ZeRO 3: as 2, and parameters live only as ranges: each unit gathers its full parameters for its
   forward and again (recomputing) for its backward, whose gradient is reduce-scattered back.
 
+Mixed precision (``compute`` bf16 or fp16): the flat fp32 buffer holds the master weights,
+which the optimizer updates; the modules compute with a copy in the compute dtype, refreshed
+from the masters after each update, and their gradients are accumulated in fp32 (a hook moves
+each micro-batch's gradient into an fp32 buffer). Under ZeRO 3 the gathered fp32 parameters
+are cast for the forward. The checkpoint holds the fp32 masters.
+
 A unit of experts is partitioned over its expert-data-parallel group instead (the DP ranks
 holding the same experts). Context-parallel ranks hold replicas: their gradients (partial
 sums over their slices of the sequences) are summed over the CP group too.
@@ -89,11 +95,14 @@ class Unit:
     """One module's parameters as a flat buffer partitioned over DP, with its optimizer state."""
 
     def __init__(self, module: nn.Module, params: list[tuple[str, nn.Parameter, list[Part]]], dp: DPContext, zero: int,
-                 replicas: DPContext = DPContext(1, 0)):
+                 replicas: DPContext = DPContext(1, 0), *, compute: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         self.module = module
         self.dp = dp
         self.replicas = replicas  # the context-parallel group, whose gradients are summed too
         self.zero = zero
+        self.compute = compute
+        self.device = torch.device(device)
         self.specs = [ParamSpec(name, tuple(p.shape), tuple(parts)) for name, p, parts in params]
         offsets, offset = unit_offsets(self.specs)
         self.slots = [
@@ -101,29 +110,47 @@ class Unit:
         ]
         self.numel = offset
         self.chunk, self.lo, self.hi = partition(offset, dp.size, dp.rank)
-        flat = torch.zeros(self.chunk * dp.size)
+        dev = self.device
+        flat = torch.zeros(self.chunk * dp.size, device=dev)
         for slot, (_, p, _) in zip(self.slots, params):
             flat[slot.offset : slot.offset + slot.numel] = p.detach().reshape(-1)
         owned = (0, offset) if zero == 0 else (self.lo, self.hi)
         self.state_lo, self.state_hi = owned
         n = owned[1] - owned[0]
-        self.exp_avg = torch.zeros(n)
-        self.exp_avg_sq = torch.zeros(n)
-        self.decay_mask = torch.zeros(offset)
+        self.exp_avg = torch.zeros(n, device=dev)
+        self.exp_avg_sq = torch.zeros(n, device=dev)
+        self.decay_mask = torch.zeros(offset, device=dev)
         for slot in self.slots:
             if slot.decay:
                 self.decay_mask[slot.offset : slot.offset + slot.numel] = 1.0
+        self.main_grad: torch.Tensor | None = None  # mixed precision: the fp32 sum of the micro-batches' gradients
+        self.copy: torch.Tensor | None = None  # mixed precision: the parameters in the compute dtype
         if zero == 3:
             self.shard = nn.Parameter(flat[dp.rank * self.chunk : (dp.rank + 1) * self.chunk].clone())
             for _, p, _ in params:
-                p.data = torch.empty(0)  # the unit's parameters now live only as ranges
+                p.data = torch.empty(0, device=dev)  # the unit's parameters now live only as ranges
             self.flat = None
         else:
             self.flat = flat[:offset]
+            held = self.flat
+            if compute != torch.float32:
+                self.copy = held = self.flat.to(compute)
+                self.main_grad = torch.zeros(offset, device=dev)
             for slot, (_, p, _) in zip(self.slots, params):
-                p.data = self.flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                p.data = held[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                if self.main_grad is not None:
+                    p.register_post_accumulate_grad_hook(self._accumulate(self.main_grad[slot.offset : slot.offset + slot.numel]))
         self.params = [p for _, p, _ in params]
         self.names = [n for n, _, _ in params]
+
+    @staticmethod
+    def _accumulate(into: torch.Tensor) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            assert p.grad is not None
+            into.add_(p.grad.reshape(-1))  # in fp32
+            p.grad = None
+
+        return hook
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
@@ -135,7 +162,7 @@ class Unit:
 
         def run(shard: torch.Tensor, *inputs: Any) -> Any:
             full = _GatherUnit.apply(shard, self.dp)
-            return functional_call(self.module, self.views(full), inputs)
+            return functional_call(self.module, self.views(full.to(self.compute)), inputs)
 
         return checkpoint(run, self.shard, *args, use_reentrant=False)
 
@@ -144,16 +171,21 @@ class Unit:
         if self.zero == 3:
             assert self.shard.grad is not None
             return _all_reduce(self.shard.grad[: self.hi - self.lo], self.replicas)
-        grad = torch.zeros(self.numel)
-        for slot, p in zip(self.slots, self.params):
-            if p.grad is not None:
-                grad[slot.offset : slot.offset + slot.numel] = p.grad.reshape(-1)
+        if self.main_grad is not None:
+            grad = self.main_grad.clone()
+        else:
+            grad = torch.zeros(self.numel, device=self.device)
+            for slot, p in zip(self.slots, self.params):
+                if p.grad is not None:
+                    grad[slot.offset : slot.offset + slot.numel] = p.grad.reshape(-1)
         _all_reduce(grad, self.dp)
         return _all_reduce(grad[self.state_lo : self.state_hi], self.replicas)
 
     def zero_grad(self) -> None:
         if self.zero == 3:
             self.shard.grad = None
+        if self.main_grad is not None:
+            self.main_grad.zero_()
         for p in self.params:
             p.grad = None
 
@@ -165,12 +197,16 @@ class Unit:
         return self.flat[self.state_lo : self.state_hi]
 
     def publish(self) -> None:
-        """After an update of the owned range, give every rank the full parameters (ZeRO 1 and 2)."""
+        """After an update of the owned range (or a load), give every rank the full parameters
+        (ZeRO 1 and 2) and refresh the compute copy (mixed precision)."""
         if self.zero in (1, 2):
             assert self.flat is not None
-            chunk = torch.zeros(self.chunk)
+            chunk = torch.zeros(self.chunk, device=self.device)
             chunk[: self.hi - self.lo] = self.flat[self.lo : self.hi]
             self.flat.copy_(_all_gather(chunk, self.dp)[: self.numel])
+        if self.copy is not None:
+            assert self.flat is not None
+            self.copy.copy_(self.flat)  # the compute copy of the updated masters
 
 
 @dataclass
