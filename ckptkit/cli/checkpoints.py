@@ -153,9 +153,11 @@ def layout_builtin_cmd(family: str, config: str) -> None:
 @click.option("--pp", default=None, type=click.IntRange(1), help="... this number of pipeline stages.")
 @click.option("--dp", default=None, type=click.IntRange(1), help="... this data-parallel degree.")
 @click.option("--cp", default=None, type=click.IntRange(1), help="... this context-parallel degree.")
+@click.option("--ep", default=None, type=click.IntRange(1), help="... this expert-parallel degree (within --dp).")
 @click.option("--zero", default=None, type=click.IntRange(0, 3), help="... this ZeRO stage.")
-def layout_check_cmd(file: str, tp: int | None, pp: int | None, dp: int | None, cp: int | None, zero: int | None) -> None:
-    """Check the layout file FILE (and, with --tp/--pp/--dp/--cp/--zero, that it fits that topology).
+def layout_check_cmd(file: str, tp: int | None, pp: int | None, dp: int | None, cp: int | None, ep: int | None,
+                     zero: int | None) -> None:
+    """Check the layout file FILE (and, with --tp/--pp/--dp/--cp/--ep/--zero, that it fits that topology).
 
     Prints one line per problem. Exit 0 when sound, 1 when problems were found or FILE
     cannot be read.
@@ -168,9 +170,9 @@ def layout_check_cmd(file: str, tp: int | None, pp: int | None, dp: int | None, 
     except OSError as exc:
         raise LayoutError(f"{file}: cannot read the layout file ({exc.strerror or exc})") from None
     problems = layout_problems(data)
-    if not problems and any(n is not None for n in (tp, pp, dp, cp, zero)):
+    if not problems and any(n is not None for n in (tp, pp, dp, cp, ep, zero)):
         t, p, d, c = tp or 1, pp or 1, dp or 1, cp or 1
-        topology = ckptkit.Topology(world_size=t * p * d * c, tp=t, pp=p, dp=d, cp=c, zero_stage=zero or 0)
+        topology = ckptkit.Topology(world_size=t * p * d * c, tp=t, pp=p, dp=d, cp=c, ep=ep or 1, zero_stage=zero or 0)
         problems = topology_problems(parse_layout(data, source=file), topology)
     for problem in problems:
         click.echo(f"ckptkit: error: {file}: {problem}", err=True)

@@ -27,6 +27,8 @@ class ModelSummary(BaseModel):
     kv_heads: int | None
     vocab_size: int | None
     intermediate_size: int | None
+    experts: int | None = None  # a mixture of experts: experts per layer
+    top_k: int | None = None  # ... and how many each token uses
 
 
 class TensorSummary(BaseModel):
@@ -51,6 +53,8 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "kv_heads": ("num_kv_heads", "num_key_value_heads", "num_query_groups"),
     "vocab_size": ("vocab_size", "padded_vocab_size"),
     "intermediate_size": ("intermediate_size", "ffn_hidden_size", "n_inner"),
+    "experts": ("num_experts", "num_local_experts", "num_moe_experts"),
+    "top_k": ("top_k", "num_experts_per_tok", "moe_router_topk"),
 }
 
 
@@ -151,7 +155,8 @@ def _model_line(m: ModelSummary) -> str:
              f"hidden {m.hidden_size}" if m.hidden_size is not None else None,
              (f"{m.heads} heads" + (f" ({m.kv_heads} kv)" if m.kv_heads is not None else "")) if m.heads is not None else None,
              f"vocabulary {m.vocab_size}" if m.vocab_size is not None else None,
-             f"intermediate {m.intermediate_size}" if m.intermediate_size is not None else None]
+             f"intermediate {m.intermediate_size}" if m.intermediate_size is not None else None,
+             (f"{m.experts} experts" + (f" (top {m.top_k})" if m.top_k else "")) if m.experts else None]
     shown = [p for p in parts if p]
     return m.family + (": " + ", ".join(shown) if shown else "")
 

@@ -211,3 +211,15 @@ def test_the_checkpoint_records_the_topology_and_the_model(runs: dict) -> None:
     assert manifest.info.model.config["num_experts"] == EXPERTS and manifest.info.model.config["top_k"] == 2
     assert manifest.layout is not None and manifest.layout["name"] == "llama-moe"
     assert json.loads(json.dumps(manifest.info.config))["cp"] == 2
+
+
+def test_inspect_and_layout_check_speak_of_the_experts(runs: dict, tmp_path: Path, run_ckptkit: Callable) -> None:
+    out, _ = _trained(runs, (1, 1, 2, 1, 2, 2))
+    shown = run_ckptkit("inspect", str(out / "step_00000006"))
+    assert shown.returncode == 0 and "topology    world 4 = tp 1 x pp 1 x dp 2 x cp 2, ep 2, zero 1" in shown.stdout
+    assert "model       llama-moe: 2 layers, hidden 64, 8 heads (4 kv), vocabulary 98, intermediate 64, 8 experts (top 2)" in shown.stdout
+    layout = tmp_path / "layout.json"
+    layout.write_text(run_ckptkit("layout", "show", str(out / "step_00000006")).stdout)
+    assert run_ckptkit("layout", "check", str(layout), "--dp", "4", "--ep", "4").returncode == 0
+    bad = run_ckptkit("layout", "check", str(layout), "--dp", "6", "--ep", "3")
+    assert bad.returncode == 1 and "8 experts are not divisible by ep 3" in bad.stderr
