@@ -7,6 +7,12 @@ naming the backend. Keys follow Megatron-Core (layout ``megatron-gpt``):
 - each transformer layer's tensors stacked on a leading layer axis under one key without a
   layer number (``model/decoder.layers.1.self_attention.linear_qkv.weight`` is layer 1 of
   ``decoder.layers.self_attention.linear_qkv.weight``), every other parameter under its name;
+- a mixture of experts (the reference trainer's ``llama-moe``, as megatron-core's MoE layer
+  with ``SequentialMLP`` experts saves it): the router ``decoder.layers.mlp.router.weight``
+  stacked by layer, each expert's ``linear_fc1`` ``[gate; up]`` and ``linear_fc2`` stacked on
+  a (layer, global expert) axis pair under ``decoder.layers.mlp.experts.experts.<linear>``, one
+  chunk per expert and TP piece, so the files are the same at every EP (`ep` is checked
+  against the experts, as a Megatron job's would be);
 - with the optimizer, the distributed optimizer's ``fully_reshardable`` form: each parameter's
   fp32 master as ``optimizer.state.param.<key>`` and its moments as
   ``optimizer.state.exp_avg.<key>``, ``optimizer.state.exp_avg_sq.<key>``, the parameter groups
@@ -14,7 +20,7 @@ naming the backend. Keys follow Megatron-Core (layout ``megatron-gpt``):
 - each linear module's extra state (``<module>._extra_state/shard_<layer>_<layers>``: ``None``
   in the local layer spec) as megatron-core asks for it.
 
-Each chunk is one TP rank's piece of one layer, as megatron-core at the target TP would write
+Each chunk is one TP rank's piece of one layer (and expert), as megatron-core at the target TP would write
 it (the layout says the pieces; the target must be one the layout allows): a reader of the
 format loads it at any TP/PP. Only the chunk's bytes are read from the source when the DCP
 writer asks for them, so memory stays about one chunk.
@@ -36,8 +42,8 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from ..boxes import Box
 from ..errors import LayoutError, summarize
 from ..io.checksum import checksum_of
-from ..layouts import Layout, builtin
-from ..layouts.names import LLAMA_TO_MEGATRON_LAYER, LLAMA_TO_MEGATRON_TOP
+from ..layouts import Layout
+from ..layouts.names import MEGATRON_EXPERT_EXTRA_STATE, MEGATRON_EXPERTS, MEGATRON_EXTRA_STATE, MEGATRON_LOCAL_EXPERTS, MEGATRON_MOE_EXTRA_STATE
 from ..layouts.placement import local_param, topology_problems
 from ..manifest import Topology
 from ..state.torch_io import byte_view, torch_dtype
@@ -45,28 +51,19 @@ from ..state.tree import unescape
 from ..storage import Storage
 from .convert import output_dtype
 from .dcp import file_entry, write_dcp
+from .megatron_llama import MOE_LAYOUT, Run, fused_llama, megatron_gpt_of_llama, megatron_moe_of_llama_moe
 from .source import ExportedFile, ExportedTensor, Source, Writer, Written
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+EXPERT = re.compile(rf"^decoder\.layers\.(\d+)\.{re.escape(MEGATRON_LOCAL_EXPERTS)}\.(\d+)\.(.+)$")
 STATES = {"model": "", "optimizer/fp32": "param", "optimizer/exp_avg": "exp_avg", "optimizer/exp_avg_sq": "exp_avg_sq"}
-EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """Rows [row, row + count) of a Megatron tensor are rows [src_row, src_row + count) of `fqn`."""
-
-    row: int
-    count: int
-    fqn: str
-    src_row: int
 
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """One chunk of a Megatron key: its box in the key's global tensor, and the boxes of source
-    tensors it is made of, in order along its first dim (after a stacked key's layer axis)."""
+    tensors it is made of, in order along its first dim (after a stacked key's layer, expert axes)."""
 
     at: Box
     pieces: tuple[tuple[str, Box], ...]
@@ -82,17 +79,19 @@ class Entry:
     chunks: tuple[Chunk, ...]
 
 
-def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bool, layout: Layout, tp: int, pp: int) -> Writer:
+def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bool, layout: Layout, tp: int, pp: int,
+                    ep: int = 1) -> Writer:
     """Plan the Megatron export (failing before any write) and return its writer.
 
     Raises:
-        LayoutError: a layout with no Megatron names, a target TP/PP the layout forbids, layers
+        LayoutError: a layout with no Megatron names, a target TP/PP/EP the layout forbids (an
+            EP on a model without experts, experts EP does not divide), layers or experts
             missing, or no optimizer state with `include_optimizer` (every problem named).
     """
     sources, target = megatron_sources(source, layout, include_optimizer)
-    problems = topology_problems(target, Topology(world_size=tp * pp, tp=tp, pp=pp, dp=1, zero_stage=0))
+    problems = topology_problems(target, Topology(world_size=tp * pp * ep, tp=tp, pp=pp, dp=ep, ep=ep, zero_stage=0))
     if problems:
-        raise LayoutError(f"cannot export at tp {tp} x pp {pp}: " + summarize(problems))
+        raise LayoutError(f"cannot export at tp {tp} x pp {pp}{f' x ep {ep}' if ep != 1 else ''}: " + summarize(problems))
     entries = plan_entries(source, target, sources, tp, out_dtype)
     groups = _param_groups(source) if include_optimizer else None
     chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces}
@@ -121,21 +120,26 @@ Sources = dict[str, dict[str, list[Run]]]  # Megatron state ("" for the model) -
 
 
 def megatron_sources(source: Source, layout: Layout, include_optimizer: bool) -> tuple[Sources, Layout]:
-    """Where each Megatron tensor (per layer) comes from, and the ``megatron-gpt`` layout of
+    """Where each Megatron tensor (per layer, per expert) comes from, and the Megatron layout of
     the target: a Megatron GPT's tensors as they are; the reference trainer's Llama (layout
-    ``llama``) fused as Megatron fuses them (model only).
+    ``llama``) and mixture of experts (``llama-moe``) fused as Megatron fuses them (model only).
 
     Raises:
-        LayoutError: a layout of another family, tensors missing, an optimizer asked of a Llama.
+        LayoutError: a layout of another family, tensors missing, an optimizer asked of either.
     """
     tensors = source.manifest.tensors
     if layout.name == "llama":
         if include_optimizer:
             raise LayoutError("the megatron format takes the reference trainer's parameters only for now; drop --include-optimizer")
         return {"": fused_llama(tensors, layout)}, megatron_gpt_of_llama(layout)
+    if layout.name == "llama-moe":
+        if include_optimizer:
+            raise LayoutError("the megatron format takes a mixture of experts' parameters only for now; drop --include-optimizer")
+        return {"": fused_llama(tensors, layout)}, megatron_moe_of_llama_moe(layout)
     if layout.name != "megatron-gpt":
         raise LayoutError(f"the megatron format writes a Megatron-Core GPT (layout megatron-gpt, or the reference trainer's "
-                          f"llama); {source.loc} is {layout.name!r}: give --layout FILE (ckptkit layout builtin megatron-gpt CONFIG)")
+                          f"llama or llama-moe); {source.loc} is {layout.name!r}: give --layout FILE "
+                          "(ckptkit layout builtin megatron-gpt CONFIG)")
     out: Sources = {}
     for prefix in ["model", *(p for p in STATES if p != "model" and include_optimizer)]:
         names = [f for f in tensors if f.startswith(f"{prefix}/")]
@@ -146,73 +150,27 @@ def megatron_sources(source: Source, layout: Layout, include_optimizer: bool) ->
     return out, layout
 
 
-def megatron_gpt_of_llama(layout: Layout) -> Layout:
-    """The ``megatron-gpt`` layout of the reference trainer's Llama (same sizes and options)."""
-    c = layout.config
-    return builtin("megatron-gpt", {
-        "num_layers": c["num_layers"], "hidden_size": c["hidden_size"], "num_attention_heads": c["num_heads"],
-        "num_query_groups": c["num_kv_heads"], "ffn_hidden_size": c["intermediate_size"], "vocab_size": c["vocab_size"],
-        "kv_channels": int(c["hidden_size"]) // int(c["num_heads"]),  # type: ignore[arg-type]
-        "share_embeddings_and_output_weights": bool(c.get("tie_embeddings")),
-        "max_sequence_length": c.get("max_seq_len"), "layernorm_epsilon": c.get("norm_eps"), "rotary_base": c.get("rope_theta"),
-    })
-
-
-
-
-def fused_llama(tensors: Any, layout: Layout) -> dict[str, list[Run]]:
-    """The reference trainer's Llama parameters as Megatron's: renamed, q, k and v interleaved
-    per query group into ``linear_qkv`` (each group: its heads' q rows, then its k rows, then v's),
-    gate and up stacked into ``linear_fc1``.
-
-    Raises:
-        LayoutError: a parameter missing.
-    """
-    c = layout.config
-    heads, groups, h, f = (int(c[k]) for k in ("num_heads", "num_kv_heads", "hidden_size", "intermediate_size"))  # type: ignore[arg-type]
-    hd, per = h // heads, heads // groups
-    out: dict[str, list[Run]] = {}
-    for name, mine in LLAMA_TO_MEGATRON_TOP.items():
-        out[mine] = [Run(0, int(c["vocab_size"]) if name != "norm.weight" else h, f"model/{name}", 0)]  # type: ignore[arg-type]
-    if c.get("tie_embeddings"):
-        del out["output_layer.weight"]
-    for i in range(layout.num_layers):
-        p, m = f"model/layers.{i}.", f"decoder.layers.{i}."
-        for name, mine in LLAMA_TO_MEGATRON_LAYER.items():
-            out[m + mine] = [Run(0, h, p + name, 0)]
-        out[m + "self_attention.linear_qkv.weight"] = [
-            run for g in range(groups) for run in (Run(g * (per + 2) * hd, per * hd, p + "attn.q.weight", g * per * hd),
-                                                     Run(g * (per + 2) * hd + per * hd, hd, p + "attn.k.weight", g * hd),
-                                                     Run(g * (per + 2) * hd + (per + 1) * hd, hd, p + "attn.v.weight", g * hd))]
-        out[m + "mlp.linear_fc1.weight"] = [Run(0, f, p + "mlp.gate.weight", 0), Run(f, f, p + "mlp.up.weight", 0)]
-    missing = sorted({r.fqn for runs in out.values() for r in runs} - set(tensors))
-    if missing:
-        raise LayoutError(f"cannot export to Megatron: {len(missing)} parameter(s) missing: " + summarize(missing))
-    return out
-
-
 def plan_entries(source: Source, layout: Layout, sources: Sources, tp: int, out_dtype: str | None) -> list[Entry]:
-    """The Megatron keys of `sources`, each cut into TP pieces per layer as `layout` cuts them.
+    """The Megatron keys of `sources`, each cut into TP pieces per layer (and expert) as `layout` cuts them.
 
     Raises:
-        LayoutError: a stacked tensor missing layers or unlike its other layers.
+        LayoutError: a stacked tensor missing layers or experts, or unlike its other layers.
     """
     tensors = source.manifest.tensors
-    params = {part.name: (param, layer) for unit in layout.units
+    params = {part.name: (param, layer, expert) for unit in layout.units
               for layer in (range(layout.num_layers) if unit.place == "layers" else (None,))
-              for param in unit.params for part in local_param(param, layer, 1, 0).parts}
+              for expert in (range(unit.experts) if unit.experts else (None,))
+              for param in unit.params for part in local_param(param, layer, 1, 0, expert).parts}
     shapes = layout.tensors()
-    grouped: dict[str, dict[int | None, tuple[str, list[Run]]]] = {}
+    grouped: dict[str, dict[tuple[int, ...], tuple[str, list[Run]]]] = {}
     for state, names in sources.items():
         for name, runs in names.items():
-            found = LAYER.match(name)
-            key = f"decoder.layers.{found.group(2)}" if found else name
-            key = f"optimizer.state.{state}.{key}" if state else key
-            grouped.setdefault(key, {})[int(found.group(1)) if found else None] = (name, runs)
+            key, index = _stacked(name)
+            grouped.setdefault(f"optimizer.state.{state}.{key}" if state else key, {})[index] = (name, runs)
     problems: list[str] = []
     entries = []
-    for key, by_layer in sorted(grouped.items()):
-        entry = _entry(key, by_layer, layout, params, shapes, tp, tensors, out_dtype, problems)
+    for key, by_index in sorted(grouped.items()):
+        entry = _entry(key, by_index, layout, params, shapes, tp, tensors, out_dtype, problems)
         if entry is not None:
             entries.append(entry)
     if problems:
@@ -220,35 +178,51 @@ def plan_entries(source: Source, layout: Layout, sources: Sources, tp: int, out_
     return entries
 
 
-def _entry(key: str, by_layer: dict[int | None, tuple[str, list[Run]]], layout: Layout, params: dict[str, Any],
+def _stacked(name: str) -> tuple[str, tuple[int, ...]]:
+    """The key megatron-core stacks a tensor under, and its index on the stacked axes: (layer,
+    global expert) for an expert's, (layer,) for a layer's, () for any other."""
+    found = EXPERT.match(name)
+    if found:
+        return f"decoder.layers.{MEGATRON_EXPERTS}.{found.group(3)}", (int(found.group(1)), int(found.group(2)))
+    found = LAYER.match(name)
+    if found:
+        return f"decoder.layers.{found.group(2)}", (int(found.group(1)),)
+    return name, ()
+
+
+def _entry(key: str, by_index: dict[tuple[int, ...], tuple[str, list[Run]]], layout: Layout, params: dict[str, Any],
            shapes: dict[str, tuple[int, ...]], tp: int, tensors: Any, out_dtype: str | None, problems: list[str]) -> Entry | None:
-    """One key's entry: a whole tensor, or its layers stacked, in the target's TP pieces (the
-    model in `out_dtype` if given, the optimizer state as saved)."""
-    stacked = None not in by_layer
-    layers = sorted(layer for layer in by_layer if layer is not None)
-    if stacked and layers != list(range(layout.num_layers)):
-        problems.append(f"{key}: layers {layers} saved, the layout has {layout.num_layers}")
-        return None
-    if len(by_layer) > 1 and not stacked:
+    """One key's entry: a whole tensor, or its layers (and experts) stacked, in the target's TP
+    pieces (the model in `out_dtype` if given, the optimizer state as saved)."""
+    depth = {len(index) for index in by_index}
+    if len(depth) > 1:
         problems.append(f"{key}: both stacked and whole")
         return None
-    name, runs = next(iter(by_layer.values()))
+    axes = (layout.num_layers, layout.experts)[: depth.pop()]
+    want = [()] if not axes else [(i,) for i in range(axes[0])] if len(axes) == 1 else \
+        [(i, e) for i in range(axes[0]) for e in range(axes[1])]
+    if sorted(by_index) != want:
+        what = "layers" if len(axes) == 1 else "(layer, expert) pairs"
+        problems.append(f"{key}: {len(by_index)} {what} saved, the layout has {len(want)}")
+        return None
+    name, runs = by_index[want[0]]
     first = tensors[runs[0].fqn]
     shape = shapes.get(name, first.shape)
-    dtypes = {tensors[r.fqn].dtype for _, rs in by_layer.values() for r in rs}
+    dtypes = {tensors[r.fqn].dtype for _, rs in by_index.values() for r in rs}
     if len(dtypes) != 1:
         problems.append(f"{key}: its source tensors have dtypes {sorted(dtypes)}")
         return None
     chunks = []
-    for layer, (name, runs) in sorted(by_layer.items(), key=lambda item: item[0] or 0):
+    for index in want:
+        name, runs = by_index[index]
         if shapes.get(name, shape) != shape or sum(r.count for r in runs) != (shape[0] if shape else 1):
-            problems.append(f"{key}: layer {layer} is not of the shape {list(shape)} the layout gives")
+            problems.append(f"{key}: {name} is not of the shape {list(shape)} the layout gives")
             return None
         for box in _pieces(name, shape, params, tp):
-            at = Box((layer, *box.offsets), (1, *box.lengths)) if layer is not None else box
+            at = Box((*index, *box.offsets), (*(1 for _ in index), *box.lengths))
             chunks.append(Chunk(at, _from_runs(box, runs)))
     dtype = first.dtype if key.startswith("optimizer.") else output_dtype(first.dtype, out_dtype)
-    return Entry(key, (layout.num_layers, *shape) if stacked else shape, dtype, tuple(chunks))
+    return Entry(key, (*axes, *shape), dtype, tuple(chunks))
 
 
 def _from_runs(box: Box, runs: list[Run]) -> tuple[tuple[str, Box], ...]:
@@ -268,19 +242,23 @@ def _pieces(name: str, shape: tuple[int, ...], params: dict[str, Any], tp: int) 
     """The boxes of logical tensor `name` that TP ranks 0..tp-1 hold (a replicated one once)."""
     if name not in params:
         return [Box((0,) * len(shape), shape)]
-    param, layer = params[name]
+    param, layer, expert = params[name]
     out: list[Box] = []
     for r in range(tp):
-        for part in local_param(param, layer, tp, r).parts:
+        for part in local_param(param, layer, tp, r, expert).parts:
             if part.name == name and not (part.replicated and r):
                 out.append(Box(part.offsets, part.lengths))
     return out
 
 
 def _extra_states(layout: Layout) -> list[str]:
-    """The sharded-object keys of every layer's linear modules' extra state."""
-    n = layout.num_layers
-    return [f"decoder.layers.{module}._extra_state/shard_{i}_{n}" for i in range(n) for module in EXTRA_STATE]
+    """The sharded-object keys of every layer's (and expert's) linear modules' extra state."""
+    n, experts = layout.num_layers, layout.experts
+    if not experts:
+        return [f"decoder.layers.{module}._extra_state/shard_{i}_{n}" for i in range(n) for module in MEGATRON_EXTRA_STATE]
+    return [*(f"decoder.layers.{module}._extra_state/shard_{i}_{n}" for i in range(n) for module in MEGATRON_MOE_EXTRA_STATE),
+            *(f"decoder.layers.{module}._extra_state/shard_{i}.{e}_{n}.{experts}" for i in range(n) for e in range(experts)
+              for module in MEGATRON_EXPERT_EXTRA_STATE)]
 
 
 def _param_groups(source: Source) -> list[dict[str, Any]]:
@@ -338,5 +316,5 @@ class _Planner(DefaultSavePlanner):
         return out
 
 
-__all__ = ["BACKEND", "Chunk", "Entry", "Run", "fused_llama", "megatron_gpt_of_llama", "megatron_sources", "megatron_writer",
-           "plan_entries"]
+__all__ = ["BACKEND", "MOE_LAYOUT", "Chunk", "Entry", "Run", "fused_llama", "megatron_gpt_of_llama", "megatron_moe_of_llama_moe",
+           "megatron_sources", "megatron_writer", "plan_entries"]

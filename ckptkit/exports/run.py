@@ -70,6 +70,7 @@ def export(
     tp: int = 1,
     pp: int = 1,
     dcp_form: str | None = None,
+    ep: int = 1,
 ) -> ExportReport:
     """Export the checkpoint at `src` to the directory `dst` in `format`.
 
@@ -96,8 +97,11 @@ def export(
     - ``megatron``: a Megatron-Core ``dist_checkpointing`` directory (``torch_dist``) that
       megatron-core loads into a ``GPTModel`` at any TP/PP (see ``ckptkit.exports.megatron``):
       layers stacked, each chunk a TP rank's piece as megatron-core at `tp` x `pp` writes it
-      (a target the layout must allow), with `include_optimizer` the distributed optimizer's
-      ``fully_reshardable`` state; the layout is ``megatron-gpt`` (recorded, or `layout`).
+      (a target the layout must allow, `ep` too for a mixture of experts), with
+      `include_optimizer` the distributed optimizer's ``fully_reshardable`` state; the layout
+      is ``megatron-gpt`` (recorded, or `layout`), or the reference trainer's ``llama`` (with
+      its optimizer state if asked) or ``llama-moe`` (model only: megatron-core's MoE layer,
+      ``SequentialMLP`` experts).
     - ``deepspeed``: a DeepSpeed universal checkpoint (see ``ckptkit.exports.deepspeed``): each
       parameter's fp32 master, ``exp_avg`` and ``exp_avg_sq`` whole under ``<tag>/zero/<name>/``,
       the model-states file and ``latest_universal``, which an engine with ``"checkpoint":
@@ -129,8 +133,8 @@ def export(
         raise LayoutError("the hf format holds model weights only; --include-optimizer applies to dcp and megatron")
     if format not in ("hf", "megatron") and layout is not None:
         raise LayoutError("a layout names the model for the hf and megatron formats; dcp, zarr and deepspeed keep the checkpoint's names")
-    if format != "megatron" and (tp, pp) != (1, 1):
-        raise LayoutError("--tp and --pp set the pieces of the megatron format; the other formats hold whole tensors")
+    if format != "megatron" and (tp, pp, ep) != (1, 1, 1):
+        raise LayoutError("--tp, --pp and --ep set the pieces of the megatron format; the other formats hold whole tensors")
     if dcp_form is not None and (format != "dcp" or dcp_form not in DCP_FORMS):
         raise LayoutError(f"dcp_form {dcp_form!r}: the dcp format's forms are {', '.join(DCP_FORMS)}; other formats have none")
     form = dcp_form if format == "dcp" else None
@@ -139,13 +143,13 @@ def export(
     src_loc, manifest = open_checkpoint(src, storage)
     with Source(src_loc, manifest, progress=progress) as source, still_committed(src_loc):
         return _export(source, dst, format, out_dtype, max_shard_bytes, include_optimizer, chunk_bytes, dst_storage, started,
-                       layout, (tp, pp), form)
+                       layout, (tp, pp, ep), form)
 
 
 def _export(
     source: Source, dst: str | os.PathLike[str], format: str, out_dtype: str | None, max_shard_bytes: int,
     include_optimizer: bool, chunk_bytes: int, dst_storage: Storage | None, started: float, layout: Layout | None = None,
-    target: tuple[int, int] = (1, 1), form: str | None = None,
+    target: tuple[int, int, int] = (1, 1, 1), form: str | None = None,
 ) -> ExportReport:
     src_loc, manifest = source.loc, source.manifest
     writer: Writer

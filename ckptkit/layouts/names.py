@@ -3,7 +3,7 @@
 The reference trainer's Llama (layout ``llama``) is a Hugging Face ``LlamaForCausalLM`` under
 other names: `hf_name` renames one parameter (exports write Hugging Face directories with it,
 a weights-only start reads one back with it). Megatron-Core's GPT renames to both, fused
-tensors aside.
+tensors aside; the reference mixture of experts renames to Megatron-Core's MoE layer.
 """
 
 from __future__ import annotations
@@ -42,6 +42,21 @@ LLAMA_TO_MEGATRON_LAYER = {"attn_norm.weight": "self_attention.linear_qkv.layer_
                            "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight", "mlp.down.weight": "mlp.linear_fc2.weight"}
 LLAMA_TO_MEGATRON_TOP = {"embed.weight": "embedding.word_embeddings.weight", "norm.weight": "decoder.final_layernorm.weight",
                          "lm_head.weight": "output_layer.weight"}
+# Its mixture of experts (layout ``llama-moe``) under the names of Megatron-Core's MoE layer
+# (local spec, ``SequentialMLP`` experts): the pre-MLP norm (``pre_mlp_layernorm``) is saved
+# under the dense layer's key, the router as it is; each expert is an MLP of its own, saved
+# per layer and expert (``local_experts.<e>`` with e the global expert index, as at EP 1) and
+# stacked by megatron-core under ``MEGATRON_EXPERTS`` on a (layer, expert) axis pair.
+LLAMA_MOE_TO_MEGATRON_LAYER = {"attn_norm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                               "attn.o.weight": "self_attention.linear_proj.weight",
+                               "mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight", "mlp.router.weight": "mlp.router.weight"}
+LLAMA_MOE_TO_MEGATRON_EXPERT = {"down.weight": "linear_fc2.weight"}  # gate, up: fused into linear_fc1
+MEGATRON_LOCAL_EXPERTS = "mlp.experts.local_experts"
+MEGATRON_EXPERTS = "mlp.experts.experts"
+# The linear modules whose ``_extra_state`` megatron-core asks for (``None`` in the local spec).
+MEGATRON_EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+MEGATRON_MOE_EXTRA_STATE = ("self_attention.linear_proj", "self_attention.linear_qkv")
+MEGATRON_EXPERT_EXTRA_STATE = (f"{MEGATRON_EXPERTS}.linear_fc1", f"{MEGATRON_EXPERTS}.linear_fc2")
 
 
 def hf_name(logical: str) -> str | None:
@@ -54,5 +69,6 @@ def hf_name(logical: str) -> str | None:
     return None
 
 
-__all__ = ["LAYER_NAME", "LLAMA_TO_HF_LAYER", "LLAMA_TO_HF_TOP", "LLAMA_TO_MEGATRON_LAYER", "LLAMA_TO_MEGATRON_TOP",
-           "MEGATRON_TO_HF_LAYER", "MEGATRON_TO_HF_TOP", "hf_name"]
+__all__ = ["LAYER_NAME", "LLAMA_MOE_TO_MEGATRON_EXPERT", "LLAMA_MOE_TO_MEGATRON_LAYER", "LLAMA_TO_HF_LAYER", "LLAMA_TO_HF_TOP",
+           "LLAMA_TO_MEGATRON_LAYER", "LLAMA_TO_MEGATRON_TOP", "MEGATRON_EXPERTS", "MEGATRON_EXPERT_EXTRA_STATE", "MEGATRON_EXTRA_STATE",
+           "MEGATRON_LOCAL_EXPERTS", "MEGATRON_MOE_EXTRA_STATE", "MEGATRON_TO_HF_LAYER", "MEGATRON_TO_HF_TOP", "hf_name"]

@@ -1,0 +1,113 @@
+"""The reference trainer's Llama (layout ``llama``) and mixture of experts (``llama-moe``) as
+Megatron-Core's GPT (pure): where each Megatron tensor's rows come from, and the Megatron
+layout the export is cut by.
+
+Megatron fuses what the trainer keeps apart: q, k and v interleaved per query group into
+``linear_qkv`` (each group: its heads' q rows, then its k rows, then v's), gate and up stacked
+into ``linear_fc1`` (of the dense MLP, or of each expert).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import LayoutError, summarize
+from ..layouts import Layout, Param, TensorPart, TPCut, Unit, builtin
+from ..layouts.names import (
+    LLAMA_MOE_TO_MEGATRON_EXPERT,
+    LLAMA_MOE_TO_MEGATRON_LAYER,
+    LLAMA_TO_MEGATRON_LAYER,
+    LLAMA_TO_MEGATRON_TOP,
+    MEGATRON_LOCAL_EXPERTS,
+)
+
+MOE_LAYOUT = "megatron-gpt-moe"  # the export's target layout of a mixture of experts (not a built-in family)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Rows [row, row + count) of a Megatron tensor are rows [src_row, src_row + count) of `fqn`."""
+
+    row: int
+    count: int
+    fqn: str
+    src_row: int
+
+
+def megatron_gpt_of_llama(layout: Layout) -> Layout:
+    """The ``megatron-gpt`` layout of the reference trainer's Llama (same sizes and options)."""
+    c = layout.config
+    return builtin("megatron-gpt", {
+        "num_layers": c["num_layers"], "hidden_size": c["hidden_size"], "num_attention_heads": c["num_heads"],
+        "num_query_groups": c["num_kv_heads"], "ffn_hidden_size": c["intermediate_size"], "vocab_size": c["vocab_size"],
+        "kv_channels": int(c["hidden_size"]) // int(c["num_heads"]),  # type: ignore[arg-type]
+        "share_embeddings_and_output_weights": bool(c.get("tie_embeddings")),
+        "max_sequence_length": c.get("max_seq_len"), "layernorm_epsilon": c.get("norm_eps"), "rotary_base": c.get("rope_theta"),
+    })
+
+
+def megatron_moe_of_llama_moe(layout: Layout) -> Layout:
+    """The Megatron layout of the reference mixture of experts: the dense GPT's layers with the
+    MLP's linears replaced by the router (replicated over TP) and an expert unit of
+    ``SequentialMLP`` experts (``linear_fc1`` ``[gate; up]`` and ``linear_fc2``, cut over TP as
+    the dense MLP's; EP cuts the experts)."""
+    dense = megatron_gpt_of_llama(layout)
+    c = layout.config
+    experts, h, f = (int(c[k]) for k in ("num_experts", "hidden_size", "intermediate_size"))  # type: ignore[arg-type]
+    p = "decoder.layers.{layer}."
+    e = f"{p}{MEGATRON_LOCAL_EXPERTS}.{{expert}}."
+    units: list[Unit] = []
+    for unit in dense.units:
+        if unit.place != "layers":
+            units.append(unit)
+            continue
+        kept = tuple(q for q in unit.params if not q.name.startswith("mlp.linear_fc") or q.name.endswith("layer_norm_weight"))
+        router = Param(name="mlp.router.weight", parts=(TensorPart(tensor=p + "mlp.router.weight", shape=(experts, h)),))
+        units.append(unit.model_copy(update={"params": (*kept, router)}))
+        fc1 = tuple(TensorPart(tensor=e + "linear_fc1.weight", shape=(2 * f, h), start=a, length=f) for a in (0, f))
+        units.append(Unit(name=p + "mlp.experts", place="layers", experts=experts, params=(
+            Param(name="{expert}.linear_fc1.weight", parts=fc1, tp=TPCut(dim=0)),
+            Param(name="{expert}.linear_fc2.weight", parts=(TensorPart(tensor=e + "linear_fc2.weight", shape=(h, f)),), tp=TPCut(dim=1)),
+        )))
+    config = {**dense.config, "num_moe_experts": experts, "moe_router_topk": c.get("top_k", 2)}
+    return dense.model_copy(update={"name": MOE_LAYOUT, "config": config, "units": tuple(units)})
+
+
+def fused_llama(tensors: Any, layout: Layout, prefix: str = "model") -> dict[str, list[Run]]:
+    """The reference trainer's Llama (or mixture of experts) tensors of state `prefix` (``model``,
+    ``optimizer/exp_avg``, ...) as Megatron's: renamed, q, k and v interleaved per query group
+    into ``linear_qkv``, gate and up stacked into ``linear_fc1`` (each expert's, in a mixture).
+
+    Raises:
+        LayoutError: a tensor missing.
+    """
+    c = layout.config
+    heads, groups, h, f = (int(c[k]) for k in ("num_heads", "num_kv_heads", "hidden_size", "intermediate_size"))  # type: ignore[arg-type]
+    hd, per = h // heads, heads // groups
+    experts = int(c["num_experts"]) if layout.name == "llama-moe" else 0  # type: ignore[arg-type]
+    out: dict[str, list[Run]] = {}
+    for name, mine in LLAMA_TO_MEGATRON_TOP.items():
+        out[mine] = [Run(0, int(c["vocab_size"]) if name != "norm.weight" else h, f"{prefix}/{name}", 0)]  # type: ignore[arg-type]
+    if c.get("tie_embeddings"):
+        del out["output_layer.weight"]
+    for i in range(layout.num_layers):
+        p, m = f"{prefix}/layers.{i}.", f"decoder.layers.{i}."
+        for name, mine in (LLAMA_MOE_TO_MEGATRON_LAYER if experts else LLAMA_TO_MEGATRON_LAYER).items():
+            out[m + mine] = [Run(0, experts if name == "mlp.router.weight" else h, p + name, 0)]
+        out[m + "self_attention.linear_qkv.weight"] = [
+            run for g in range(groups) for run in (Run(g * (per + 2) * hd, per * hd, p + "attn.q.weight", g * per * hd),
+                                                     Run(g * (per + 2) * hd + per * hd, hd, p + "attn.k.weight", g * hd),
+                                                     Run(g * (per + 2) * hd + (per + 1) * hd, hd, p + "attn.v.weight", g * hd))]
+        mlps = [(f"{p}mlp.experts.{x}.", f"{m}{MEGATRON_LOCAL_EXPERTS}.{x}.") for x in range(experts)] if experts else [(p + "mlp.", m + "mlp.")]
+        for src, dst in mlps:
+            out[dst + "linear_fc1.weight"] = [Run(0, f, src + "gate.weight", 0), Run(f, f, src + "up.weight", 0)]
+            for name, mine in (LLAMA_MOE_TO_MEGATRON_EXPERT if experts else {"down.weight": "linear_fc2.weight"}).items():
+                out[dst + mine] = [Run(0, h, src + name, 0)]
+    missing = sorted({r.fqn for runs in out.values() for r in runs} - set(tensors))
+    if missing:
+        raise LayoutError(f"cannot export to Megatron: {len(missing)} tensor(s) missing: " + summarize(missing))
+    return out
+
+
+__all__ = ["MOE_LAYOUT", "Run", "fused_llama", "megatron_gpt_of_llama", "megatron_moe_of_llama_moe"]
