@@ -115,7 +115,6 @@ def test_targets_and_sources_the_format_cannot_take_fail_in_one_line(tmp_path: P
         ((str(converted), "--tp", "4"), "query groups"),  # 2 groups cannot be cut 4 ways
         ((str(converted), "--include-optimizer"), "no optimizer/fp32 tensors"),
         ((str(deepspeed),), "is 'deepspeed'"),  # no Megatron names for this model
-        ((str(LLAMA), "--include-optimizer"), "drop --include-optimizer"),
     ]
     for args, says in cases:
         proc = run_ckptkit("export", args[0], str(tmp_path / "out"), "--format", "megatron", *args[1:])
@@ -181,3 +180,55 @@ def test_the_llama_in_megatron_files_converts_back_to_every_original_tensor(tmp_
     want = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(str(f)).items()}
     assert sorted(got) == sorted(want) and len(want) == 21
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _as_megatron(state: dict[str, torch.Tensor], c: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The reference Llama's tensors of one state (parameters or a moment) under Megatron's keys,
+    layers stacked, q, k, v interleaved per query group and gate, up stacked, written out here."""
+    hd, per = c["hidden_size"] // c["num_heads"], c["num_heads"] // c["num_kv_heads"]
+    out = {"embedding.word_embeddings.weight": state["embed.weight"], "decoder.final_layernorm.weight": state["norm.weight"],
+           "output_layer.weight": state["lm_head.weight"]}
+    layers: dict[str, list[torch.Tensor]] = {}
+    for i in range(c["num_layers"]):
+        p = f"layers.{i}."
+        q, k, v = (state[p + f"attn.{n}.weight"] for n in "qkv")
+        qkv = torch.cat([t for g in range(c["num_kv_heads"]) for t in (q[g * per * hd:(g + 1) * per * hd], k[g * hd:(g + 1) * hd],
+                                                                      v[g * hd:(g + 1) * hd])])
+        for key, value in (("self_attention.linear_qkv.layer_norm_weight", state[p + "attn_norm.weight"]),
+                           ("self_attention.linear_qkv.weight", qkv), ("self_attention.linear_proj.weight", state[p + "attn.o.weight"]),
+                           ("mlp.linear_fc1.layer_norm_weight", state[p + "mlp_norm.weight"]),
+                           ("mlp.linear_fc1.weight", torch.cat([state[p + "mlp.gate.weight"], state[p + "mlp.up.weight"]])),
+                           ("mlp.linear_fc2.weight", state[p + "mlp.down.weight"])):
+            layers.setdefault(f"decoder.layers.{key}", []).append(value)
+    return out | {key: torch.stack(values) for key, values in layers.items()}
+
+
+@pytest.mark.parametrize("export_at", [("--tp", "2"), ("--tp", "1", "--pp", "2")])
+def test_the_reference_llamas_optimizer_state_comes_fused_as_its_parameters(export_at: tuple[str, ...], trained: Path,
+                                                                           tmp_path: Path, run_ckptkit: Any) -> None:
+    # fp32 masters (the trainer's fp32 parameters) and both Adam moments, as megatron-core's
+    # load_plain_tensors reads them: every tensor equal to the source's, fused as the parameters
+    out = tmp_path / "megatron"
+    proc = run_ckptkit("export", str(trained), str(out), "--format", "megatron", "--include-optimizer", *export_at)
+    assert proc.returncode == 0, proc.stderr
+    c = ckptkit.read_manifest(trained).info.model.config  # type: ignore[union-attr]
+    config = {"num_layers": c["num_layers"], "hidden_size": c["hidden_size"], "num_attention_heads": c["num_heads"],
+              "num_query_groups": c["num_kv_heads"], "ffn_hidden_size": c["intermediate_size"], "vocab_size": c["vocab_size"],
+              "max_sequence_length": c["max_seq_len"]}
+    from safetensors.torch import save_file
+
+    save_file({"ids": torch.tensor([[1, 5, 7, 2]])}, str(tmp_path / "ids.safetensors"))
+    _, plain = _load_in_megatron(out, 1, "float32", tmp_path, tmp_path / "ids.safetensors", config)
+    source = ckptkit.load(trained)
+    assert {"exp_avg", "exp_avg_sq"} <= set(source["optimizer"])
+    want = {f"optimizer.state.{name}.{key}": value
+            for name, state in (("param", source["model"]), ("exp_avg", source["optimizer"]["exp_avg"]),
+                                ("exp_avg_sq", source["optimizer"]["exp_avg_sq"]))
+            for key, value in _as_megatron(state, c).items()} | _as_megatron(source["model"], c)
+    assert sorted(plain) == sorted(want)
+    for key, value in want.items():
+        assert plain[key].dtype == torch.float32 and torch.equal(plain[key], value), key
+    assert not torch.equal(plain["optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"],
+                           plain["optimizer.state.exp_avg_sq.decoder.layers.self_attention.linear_qkv.weight"])
+    groups = torch.load(out / "common.pt", weights_only=True)["optimizer"]["optimizer"]["param_groups"]
+    assert [g["wd_mult"] for g in groups] == [1.0, 0.0] and groups[0]["step"] == 4.0 and groups[0]["betas"] == (0.9, 0.95)

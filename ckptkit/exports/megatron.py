@@ -51,7 +51,8 @@ from ..state.tree import unescape
 from ..storage import Storage
 from .convert import output_dtype
 from .dcp import file_entry, write_dcp
-from .megatron_llama import MOE_LAYOUT, Run, fused_llama, megatron_gpt_of_llama, megatron_moe_of_llama_moe
+from .megatron_llama import (MOE_LAYOUT, Run, fused_llama, llama_optimizer, llama_param_groups, megatron_gpt_of_llama,
+                             megatron_moe_of_llama_moe)
 from .source import ExportedFile, ExportedTensor, Source, Writer, Written
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
@@ -93,7 +94,7 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
     if problems:
         raise LayoutError(f"cannot export at tp {tp} x pp {pp}{f' x ep {ep}' if ep != 1 else ''}: " + summarize(problems))
     entries = plan_entries(source, target, sources, tp, out_dtype)
-    groups = _param_groups(source) if include_optimizer else None
+    groups = (llama_param_groups(source) if layout.name == "llama" else _param_groups(source)) if include_optimizer else None
     chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces}
     skipped = sorted(set(source.manifest.tensors) - chosen)
 
@@ -122,16 +123,16 @@ Sources = dict[str, dict[str, list[Run]]]  # Megatron state ("" for the model) -
 def megatron_sources(source: Source, layout: Layout, include_optimizer: bool) -> tuple[Sources, Layout]:
     """Where each Megatron tensor (per layer, per expert) comes from, and the Megatron layout of
     the target: a Megatron GPT's tensors as they are; the reference trainer's Llama (layout
-    ``llama``) and mixture of experts (``llama-moe``) fused as Megatron fuses them (model only).
+    ``llama``, with its fp32 masters and moments if asked) and mixture of experts
+    (``llama-moe``, model only) fused as Megatron fuses them.
 
     Raises:
-        LayoutError: a layout of another family, tensors missing, an optimizer asked of either.
+        LayoutError: a layout of another family, tensors missing, an optimizer asked of a mixture of experts.
     """
     tensors = source.manifest.tensors
     if layout.name == "llama":
-        if include_optimizer:
-            raise LayoutError("the megatron format takes the reference trainer's parameters only for now; drop --include-optimizer")
-        return {"": fused_llama(tensors, layout)}, megatron_gpt_of_llama(layout)
+        optimizer = llama_optimizer(source, layout) if include_optimizer else {}
+        return {"": fused_llama(tensors, layout), **optimizer}, megatron_gpt_of_llama(layout)
     if layout.name == "llama-moe":
         if include_optimizer:
             raise LayoutError("the megatron format takes a mixture of experts' parameters only for now; drop --include-optimizer")

@@ -1,10 +1,11 @@
 """The reference trainer's Llama (layout ``llama``) and mixture of experts (``llama-moe``) as
-Megatron-Core's GPT (pure): where each Megatron tensor's rows come from, and the Megatron
-layout the export is cut by.
+Megatron-Core's GPT (pure): where each Megatron tensor's rows come from, the Megatron layout
+the export is cut by, and the distributed optimizer's parameter groups.
 
 Megatron fuses what the trainer keeps apart: q, k and v interleaved per query group into
 ``linear_qkv`` (each group: its heads' q rows, then its k rows, then v's), gate and up stacked
-into ``linear_fc1`` (of the dense MLP, or of each expert).
+into ``linear_fc1`` (of the dense MLP, or of each expert). The same runs of rows serve the
+parameters, their fp32 masters and their Adam moments (`fused_llama` with the state's prefix).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..layouts.names import (
     LLAMA_TO_MEGATRON_TOP,
     MEGATRON_LOCAL_EXPERTS,
 )
+from .source import Source
 
 MOE_LAYOUT = "megatron-gpt-moe"  # the export's target layout of a mixture of experts (not a built-in family)
 
@@ -110,4 +112,48 @@ def fused_llama(tensors: Any, layout: Layout, prefix: str = "model") -> dict[str
     return out
 
 
-__all__ = ["MOE_LAYOUT", "Run", "fused_llama", "megatron_gpt_of_llama", "megatron_moe_of_llama_moe"]
+def llama_optimizer(source: Source, layout: Layout) -> dict[str, dict[str, list[Run]]]:
+    """The distributed optimizer's state of the reference Llama, by Megatron state: each
+    parameter's fp32 master (``param``: the trainer's parameters, which are fp32) and its Adam
+    moments, fused as the parameters are.
+
+    Raises:
+        LayoutError: parameters that are not fp32, or moments missing.
+    """
+    tensors = source.manifest.tensors
+    odd = sorted(f"{fqn} ({t.dtype})" for fqn, t in tensors.items() if fqn.startswith("model/") and t.dtype != "float32")
+    if odd:
+        raise LayoutError(f"{source.loc}: Megatron's fp32 masters are the trainer's parameters, and {len(odd)} are not "
+                          "float32: " + summarize(odd))
+    if not any(fqn.startswith("optimizer/exp_avg/") for fqn in tensors):
+        raise LayoutError(f"{source.loc}: no optimizer/exp_avg tensors in the checkpoint, which --include-optimizer needs")
+    return {state: fused_llama(tensors, layout, prefix) for state, prefix in
+            (("param", "model"), ("exp_avg", "optimizer/exp_avg"), ("exp_avg_sq", "optimizer/exp_avg_sq"))}
+
+
+def llama_param_groups(source: Source) -> list[dict[str, Any]]:
+    """Megatron's two parameter groups (weight decay on, ``wd_mult`` 1, and off for norms and
+    other 1-D parameters, ``wd_mult`` 0: the reference trainer's AdamW decays 2-D weights only)
+    with the trainer's hyper-parameters and step; ``lr`` is the peak rate (Megatron's scheduler
+    sets each step's).
+
+    Raises:
+        LayoutError: no optimizer recorded in the checkpoint's info.
+    """
+    info = source.manifest.info.optimizer
+    hp = info.hyperparameters if info is not None else {}
+    if info is None or not all(k in hp for k in ("lr", "betas", "eps", "weight_decay")):
+        raise LayoutError(f"{source.loc}: no AdamW hyper-parameters (lr, betas, eps, weight_decay) recorded, which "
+                          "Megatron's optimizer state needs")
+    min_lr = (source.manifest.info.scheduler or {}).get("min_lr")
+    betas = hp["betas"]
+    base = {"is_expert_parallel": False, "default_config": True, "wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False,
+            "max_lr": hp["lr"], "min_lr": min_lr, "lr": hp["lr"], "betas": tuple(betas) if isinstance(betas, list) else betas,
+            "eps": hp["eps"], "weight_decay": hp["weight_decay"], "amsgrad": False, "maximize": False, "foreach": None,
+            "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+            "step": float(info.step or 0)}
+    return [base, {**base, "wd_mult": 0.0}]
+
+
+__all__ = ["MOE_LAYOUT", "Run", "fused_llama", "llama_optimizer", "llama_param_groups", "megatron_gpt_of_llama",
+           "megatron_moe_of_llama_moe"]
