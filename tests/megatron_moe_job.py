@@ -94,3 +94,23 @@ def job(rank: int, world: int, tp: int, ep: int, path: str, ids_file: str, out: 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def plain_job(rank: int, world: int, path: str, out: str, port: int) -> None:
+    """Read `path` with megatron-core's ``load_plain_tensors`` on every one of `world` ranks (it
+    is collective); rank 0 writes every tensor, model and optimizer state, to ``plain.safetensors``."""
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from megatron.core import dist_checkpointing
+        from safetensors.torch import save_file
+
+        plain = dist_checkpointing.load_plain_tensors(path)
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in plain.items() if isinstance(v, torch.Tensor)}, os.path.join(out, "plain.safetensors"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -2,8 +2,9 @@
 ``llama-moe``): megatron-core loads the files into a GPTModel with its MoE layer (local spec,
 ``SequentialMLP`` experts) at the target TP and EP (on CPU, gloo ranks), every loaded tensor
 equal to the trainer's, its logits those of the trainer's own forward; megatron-core saving
-the loaded model again writes the same keys, chunks and values; bad targets fail in one line,
-writing nothing."""
+the loaded model again writes the same keys, chunks and values; with the optimizer, every fp32
+master and Adam moment (each expert's of each layer) as megatron-core reads them equal to the
+trainer's; bad targets fail in one line, writing nothing."""
 
 from __future__ import annotations
 
@@ -160,7 +161,6 @@ def test_targets_the_moe_export_cannot_take_fail_in_one_line(trained: Path, tmp_
     cases = [
         ((str(trained), "--ep", "3"), "8 experts are not divisible by ep 3"),
         ((str(trained), "--tp", "8"), "4 query groups"),  # 4 key/value heads cannot be cut 8 ways
-        ((str(trained), "--include-optimizer"), "drop --include-optimizer"),
         ((str(llama), "--ep", "2"), "this layout has no experts"),
     ]
     for args, says in cases:
@@ -169,3 +169,70 @@ def test_targets_the_moe_export_cannot_take_fail_in_one_line(trained: Path, tmp_
         assert_nothing_written(tmp_path, tmp_path / "out")
     proc = run_ckptkit("export", str(trained), str(tmp_path / "out"), "--format", "hf", "--ep", "2")
     assert proc.returncode == 2 and "--tp/--pp/--ep" in proc.stderr
+
+
+def _as_megatron_moe(state: dict[str, torch.Tensor], c: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The mixture of experts' tensors of one state (parameters or a moment) under Megatron's keys,
+    written out here: layers stacked, q, k, v interleaved per query group, the router stacked by
+    layer, each expert's [gate; up] and down stacked on the (layer, expert) axes."""
+    hd, per, n = c["hidden_size"] // c["num_heads"], c["num_heads"] // c["num_kv_heads"], c["num_experts"]
+    out = {"embedding.word_embeddings.weight": state["embed.weight"], "decoder.final_layernorm.weight": state["norm.weight"]}
+    if not c["tie_embeddings"]:
+        out["output_layer.weight"] = state["lm_head.weight"]
+    layers: dict[str, list[torch.Tensor]] = {}
+    for i in range(c["num_layers"]):
+        p = f"layers.{i}."
+        q, k, v = (state[p + f"attn.{x}.weight"] for x in "qkv")
+        qkv = torch.cat([t for g in range(c["num_kv_heads"]) for t in (q[g * per * hd:(g + 1) * per * hd], k[g * hd:(g + 1) * hd],
+                                                                      v[g * hd:(g + 1) * hd])])
+        x = [f"{p}mlp.experts.{e}." for e in range(n)]
+        for key, value in (("self_attention.linear_qkv.layer_norm_weight", state[p + "attn_norm.weight"]),
+                           ("self_attention.linear_qkv.weight", qkv), ("self_attention.linear_proj.weight", state[p + "attn.o.weight"]),
+                           ("mlp.linear_fc1.layer_norm_weight", state[p + "mlp_norm.weight"]),
+                           ("mlp.router.weight", state[p + "mlp.router.weight"]),
+                           ("mlp.experts.experts.linear_fc1.weight",
+                            torch.stack([torch.cat([state[e + "gate.weight"], state[e + "up.weight"]]) for e in x])),
+                           ("mlp.experts.experts.linear_fc2.weight", torch.stack([state[e + "down.weight"] for e in x]))):
+            layers.setdefault(f"decoder.layers.{key}", []).append(value)
+    return out | {key: torch.stack(values) for key, values in layers.items()}
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(2, 2), (1, 4)])
+def test_the_moes_optimizer_state_comes_stacked_as_its_parameters_for_every_expert(tp: int, ep: int, trained: Path, tmp_path: Path,
+                                                                                  run_ckptkit: Any) -> None:
+    # fp32 masters and both Adam moments as megatron-core's load_plain_tensors reads them (on
+    # every rank): each expert's of each layer equal to the trainer's (where DeepSpeed is known
+    # to keep stale expert moments), the router's too
+    from .megatron_moe_job import plain_job
+    from .ranks import run_ranks
+
+    out, loaded = tmp_path / "megatron", tmp_path / "loaded"
+    proc = run_ckptkit("export", str(trained), str(out), "--format", "megatron", "--include-optimizer", "--tp", str(tp), "--ep", str(ep))
+    assert proc.returncode == 0, proc.stderr
+    loaded.mkdir()
+    run_ranks(plain_job, (2, str(out), str(loaded), 29500 + os.getpid() % 400 + tp * ep), 2, seconds=400)
+    plain = load_file(str(loaded / "plain.safetensors"))
+    c = dict(ckptkit.read_manifest(str(trained)).info.model.config)  # type: ignore[union-attr]
+    source = ckptkit.load(str(trained))
+    states = {"param": source["model"], "exp_avg": source["optimizer"]["exp_avg"], "exp_avg_sq": source["optimizer"]["exp_avg_sq"]}
+    want = {f"optimizer.state.{name}.{key}": value for name, state in states.items()
+            for key, value in _as_megatron_moe(state, c).items()} | _as_megatron_moe(source["model"], c)
+    assert sorted(plain) == sorted(want)
+    for key, value in want.items():
+        assert plain[key].dtype == torch.float32 and torch.equal(plain[key], value), key
+    moving = 0
+    for name, state in states.items():
+        fc1, fc2 = (plain[f"optimizer.state.{name}.decoder.layers.mlp.experts.experts.linear_fc{j}.weight"] for j in (1, 2))
+        router = plain[f"optimizer.state.{name}.decoder.layers.mlp.router.weight"]
+        for i in range(c["num_layers"]):
+            assert torch.equal(router[i], state[f"layers.{i}.mlp.router.weight"]), (name, i)
+            for e in range(c["num_experts"]):
+                x = f"layers.{i}.mlp.experts.{e}."
+                assert torch.equal(fc1[i, e], torch.cat([state[x + "gate.weight"], state[x + "up.weight"]])), (name, i, e)
+                assert torch.equal(fc2[i, e], state[x + "down.weight"]), (name, i, e)
+                moving += name != "param" and bool(fc2[i, e].abs().sum() > 0)
+    assert moving == 2 * c["num_layers"] * c["num_experts"]  # every expert was trained: no moment is trivially zero
+    common = torch.load(out / "common.pt", weights_only=True)["optimizer"]
+    assert sorted(common) == [0, 1] and all(o["param_state_sharding_type"] == "fully_reshardable" for o in common.values())
+    assert [(g["wd_mult"], g["is_expert_parallel"]) for o in common.values() for g in o["optimizer"]["param_groups"]] == \
+        [(1.0, False), (0.0, False), (1.0, True)]

@@ -51,8 +51,7 @@ from ..state.tree import unescape
 from ..storage import Storage
 from .convert import output_dtype
 from .dcp import file_entry, write_dcp
-from .megatron_llama import (MOE_LAYOUT, Run, fused_llama, llama_optimizer, llama_param_groups, megatron_gpt_of_llama,
-                             megatron_moe_of_llama_moe)
+from .megatron_llama import Run, fused_llama, llama_optimizer, llama_param_groups, megatron_gpt_of_llama
 from .source import ExportedFile, ExportedTensor, Source, Writer, Written
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
@@ -94,7 +93,8 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
     if problems:
         raise LayoutError(f"cannot export at tp {tp} x pp {pp}{f' x ep {ep}' if ep != 1 else ''}: " + summarize(problems))
     entries = plan_entries(source, target, sources, tp, out_dtype)
-    groups = (llama_param_groups(source) if layout.name == "llama" else _param_groups(source)) if include_optimizer else None
+    groups = None if not include_optimizer else \
+        llama_param_groups(source, experts=layout.name == "llama-moe") if layout.name != "megatron-gpt" else [_param_groups(source)]
     chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces}
     skipped = sorted(set(source.manifest.tensors) - chosen)
 
@@ -105,7 +105,9 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
         tensors = [t.model_copy(update={"file": where[at]}) for at, t in report.items()]
         common: dict[str, Any] = {}
         if groups is not None:
-            common["optimizer"] = {"param_state_sharding_type": "fully_reshardable", "optimizer": {"param_groups": groups}}
+            # one state per optimizer; a mixture of experts' is megatron-core's ChainedOptimizer of two (dense, experts)
+            states = [{"param_state_sharding_type": "fully_reshardable", "optimizer": {"param_groups": g}} for g in groups]
+            common["optimizer"] = states[0] if len(states) == 1 else dict(enumerate(states))
         extra = {"common.pt": _torch_save(common), "metadata.json": json.dumps(BACKEND).encode()}
         files = []
         for name, data in extra.items():
@@ -123,20 +125,16 @@ Sources = dict[str, dict[str, list[Run]]]  # Megatron state ("" for the model) -
 def megatron_sources(source: Source, layout: Layout, include_optimizer: bool) -> tuple[Sources, Layout]:
     """Where each Megatron tensor (per layer, per expert) comes from, and the Megatron layout of
     the target: a Megatron GPT's tensors as they are; the reference trainer's Llama (layout
-    ``llama``, with its fp32 masters and moments if asked) and mixture of experts
-    (``llama-moe``, model only) fused as Megatron fuses them.
+    ``llama``) and mixture of experts (``llama-moe``) fused as Megatron fuses them, with their
+    fp32 masters and moments if asked (an expert's state stacked and cut as its parameters).
 
     Raises:
-        LayoutError: a layout of another family, tensors missing, an optimizer asked of a mixture of experts.
+        LayoutError: a layout of another family, tensors missing.
     """
     tensors = source.manifest.tensors
-    if layout.name == "llama":
+    if layout.name in ("llama", "llama-moe"):
         optimizer = llama_optimizer(source, layout) if include_optimizer else {}
         return {"": fused_llama(tensors, layout), **optimizer}, megatron_gpt_of_llama(layout)
-    if layout.name == "llama-moe":
-        if include_optimizer:
-            raise LayoutError("the megatron format takes a mixture of experts' parameters only for now; drop --include-optimizer")
-        return {"": fused_llama(tensors, layout)}, megatron_moe_of_llama_moe(layout)
     if layout.name != "megatron-gpt":
         raise LayoutError(f"the megatron format writes a Megatron-Core GPT (layout megatron-gpt, or the reference trainer's "
                           f"llama or llama-moe); {source.loc} is {layout.name!r}: give --layout FILE "
@@ -317,5 +315,5 @@ class _Planner(DefaultSavePlanner):
         return out
 
 
-__all__ = ["BACKEND", "MOE_LAYOUT", "Chunk", "Entry", "Run", "fused_llama", "megatron_gpt_of_llama", "megatron_moe_of_llama_moe",
+__all__ = ["BACKEND", "Chunk", "Entry", "Run", "fused_llama", "megatron_gpt_of_llama",
            "megatron_sources", "megatron_writer", "plan_entries"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import LayoutError, summarize
-from ..layouts import Layout, Param, TensorPart, TPCut, Unit, builtin
+from ..layouts import Layout, builtin
 from ..layouts.names import (
     LLAMA_MOE_TO_MEGATRON_EXPERT,
     LLAMA_MOE_TO_MEGATRON_LAYER,
@@ -23,9 +23,6 @@ from ..layouts.names import (
     MEGATRON_LOCAL_EXPERTS,
 )
 from .source import Source
-
-MOE_LAYOUT = "megatron-gpt-moe"  # the export's target layout of a mixture of experts (not a built-in family)
-
 
 @dataclass(frozen=True, slots=True)
 class Run:
@@ -38,42 +35,20 @@ class Run:
 
 
 def megatron_gpt_of_llama(layout: Layout) -> Layout:
-    """The ``megatron-gpt`` layout of the reference trainer's Llama (same sizes and options)."""
+    """The ``megatron-gpt`` layout of the reference trainer's Llama, or of its mixture of experts
+    (``num_moe_experts``: the MLP's linears replaced by the router and an expert unit of
+    ``SequentialMLP`` experts), same sizes and options."""
     c = layout.config
-    return builtin("megatron-gpt", {
+    config: dict[str, Any] = {
         "num_layers": c["num_layers"], "hidden_size": c["hidden_size"], "num_attention_heads": c["num_heads"],
         "num_query_groups": c["num_kv_heads"], "ffn_hidden_size": c["intermediate_size"], "vocab_size": c["vocab_size"],
         "kv_channels": int(c["hidden_size"]) // int(c["num_heads"]),  # type: ignore[arg-type]
         "share_embeddings_and_output_weights": bool(c.get("tie_embeddings")),
         "max_sequence_length": c.get("max_seq_len"), "layernorm_epsilon": c.get("norm_eps"), "rotary_base": c.get("rope_theta"),
-    })
-
-
-def megatron_moe_of_llama_moe(layout: Layout) -> Layout:
-    """The Megatron layout of the reference mixture of experts: the dense GPT's layers with the
-    MLP's linears replaced by the router (replicated over TP) and an expert unit of
-    ``SequentialMLP`` experts (``linear_fc1`` ``[gate; up]`` and ``linear_fc2``, cut over TP as
-    the dense MLP's; EP cuts the experts)."""
-    dense = megatron_gpt_of_llama(layout)
-    c = layout.config
-    experts, h, f = (int(c[k]) for k in ("num_experts", "hidden_size", "intermediate_size"))  # type: ignore[arg-type]
-    p = "decoder.layers.{layer}."
-    e = f"{p}{MEGATRON_LOCAL_EXPERTS}.{{expert}}."
-    units: list[Unit] = []
-    for unit in dense.units:
-        if unit.place != "layers":
-            units.append(unit)
-            continue
-        kept = tuple(q for q in unit.params if not q.name.startswith("mlp.linear_fc") or q.name.endswith("layer_norm_weight"))
-        router = Param(name="mlp.router.weight", parts=(TensorPart(tensor=p + "mlp.router.weight", shape=(experts, h)),))
-        units.append(unit.model_copy(update={"params": (*kept, router)}))
-        fc1 = tuple(TensorPart(tensor=e + "linear_fc1.weight", shape=(2 * f, h), start=a, length=f) for a in (0, f))
-        units.append(Unit(name=p + "mlp.experts", place="layers", experts=experts, params=(
-            Param(name="{expert}.linear_fc1.weight", parts=fc1, tp=TPCut(dim=0)),
-            Param(name="{expert}.linear_fc2.weight", parts=(TensorPart(tensor=e + "linear_fc2.weight", shape=(h, f)),), tp=TPCut(dim=1)),
-        )))
-    config = {**dense.config, "num_moe_experts": experts, "moe_router_topk": c.get("top_k", 2)}
-    return dense.model_copy(update={"name": MOE_LAYOUT, "config": config, "units": tuple(units)})
+    }
+    if layout.name == "llama-moe":
+        config |= {"num_moe_experts": c["num_experts"], "moe_ffn_hidden_size": c["intermediate_size"], "moe_router_topk": c.get("top_k", 2)}
+    return builtin("megatron-gpt", config)
 
 
 def fused_llama(tensors: Any, layout: Layout, prefix: str = "model") -> dict[str, list[Run]]:
@@ -113,9 +88,9 @@ def fused_llama(tensors: Any, layout: Layout, prefix: str = "model") -> dict[str
 
 
 def llama_optimizer(source: Source, layout: Layout) -> dict[str, dict[str, list[Run]]]:
-    """The distributed optimizer's state of the reference Llama, by Megatron state: each
-    parameter's fp32 master (``param``: the trainer's parameters, which are fp32) and its Adam
-    moments, fused as the parameters are.
+    """The distributed optimizer's state of the reference Llama (or mixture of experts), by
+    Megatron state: each parameter's fp32 master (``param``: the trainer's parameters, which are
+    fp32) and its Adam moments, fused as the parameters are (each expert's as its own).
 
     Raises:
         LayoutError: parameters that are not fp32, or moments missing.
@@ -131,11 +106,13 @@ def llama_optimizer(source: Source, layout: Layout) -> dict[str, dict[str, list[
             (("param", "model"), ("exp_avg", "optimizer/exp_avg"), ("exp_avg_sq", "optimizer/exp_avg_sq"))}
 
 
-def llama_param_groups(source: Source) -> list[dict[str, Any]]:
-    """Megatron's two parameter groups (weight decay on, ``wd_mult`` 1, and off for norms and
-    other 1-D parameters, ``wd_mult`` 0: the reference trainer's AdamW decays 2-D weights only)
-    with the trainer's hyper-parameters and step; ``lr`` is the peak rate (Megatron's scheduler
-    sets each step's).
+def llama_param_groups(source: Source, *, experts: bool = False) -> list[list[dict[str, Any]]]:
+    """Megatron's parameter groups, one list per optimizer: the dense parameters' two (weight
+    decay on, ``wd_mult`` 1, and off for norms and other 1-D parameters, ``wd_mult`` 0: the
+    reference trainer's AdamW decays 2-D weights only) and, with `experts`, the experts' own
+    optimizer's one (``is_expert_parallel``; experts have 2-D weights only), as megatron-core's
+    ``ChainedOptimizer`` keeps them; the trainer's hyper-parameters and step; ``lr`` is the
+    peak rate (Megatron's scheduler sets each step's).
 
     Raises:
         LayoutError: no optimizer recorded in the checkpoint's info.
@@ -152,8 +129,8 @@ def llama_param_groups(source: Source) -> list[dict[str, Any]]:
             "eps": hp["eps"], "weight_decay": hp["weight_decay"], "amsgrad": False, "maximize": False, "foreach": None,
             "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True,
             "step": float(info.step or 0)}
-    return [base, {**base, "wd_mult": 0.0}]
+    dense = [base, {**base, "wd_mult": 0.0}]
+    return [dense, [{**base, "is_expert_parallel": True}]] if experts else [dense]
 
 
-__all__ = ["MOE_LAYOUT", "Run", "fused_llama", "llama_optimizer", "llama_param_groups", "megatron_gpt_of_llama",
-           "megatron_moe_of_llama_moe"]
+__all__ = ["Run", "fused_llama", "llama_optimizer", "llama_param_groups", "megatron_gpt_of_llama"]
