@@ -13,8 +13,9 @@ medians of `--repeats` saves or loads (see `benchmarks.gpu_measure` for what eac
   ``load`` into CUDA tensors; the host memory each adds;
 - the targets beside the measured ratios.
 
-Prints a table and writes ``<out>/gpu-results.json``. Without CUDA it exits with status 2 and
-one line.
+Prints a table and writes ``<out>/gpu-results.json`` (creating `<out>`); a run that fails part
+way still writes the results measured so far there, with its ``error``. Without CUDA it exits
+with status 2 and one line.
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ def model_for(args: argparse.Namespace) -> Llama:
     return llama_for(int((args.size_gb or DEFAULT_BYTES / 1e9) * 1e9))
 
 
-def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
-    """Run every measurement; return the results (ratios and targets included)."""
+def run(args: argparse.Namespace, say: Any, results: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run every measurement into `results` (a new dict by default, filled as the run goes, so
+    that a caller keeps what was measured before a failure); return it, ratios and targets
+    included."""
     import torch
 
     from benchmarks import gpu_measure as m
@@ -88,22 +91,27 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     work = os.path.abspath(args.work or os.path.join(out, "work"))
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
+    os.makedirs(out, exist_ok=True)
     model = model_for(args)
     state = build_state(model, "cuda")
     nbytes = model.state_bytes()
     say(f"[gpu] {torch.cuda.get_device_name()}: state of {nbytes / 1e9:.2f} GB ({model.parameter_count() / 1e9:.2f}B parameters)")
     step = m.calibrated_step(args.step_ms / 1000)
-    results: dict[str, Any] = {
+    results = {} if results is None else results
+    results.update({
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": vars(model), "state_bytes": nbytes,
         "repeats": args.repeats, "step_iters": step.iters,
         "auto_choice": choose_snapshot("auto", cuda_bytes=nbytes, memory=device_memory(torch.device("cuda"))).reason,
-    }
+    })
     for to in ("host", "device"):
         results[f"copy_{to}"] = m.measure_copy(state, to, args.repeats)
         say(f"[gpu] {'pinned D2H' if to == 'host' else 'D2D'} copy: {results[f'copy_{to}']['seconds']:.3f} s")
-    free = shutil.disk_usage(work).free
-    if free < 5 * nbytes:
-        raise SystemExit(f"benchmarks/gpu.py: {work} has {free / 1e9:.1f} GB free, the run needs about {5 * nbytes / 1e9:.1f} GB")
+    # At most three checkpoints of the state are on disk at once: the host manager's last one
+    # beside the device manager's two (keep_last=1 writes the next before deleting the last), or
+    # beside a DCP one and the next.
+    free, need = shutil.disk_usage(work).free, int(3.2 * nbytes)
+    if free < need:
+        raise SystemExit(f"benchmarks/gpu.py: {work} has {free / 1e9:.1f} GB free, the run needs about {need / 1e9:.1f} GB")
     for kind in ("host", "device"):
         try:
             results[f"ckptkit_{kind}"] = m.measure_manager(state, kind, os.path.join(work, f"ckptkit-{kind}"), step, args.repeats)
@@ -124,8 +132,14 @@ def run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
 
         dcp_path = os.path.join(work, "dcp-load")
-        dcp.save(state, checkpoint_id=dcp_path, no_dist=True)
-        results["load_dcp"] = m.measure_load("dcp", dcp_path, state, args.repeats)
+        try:
+            dcp.save(state, checkpoint_id=dcp_path, no_dist=True)
+        except Exception as exc:  # as for the async_save variants: reported, not fatal
+            results["load_dcp"] = {"unavailable": f"dcp.save failed: {type(exc).__name__}: {exc}".splitlines()[0]}
+        else:
+            results["load_dcp"] = m.measure_load("dcp", dcp_path, state, args.repeats)
+        finally:
+            shutil.rmtree(dcp_path, ignore_errors=True)
         say(f"[gpu] dcp load: {_said(results['load_dcp'], 'seconds')}")
     results["ratios"] = ratios(results)
     results["targets"] = targets(results["ratios"])
@@ -222,16 +236,28 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(problem, file=sys.stderr)
         return NO_CUDA_EXIT
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "gpu-results.json")
+    results: dict[str, Any] = {}
     try:
-        results = run(args, lambda line: print(line, file=sys.stderr, flush=True))
+        run(args, lambda line: print(line, file=sys.stderr, flush=True), results)
+    except BaseException as exc:  # keep what was measured, then fail as before
+        results["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+        _write(path, results)
+        print(f"benchmarks/gpu.py: the run failed ({results['error']}); the results so far are in {path}", file=sys.stderr)
+        raise
     finally:
-        shutil.rmtree(os.path.abspath(args.work or os.path.join(args.out, "work")), ignore_errors=True)
-    path = os.path.join(os.path.abspath(args.out), "gpu-results.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
+        shutil.rmtree(os.path.abspath(args.work or os.path.join(out, "work")), ignore_errors=True)
+    _write(path, results)
     print(render(results))
     print(f"\nresults: {path}")
     return 0
+
+
+def _write(path: str, results: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ import torch
 
 from . import retention
 from .snapshot import (
-    BufferPool, DeviceCopy, HostCopy, Key, SnapshotChoice, check_snapshot_options, choose_snapshot, copy_to_device,
-    copy_to_host, device_memory,
+    BufferPool, DeviceCopy, HostCopy, Key, SideStreams, SnapshotChoice, check_snapshot_options, choose_snapshot,
+    copy_to_device, copy_to_host, device_memory,
 )
 from ..io.catalog import LATEST_NAME, read_latest, step_of
 from ..io.run_record import RunRecord, record_run
@@ -135,7 +135,7 @@ class CheckpointManager:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ckptkit-save")
         self._inflight: SaveHandle | None = None
         self._closed = False
-        self._side_stream: Any = None
+        self._side_streams = SideStreams()  # one per CUDA device the saved tensors are on
 
     # --- saving -----------------------------------------------------------------------------
 
@@ -211,7 +211,8 @@ class CheckpointManager:
 
     @property
     def host_buffer_bytes(self) -> int:
-        """Host memory the buffer pool holds (pinned for CUDA tensors)."""
+        """Host memory the buffer pool holds: CPU tensors' buffers, and the pinned arenas of the
+        CUDA tensors' whole (powers of two, as torch's pinned allocator reserves them)."""
         return self._buffers.held_bytes()
 
     @property
@@ -299,6 +300,7 @@ class CheckpointManager:
         locals_ = {(fqn, i): p.local if isinstance(p, ShardedTensor) else p for fqn, ps in pieces.items() for i, p in enumerate(ps)}
         cuda = [(key, t) for key, t in locals_.items() if t.device.type == "cuda"]
         choice = self._choose(cuda)
+        self._buffers.arrange(cuda)  # the CUDA pieces' pinned buffers, packed into a few arenas
         staged: dict[str, Any] = {}
         for fqn, leaf in leaves.items():
             out = []
@@ -335,11 +337,9 @@ class CheckpointManager:
         says; return what to wait on, and the choice (host, if "auto" ran out of GPU memory)."""
         if not copies:
             return None, choice
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         if choice.kind == "device":
             try:
-                return copy_to_device(self._side_stream, self._device_buffers, copies), choice
+                return copy_to_device(self._side_streams, self._device_buffers, copies), choice
             except torch.OutOfMemoryError:
                 self._device_buffers.clear()
                 failed = f"the GPU ran out of memory allocating {choice.cuda_bytes / 1e9:.2f} GB of buffers"
@@ -348,7 +348,7 @@ class CheckpointManager:
                 choice = SnapshotChoice("host", f"snapshot='auto' fell back to host: {failed}", choice.cuda_bytes)
                 self.snapshot_choice = choice
                 log.info("ckptkit: host snapshots: %s", choice.reason)
-        return copy_to_host(self._side_stream, [(buf, src) for _, buf, src in copies]), choice
+        return copy_to_host(self._side_streams, [(buf, src) for _, buf, src in copies]), choice
 
     def _background(self, handle: SaveHandle, state: dict[str, Any], ready: Any, options: dict[str, Any]) -> None:
         from ..ops.save import save

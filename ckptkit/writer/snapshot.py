@@ -11,16 +11,25 @@ copied into host buffers. CUDA tensors are copied one of two ways:
   tensors, held from save to save.
 
 `choose_snapshot` decides between them from byte counts alone (pure, so it is tested without a
-GPU); `BufferPool` holds the buffers, reused while the state keeps its shapes and dtypes;
-`copy_to_host` and `copy_to_device` enqueue the copies and return what the background thread
-waits on (`HostCopy`, `DeviceCopy`): call `wait_staged` (the state may change), then
-`wait_on_host` (the host buffers hold the snapshot).
+GPU); `BufferPool` holds the buffers, reused while the state keeps its shapes and dtypes (the
+pinned ones packed into a few power-of-two arenas, `plan_arenas`); `copy_to_host` and
+`copy_to_device` enqueue the copies and return what the background thread waits on
+(`HostCopy`, `DeviceCopy`): call `wait_staged` (the state may change), then `wait_on_host` (the
+host buffers hold the snapshot).
+
+CUDA tensors need not be on the current device, nor all on one: a copy involving a tensor on
+device d runs on d's current stream, so the copies are grouped by source device
+(`by_device`), each group issued under ``torch.cuda.device(d)`` on d's own side stream
+(`SideStreams`), which first waits for d's current stream, and marked by an event of its own;
+d's current stream then waits for that side stream, and the background thread waits for every
+device's event.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -31,7 +40,14 @@ SNAPSHOT_KINDS = ("auto", "device", "host")
 # training's own growth), on top of what the driver reports free.
 DEVICE_MARGIN = 0.05
 
+# Pinned buffers are packed into arenas of at least this size (or the power of two above the
+# largest piece), 64-byte aligned: torch's pinned allocator rounds every allocation up to a power
+# of two, so one buffer per piece would pin up to twice the state's bytes.
+MIN_ARENA_BYTES = 64 << 20
+ALIGN = 64
+
 Key = tuple[str, int]  # (fqn, piece index)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -139,19 +155,51 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def pow2_ceil(n: int) -> int:
+    """The smallest power of two at least `n` (1 for 0): what torch's pinned allocator reserves."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def plan_arenas(sizes: Sequence[int], min_arena: int = MIN_ARENA_BYTES) -> tuple[list[int], list[tuple[int, int]]]:
+    """Pack pieces of `sizes` bytes into power-of-two arenas; return the arenas' sizes and each
+    piece's (arena, byte offset), (-1, 0) for an empty piece.
+
+    First fit, largest piece first, at 64-byte offsets, into arenas of the larger of `min_arena`
+    and the power of two at or above the largest piece; each arena is then cut down to the power
+    of two its pieces need (so a small state takes one small arena)."""
+    spans = [-(-n // ALIGN) * ALIGN for n in sizes]
+    where = [(-1, 0)] * len(spans)
+    order = sorted((i for i, n in enumerate(spans) if n), key=lambda i: (-spans[i], i))
+    if not order:
+        return [], where
+    cap = max(min_arena, pow2_ceil(spans[order[0]]))
+    used: list[int] = []
+    for i in order:
+        arena = next((a for a, u in enumerate(used) if u + spans[i] <= cap), len(used))
+        if arena == len(used):
+            used.append(0)
+        where[i] = (arena, used[arena])
+        used[arena] += spans[i]
+    return [pow2_ceil(u) for u in used], where
+
+
 @dataclass
 class BufferPool:
     """Buffers by (fqn, piece index), reused while the state keeps its shapes and dtypes.
 
-    A host pool (`device` None) holds CPU buffers, pinned for CUDA sources; a device pool holds
-    buffers on each source's own device. `allocations` and `allocated_bytes` count every
-    allocation made (a reused buffer is not counted again); `held_bytes` is what it holds now.
+    A host pool (`on_device` False) holds CPU buffers: plain ones for CPU sources, and, for CUDA
+    sources, views of a few pinned arenas laid out by `arrange` (`plan_arenas`). A device pool
+    holds buffers on each source's own device. `allocations` and `allocated_bytes` count every
+    allocation made (a reused buffer is not counted again; an arena is one allocation);
+    `held_bytes` is what it holds now, the arenas' whole (pinned) sizes included.
     """
 
     on_device: bool = False
     tensors: dict[Key, torch.Tensor] = field(default_factory=dict)
     allocations: int = 0
     allocated_bytes: int = 0
+    arenas: list[torch.Tensor] = field(default_factory=list)
+    arena_keys: frozenset[Key] = frozenset()
 
     def fits(self, buf: torch.Tensor | None, like: torch.Tensor) -> bool:
         """Whether `buf` can hold a copy of `like` in this pool."""
@@ -159,19 +207,45 @@ class BufferPool:
             return False
         if self.on_device:
             return buf.device == like.device
-        return buf.device.type == "cpu" and buf.is_pinned() == (like.device.type == "cuda")
+        if buf.device.type != "cpu":
+            return False
+        # An empty buffer holds no bytes to pin (and a 0-byte pinned tensor reports is_pinned False).
+        return buf.numel() == 0 or buf.is_pinned() == (like.device.type == "cuda")
+
+    def arrange(self, pieces: Sequence[tuple[Key, torch.Tensor]]) -> None:
+        """Lay out the pinned host buffers of the CUDA `pieces` in arenas (`plan_arenas`): kept
+        while the pieces keep their keys, shapes and dtypes, else rebuilt whole (the old arenas
+        are let go before the new ones are pinned)."""
+        keys = frozenset(key for key, _ in pieces)
+        if keys == self.arena_keys and all(self.fits(self.tensors.get(key), t) for key, t in pieces):
+            return
+        for key in self.arena_keys:
+            self.tensors.pop(key, None)
+        self.arenas, self.arena_keys = [], frozenset()
+        sizes, where = plan_arenas([_nbytes(t) for _, t in pieces])
+        self.arenas = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
+        for (key, like), (arena, offset) in zip(pieces, where):
+            if arena < 0:
+                buf = torch.empty(like.shape, dtype=like.dtype)
+            else:
+                buf = self.arenas[arena][offset : offset + _nbytes(like)].view(like.dtype).view(like.shape)
+            self.tensors[key] = buf
+        self.allocations += len(sizes)
+        self.allocated_bytes += sum(sizes)
+        self.arena_keys = keys
 
     def get(self, key: Key, like: torch.Tensor) -> torch.Tensor:
         """The buffer for `key`, allocated (or replaced) unless the one held fits `like`."""
         buf = self.tensors.get(key)
         if buf is None or not self.fits(buf, like):
+            pinned = not self.on_device and like.device.type == "cuda" and like.numel() > 0
             if self.on_device:
                 buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
             else:
-                buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=like.device.type == "cuda")
+                buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
             self.tensors[key] = buf
             self.allocations += 1
-            self.allocated_bytes += _nbytes(buf)
+            self.allocated_bytes += pow2_ceil(_nbytes(buf)) if pinned else _nbytes(buf)
         return buf
 
     def reusable_bytes(self, pieces: list[tuple[Key, torch.Tensor]]) -> int:
@@ -179,93 +253,157 @@ class BufferPool:
         return sum(_nbytes(t) for key, t in pieces if self.fits(self.tensors.get(key), t))
 
     def held_bytes(self) -> int:
-        return sum(_nbytes(t) for t in self.tensors.values())
+        """The bytes held: the buffers outside the arenas (a pinned one as the power of two the
+        pinned allocator reserves for it) and the arenas' whole sizes."""
+        held = sum(_nbytes(a) for a in self.arenas)
+        for key, t in self.tensors.items():
+            if key not in self.arena_keys:
+                held += pow2_ceil(_nbytes(t)) if not self.on_device and t.numel() and t.is_pinned() else _nbytes(t)
+        return held
 
     def retain(self, keys: set[Key]) -> None:
-        """Drop the buffers of keys no longer in the state."""
+        """Drop the buffers of keys no longer in the state (an arena goes at the next `arrange`)."""
         for key in set(self.tensors) - keys:
             del self.tensors[key]
 
     def clear(self) -> None:
         self.tensors.clear()
+        self.arenas, self.arena_keys = [], frozenset()
+
+
+class SideStreams:
+    """The manager's side streams, one per CUDA device, created on first use."""
+
+    def __init__(self) -> None:
+        self.streams: dict[torch.device, Any] = {}
+
+    def get(self, device: torch.device) -> Any:
+        key = cuda_device(device)
+        if key not in self.streams:
+            self.streams[key] = torch.cuda.Stream(device=key)  # type: ignore[no-untyped-call]
+        return self.streams[key]
+
+
+def cuda_device(device: torch.device) -> torch.device:
+    """`device` with its index (the current device's when it has none)."""
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+
+def by_device(items: Iterable[T], device_of: Callable[[T], torch.device]) -> dict[torch.device, list[T]]:
+    """`items` grouped by their CUDA device (`device_of`), devices in first-seen order and each
+    group in the items' order."""
+    groups: dict[torch.device, list[T]] = {}
+    for item in items:
+        groups.setdefault(cuda_device(device_of(item)), []).append(item)
+    return groups
 
 
 @dataclass(frozen=True)
 class HostCopy:
-    """A host snapshot in flight: `done` marks the end of its device-to-host copies."""
+    """A host snapshot in flight: `done` holds one event per source device, marking the end of
+    its device-to-host copies."""
 
-    done: Any  # torch.cuda.Event
+    done: tuple[Any, ...]  # torch.cuda.Event
 
     def wait_staged(self) -> None:
-        self.done.synchronize()
+        for event in self.done:
+            event.synchronize()
 
     def wait_on_host(self) -> None:
-        self.done.synchronize()
+        self.wait_staged()
 
 
 @dataclass(frozen=True)
-class DeviceCopy:
-    """A device snapshot in flight: its side stream, the event that ends its device-to-device
-    copies, and the (host buffer, GPU buffer) pairs to drain."""
+class DeviceStage:
+    """One device's part of a device snapshot: its side stream, the event that ends its
+    device-to-device copies, and its (host buffer, GPU buffer) pairs to drain."""
 
+    device: torch.device
     stream: Any  # torch.cuda.Stream
     copied: Any  # torch.cuda.Event
     pairs: list[tuple[torch.Tensor, torch.Tensor]]
 
+
+@dataclass(frozen=True)
+class DeviceCopy:
+    """A device snapshot in flight: one `DeviceStage` per source device."""
+
+    stages: tuple[DeviceStage, ...]
+
     def wait_staged(self) -> None:
-        self.copied.synchronize()
+        for stage in self.stages:
+            stage.copied.synchronize()
 
     def wait_on_host(self) -> None:
-        """Copy the GPU buffers into the host buffers on the side stream (after its
-        device-to-device copies) and wait for that; the current stream does not wait."""
-        with torch.cuda.stream(self.stream):
-            for host, dev in self.pairs:
-                host.copy_(dev, non_blocking=True)
-            drained = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            drained.record(self.stream)
-        drained.synchronize()
+        """Copy the GPU buffers into the host buffers, each device's on its side stream (after
+        its device-to-device copies), and wait for them all; no current stream waits."""
+        drained = []
+        for stage in self.stages:
+            with torch.cuda.device(stage.device), torch.cuda.stream(stage.stream):
+                for host, dev in stage.pairs:
+                    host.copy_(dev, non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stage.stream)
+            drained.append(event)
+        for event in drained:
+            event.synchronize()
 
 
-def copy_to_host(stream: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> HostCopy:
-    """Enqueue device-to-host copies (host buffer, CUDA source) on `stream`, which first waits
-    for the current stream; later work on the current stream waits for the copies (on the
-    device, not the host), so tensors overwritten after save returns cannot leak into the
-    checkpoint."""
-    current = torch.cuda.current_stream()
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        for buf, src in copies:
-            buf.copy_(src.detach(), non_blocking=True)
-            src.record_stream(stream)  # a source freed after save returns is not reused before the copy
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record(stream)
-    current.wait_stream(stream)
-    return HostCopy(done)
+def copy_to_host(streams: SideStreams, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> HostCopy:
+    """Enqueue device-to-host copies (host buffer, CUDA source), grouped by the source's device,
+    each group on that device's side stream, which first waits for the device's current stream;
+    later work on each device's current stream waits for its copies (on the device, not the
+    host), so tensors overwritten after save returns cannot leak into the checkpoint."""
+    events = []
+    for device, group in by_device(copies, lambda c: c[1].device).items():
+        with torch.cuda.device(device):
+            stream = streams.get(device)
+            current = torch.cuda.current_stream(device)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for buf, src in group:
+                    buf.copy_(src.detach(), non_blocking=True)
+                    src.record_stream(stream)  # a source freed after save returns is not reused before the copy
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record(stream)
+            current.wait_stream(stream)
+        events.append(done)
+    return HostCopy(tuple(events))
 
 
-def copy_to_device(stream: Any, pool: BufferPool, copies: list[tuple[Key, torch.Tensor, torch.Tensor]]) -> DeviceCopy:
+def copy_to_device(streams: SideStreams, pool: BufferPool, copies: list[tuple[Key, torch.Tensor, torch.Tensor]]) -> DeviceCopy:
     """Enqueue device-to-device copies of the CUDA sources of (key, host buffer, source) into
-    `pool`'s buffers on `stream`, which first waits for the current stream; the current stream
-    then waits for these copies alone (the drain to the host buffers comes later, from
-    `DeviceCopy.wait_on_host`).
+    `pool`'s buffers, grouped by the source's device, each group on that device's side stream,
+    which first waits for the device's current stream; each current stream then waits for these
+    copies alone (the drain to the host buffers comes later, from `DeviceCopy.wait_on_host`).
 
-    The GPU buffers are allocated first, with `stream` current, so that the caching allocator
-    ties them to the side stream, and before any copy is enqueued.
+    Every GPU buffer is allocated first, with its device's side stream current, so that the
+    caching allocator ties it to that stream, and before any copy is enqueued.
 
     Raises:
         torch.OutOfMemoryError: a GPU buffer could not be allocated (no copy was enqueued).
     """
-    current = torch.cuda.current_stream()
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        pairs = [(host, pool.get(key, src)) for key, host, src in copies]
-        for (host, dev), (_, _, src) in zip(pairs, copies):
-            dev.copy_(src.detach(), non_blocking=True)
-            src.record_stream(stream)
-        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        copied.record(stream)
-    current.wait_stream(stream)
-    return DeviceCopy(stream, copied, pairs)
+    groups = by_device(copies, lambda c: c[2].device)
+    buffers: dict[Key, torch.Tensor] = {}
+    for device, group in groups.items():
+        with torch.cuda.device(device), torch.cuda.stream(streams.get(device)):
+            for key, _, src in group:
+                buffers[key] = pool.get(key, src)
+    stages = []
+    for device, group in groups.items():
+        with torch.cuda.device(device):
+            stream = streams.get(device)
+            current = torch.cuda.current_stream(device)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for key, _, src in group:
+                    buffers[key].copy_(src.detach(), non_blocking=True)
+                    src.record_stream(stream)
+                copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                copied.record(stream)
+            current.wait_stream(stream)
+        stages.append(DeviceStage(device, stream, copied, [(host, buffers[key]) for key, host, _ in group]))
+    return DeviceCopy(tuple(stages))
 
 
 def device_memory(device: torch.device) -> DeviceMemory:
@@ -275,6 +413,7 @@ def device_memory(device: torch.device) -> DeviceMemory:
 
 
 __all__ = [
-    "SNAPSHOT_KINDS", "BufferPool", "DeviceCopy", "DeviceMemory", "HostCopy", "SnapshotChoice",
-    "check_snapshot_options", "choose_snapshot", "copy_to_device", "copy_to_host", "device_memory",
+    "SNAPSHOT_KINDS", "BufferPool", "DeviceCopy", "DeviceMemory", "DeviceStage", "HostCopy", "SideStreams", "SnapshotChoice",
+    "by_device", "check_snapshot_options", "choose_snapshot", "copy_to_device", "copy_to_host", "cuda_device",
+    "device_memory", "plan_arenas", "pow2_ceil",
 ]

@@ -3,6 +3,7 @@ sizing, the ratios and targets from a run's numbers, and a clean exit without CU
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,3 +75,34 @@ def test_the_check_script_exits_2_with_one_line_without_cuda(tmp_path: Path) -> 
         "gpu_check: no CUDA device here: nothing checked (the gpu tests skip and the benchmark needs one)"
     ]
     assert not (tmp_path / "out" / "status.txt").exists()
+
+
+def test_the_benchmark_creates_its_out_folder_and_writes_the_results_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(args: object, say: object, results: dict) -> dict:
+        results.update(_results())
+        results["ratios"] = gpu.ratios(results)
+        results["targets"] = gpu.targets(results["ratios"])
+        return results
+
+    monkeypatch.setattr(gpu, "cuda_problem", lambda: None)
+    monkeypatch.setattr(gpu, "run", run)
+    out = tmp_path / "out" / "small"  # --work elsewhere: nothing makes <out> but the benchmark
+    assert gpu.main(["--small", "--out", str(out), "--work", str(tmp_path / "work" / "small")]) == 0
+    assert json.loads((out / "gpu-results.json").read_text())["ratios"]["host_stall_vs_d2h"] == pytest.approx(1.025)
+    assert "targets:" in capsys.readouterr().out
+
+
+def test_a_failing_run_still_writes_what_it_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def run(args: object, say: object, results: dict) -> dict:
+        results["copy_host"] = {"seconds": 0.3}
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(gpu, "cuda_problem", lambda: None)
+    monkeypatch.setattr(gpu, "run", run)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        gpu.main(["--out", str(out), "--work", str(tmp_path / "work")])
+    written = json.loads((out / "gpu-results.json").read_text())
+    assert written == {"copy_host": {"seconds": 0.3}, "error": "RuntimeError: CUDA error: out of memory"}

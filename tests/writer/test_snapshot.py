@@ -3,8 +3,11 @@ with CPU tensors does whatever `snapshot` says."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +15,10 @@ import torch
 import ckptkit
 from ckptkit import CkptkitError, ShardedTensor
 from ckptkit.writer.manager import CheckpointManager
-from ckptkit.writer.snapshot import DEVICE_MARGIN, BufferPool, DeviceMemory, choose_snapshot
+from ckptkit.writer.snapshot import (
+    DEVICE_MARGIN, BufferPool, DeviceMemory, SideStreams, by_device, choose_snapshot, copy_to_device, copy_to_host,
+    plan_arenas, pow2_ceil,
+)
 
 GB = 10**9
 ROOMY = DeviceMemory(free=100 * GB, total=140 * GB)
@@ -102,3 +108,200 @@ def test_cpu_tensors_take_host_snapshots_and_later_changes_do_not_leak(
     assert any("host snapshots" in r.getMessage() for r in caplog.records)
     loaded = ckptkit.load(str(tmp_path / "step_00000001"))
     assert torch.equal(loaded["model"]["w"], want) and torch.equal(loaded["model"]["pieces"], want)
+
+
+def test_pinned_arenas_are_few_powers_of_two_holding_every_piece_aligned_and_apart() -> None:
+    sizes = [3000, 0, 1 << 20, 5, (1 << 20) + 1, 70_000, 0, 64]
+    arenas, where = plan_arenas(sizes, min_arena=4 << 20)
+    assert all(n & (n - 1) == 0 for n in arenas) and len(arenas) == 1
+    assert where[1] == where[6] == (-1, 0)  # empty pieces take no arena
+    spans = sorted((where[i][1], where[i][1] + n) for i, n in enumerate(sizes) if n)
+    assert all(start % 64 == 0 for start, _ in spans)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])) and spans[-1][1] <= arenas[0]
+    assert plan_arenas([]) == ([], []) and plan_arenas([0, 0]) == ([], [(-1, 0), (-1, 0)])
+    # Pieces over the arena size get arenas of the power of two above the largest.
+    arenas, where = plan_arenas([5 << 20, 5 << 20, 1 << 20], min_arena=1 << 20)
+    assert arenas == [8 << 20, 8 << 20] and where == [(0, 0), (1, 0), (0, 5 << 20)]
+
+
+def test_pinned_arenas_of_the_benchmark_state_pin_little_more_than_its_bytes() -> None:
+    from benchmarks.gpu_state import BYTES_PER_PARAM, DEFAULT_BYTES, llama_for
+
+    model = llama_for(DEFAULT_BYTES)
+    sizes = [n * 2 if i == 0 else n * 4 for _, shape in model.parameters() for i in range(4)
+             for n in [int(torch.Size(shape).numel())]]
+    nominal = sum(sizes)
+    assert nominal == model.parameter_count() * BYTES_PER_PARAM
+    arenas, _ = plan_arenas(sizes)
+    per_piece = sum(pow2_ceil(n) for n in sizes)  # one pinned buffer per piece
+    assert sum(arenas) <= 1.02 * nominal < per_piece
+    assert len(arenas) <= nominal // (64 << 20) + 2
+
+
+class _Stream:
+    def __init__(self, log: list[tuple], device: torch.device, name: str) -> None:
+        self.log, self.device, self.name = log, device, name
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.log.append(("wait", self, other))
+
+    def __repr__(self) -> str:
+        return f"{self.name}@{self.device}"
+
+
+class _FakeCuda:
+    """Enough of torch.cuda to record which device and stream each copy, wait and event is
+    issued on (streams are per device, as in CUDA: setting one does not change another device's)."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cuda", 0)
+        self.current: dict[torch.device, _Stream] = {}
+        self.log: list[tuple] = []
+
+    def current_stream(self, device: torch.device | None = None) -> _Stream:
+        d = device or self.device
+        return self.current.setdefault(d, _Stream(self.log, d, "caller"))
+
+    def Stream(self, device: torch.device) -> _Stream:  # noqa: N802
+        return _Stream(self.log, device, "side")
+
+    def Event(self) -> Any:  # noqa: N802
+        fake = self
+
+        class Event:
+            def record(self, stream: _Stream) -> None:
+                self.stream = stream
+                fake.log.append(("record", stream))
+
+            def synchronize(self) -> None:
+                fake.log.append(("sync", self.stream))
+
+        return Event()
+
+    @contextlib.contextmanager
+    def on_device(self, device: torch.device) -> Iterator[None]:
+        before, self.device = self.device, device
+        try:
+            yield
+        finally:
+            self.device = before
+
+    @contextlib.contextmanager
+    def stream(self, stream: _Stream) -> Iterator[None]:
+        before, self.current[stream.device] = self.current_stream(stream.device), stream
+        try:
+            with self.on_device(stream.device):
+                yield
+        finally:
+            self.current[stream.device] = before
+
+
+class _Tensor:
+    """A CUDA-like tensor whose copies record the device and the stream they were issued on."""
+
+    def __init__(self, fake: _FakeCuda, name: str, device: torch.device) -> None:
+        self.fake, self.name, self.device = fake, name, device
+
+    def detach(self) -> _Tensor:
+        return self
+
+    def copy_(self, src: _Tensor, non_blocking: bool = False) -> None:
+        cuda = src.device if src.device.type == "cuda" else self.device
+        self.fake.log.append(("copy", src.name, self.fake.device, self.fake.current_stream(cuda)))
+
+    def record_stream(self, stream: _Stream) -> None:
+        self.fake.log.append(("record_stream", self.name, stream))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeCuda:
+    fake = _FakeCuda()
+    for name in ("current_stream", "Stream", "Event", "stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda, "device", fake.on_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.device.index)
+    return fake
+
+
+def test_sources_are_grouped_by_their_device_in_first_seen_order() -> None:
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    items = [("a", cuda1), ("b", cuda0), ("c", cuda1), ("d", cuda0)]
+    groups = by_device(items, lambda item: item[1])
+    assert list(groups) == [cuda1, cuda0]
+    assert [[name for name, _ in g] for g in groups.values()] == [["a", "c"], ["b", "d"]]
+
+
+def test_a_host_snapshot_copies_each_device_on_its_own_side_stream_after_its_current_stream(fake_cuda: _FakeCuda) -> None:
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    host = torch.device("cpu")
+    pairs = [(_Tensor(fake_cuda, f"h{n}", host), _Tensor(fake_cuda, n, d)) for n, d in (("a", cuda1), ("b", cuda0), ("c", cuda1))]
+    streams = SideStreams()
+    ready = copy_to_host(streams, pairs)
+    side0, side1 = streams.streams[cuda0], streams.streams[cuda1]
+    caller0, caller1 = fake_cuda.current[cuda0], fake_cuda.current[cuda1]
+    assert (side0.device, side1.device) == (cuda0, cuda1)
+    assert [e for e in fake_cuda.log if e[0] == "copy"] == [
+        ("copy", "a", cuda1, side1), ("copy", "c", cuda1, side1), ("copy", "b", cuda0, side0),
+    ]
+    log = fake_cuda.log
+    for side, caller in ((side0, caller0), (side1, caller1)):
+        first = next(i for i, e in enumerate(log) if e[0] == "copy" and e[3] is side)
+        last = max(i for i, e in enumerate(log) if e[0] == "copy" and e[3] is side)
+        assert log.index(("wait", side, caller)) < first  # the side stream waits for the caller's stream first
+        assert log.index(("record", side)) > last  # one event per device, after its copies
+        assert log.index(("wait", caller, side)) > last  # and the caller's stream waits for them
+        assert ("record_stream", "a" if side is side1 else "b", side) in log
+    assert fake_cuda.device == cuda0 and fake_cuda.current == {cuda0: caller0, cuda1: caller1}  # all restored
+    fake_cuda.log.clear()
+    ready.wait_on_host()
+    assert sorted(map(repr, fake_cuda.log)) == sorted(map(repr, [("sync", side1), ("sync", side0)]))
+
+
+def test_a_device_snapshot_allocates_then_copies_and_drains_each_device_on_its_side_stream(fake_cuda: _FakeCuda) -> None:
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    host = torch.device("cpu")
+
+    class Pool(BufferPool):
+        def get(self, key: Any, like: Any) -> Any:
+            fake_cuda.log.append(("alloc", key, fake_cuda.device, fake_cuda.current_stream()))
+            return _Tensor(fake_cuda, f"g{key[0]}", like.device)
+
+    copies = [((n, 0), _Tensor(fake_cuda, f"h{n}", host), _Tensor(fake_cuda, n, d)) for n, d in (("a", cuda1), ("b", cuda0))]
+    streams = SideStreams()
+    ready = copy_to_device(streams, Pool(on_device=True), copies)
+    side0, side1 = streams.streams[cuda0], streams.streams[cuda1]
+    log = fake_cuda.log
+    assert [e for e in log if e[0] == "alloc"] == [("alloc", ("a", 0), cuda1, side1), ("alloc", ("b", 0), cuda0, side0)]
+    assert max(i for i, e in enumerate(log) if e[0] == "alloc") < min(i for i, e in enumerate(log) if e[0] == "copy")
+    assert [e for e in log if e[0] == "copy"] == [("copy", "a", cuda1, side1), ("copy", "b", cuda0, side0)]
+    caller0, caller1 = fake_cuda.current[cuda0], fake_cuda.current[cuda1]
+    assert [e[1:] for e in log if e[0] == "wait"] == [(side1, caller1), (caller1, side1), (side0, caller0), (caller0, side0)]
+    log.clear()
+    ready.wait_staged()
+    ready.wait_on_host()
+    drains = [e for e in log if e[0] == "copy"]
+    assert drains == [("copy", "ga", cuda1, side1), ("copy", "gb", cuda0, side0)]
+    assert log[-2:] == [("sync", side1), ("sync", side0)]
+
+
+def test_arranged_buffers_are_disjoint_views_of_the_arenas_kept_while_the_layout_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))  # no pinning without CUDA
+    likes = {("w", 0): torch.zeros(33, 7, dtype=torch.bfloat16), ("s", 0): torch.zeros((), dtype=torch.float64),
+             ("m", 0): torch.zeros(5, 3, dtype=torch.bool), ("e", 0): torch.zeros(0, 4), ("i", 1): torch.zeros(100, dtype=torch.int64)}
+    pool = BufferPool()
+    pool.arrange(list(likes.items()))
+    assert len(pool.arenas) == 1 and pool.arenas[0].numel() == 2048  # 33*7*2, 8, 15, 800 bytes at 64-byte offsets
+    assert pool.held_bytes() == 2048 and pool.allocations == 1
+    for key, like in likes.items():
+        buf = pool.tensors[key]
+        assert (buf.shape, buf.dtype) == (like.shape, like.dtype) and buf.is_contiguous()
+    for key, like in likes.items():
+        pool.tensors[key].fill_(len(key[0]) + key[1] + 1 if like.dtype != torch.bool else True)
+    assert pool.tensors[("w", 0)].eq(2).all() and pool.tensors[("i", 1)].eq(3).all() and pool.tensors[("s", 0)].item() == 2
+    pool.arrange([(k, t.clone()) for k, t in likes.items()])
+    assert pool.allocations == 1  # same keys, shapes and dtypes: kept
+    pool.arrange([(("w", 0), likes[("w", 0)])])
+    assert pool.allocations == 2 and set(pool.tensors) == {("w", 0)} and pool.arenas[0].numel() == 512
+    pool.arrange([])
+    assert pool.arenas == [] and pool.tensors == {} and pool.held_bytes() == 0
