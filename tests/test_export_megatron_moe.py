@@ -236,3 +236,44 @@ def test_the_moes_optimizer_state_comes_stacked_as_its_parameters_for_every_expe
     assert sorted(common) == [0, 1] and all(o["param_state_sharding_type"] == "fully_reshardable" for o in common.values())
     assert [(g["wd_mult"], g["is_expert_parallel"]) for o in common.values() for g in o["optimizer"]["param_groups"]] == \
         [(1.0, False), (0.0, False), (1.0, True)]
+
+
+def test_the_moe_in_megatron_files_converts_back_to_every_trainer_tensor(trained: Path, tmp_path: Path, run_ckptkit: Any) -> None:
+    # tiny-moe -> export --format megatron (with the optimizer) -> convert --from megatron: every
+    # parameter, master and moment, each expert's, equal to the trainer's under Megatron's names
+    import json
+
+    from ckptkit.exports.megatron import megatron_gpt_of_llama
+    from ckptkit.layouts import layout_for
+    from ckptkit_converters.megatron import expert_key, layer_key
+
+    out, layout, back = tmp_path / "megatron", tmp_path / "layout.json", tmp_path / "back"
+    proc = run_ckptkit("export", str(trained), str(out), "--format", "megatron", "--include-optimizer", "--tp", "2", "--ep", "2")
+    assert proc.returncode == 0, proc.stderr
+    layout.write_text(json.dumps(megatron_gpt_of_llama(layout_for(ckptkit.read_manifest(str(trained)))).to_json()))
+    proc = run_ckptkit("convert", "--from", "megatron", str(out), str(back), "--layout", str(layout))
+    assert proc.returncode == 0, proc.stderr
+    c = dict(ckptkit.read_manifest(str(trained)).info.model.config)  # type: ignore[union-attr]
+    source, got = ckptkit.load(str(trained)), ckptkit.load(str(back))
+    states = {"model": (source["model"], got["model"]), "fp32": (source["model"], got["optimizer"]["fp32"]),
+              "exp_avg": (source["optimizer"]["exp_avg"], got["optimizer"]["exp_avg"]),
+              "exp_avg_sq": (source["optimizer"]["exp_avg_sq"], got["optimizer"]["exp_avg_sq"])}
+    experts = 0
+    for name, (state, converted) in states.items():
+        want: dict[str, torch.Tensor] = {}
+        for key, value in _as_megatron_moe(state, c).items():
+            if key.startswith("decoder.layers.mlp.experts.experts."):
+                want |= {expert_key(key, i, e): value[i, e] for i in range(value.shape[0]) for e in range(value.shape[1])}
+            elif key.startswith("decoder.layers."):
+                want |= {layer_key(key, i): value[i] for i in range(value.shape[0])}
+            else:
+                want[key] = value
+        tensors = {k: v for k, v in converted.items() if isinstance(v, torch.Tensor)}
+        assert sorted(tensors) == sorted(want), name
+        for key, value in want.items():
+            assert tensors[key].dtype == torch.float32 and torch.equal(tensors[key], value), (name, key)
+            experts += ".local_experts." in key
+    assert experts == 4 * 2 * 8 * 2  # states x layers x experts x (linear_fc1, linear_fc2)
+    manifest = ckptkit.read_manifest(str(back))
+    assert manifest.step == 2 and layout_for(manifest).experts == 8
+    assert [g.options["is_expert_parallel"] for g in manifest.info.optimizer.param_groups] == [False, False, True]  # type: ignore[union-attr]

@@ -94,7 +94,7 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
         raise LayoutError(f"cannot export at tp {tp} x pp {pp}{f' x ep {ep}' if ep != 1 else ''}: " + summarize(problems))
     entries = plan_entries(source, target, sources, tp, out_dtype)
     groups = None if not include_optimizer else \
-        llama_param_groups(source, experts=layout.name == "llama-moe") if layout.name != "megatron-gpt" else [_param_groups(source)]
+        llama_param_groups(source, experts=layout.name == "llama-moe") if layout.name != "megatron-gpt" else _param_groups(source)
     chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces}
     skipped = sorted(set(source.manifest.tensors) - chosen)
 
@@ -260,8 +260,10 @@ def _extra_states(layout: Layout) -> list[str]:
               for module in MEGATRON_EXPERT_EXTRA_STATE)]
 
 
-def _param_groups(source: Source) -> list[dict[str, Any]]:
-    """The optimizer's parameter groups for ``common.pt``, from the checkpoint's info.
+def _param_groups(source: Source) -> list[list[dict[str, Any]]]:
+    """The optimizers' parameter groups for ``common.pt``, from the checkpoint's info: one
+    optimizer's, or (groups of expert-parallel parameters among them) the dense and the experts'
+    optimizers' of megatron-core's ``ChainedOptimizer``.
 
     Raises:
         LayoutError: none recorded.
@@ -269,7 +271,9 @@ def _param_groups(source: Source) -> list[dict[str, Any]]:
     info = source.manifest.info.optimizer
     if info is None or not info.param_groups:
         raise LayoutError(f"{source.loc}: no optimizer parameter groups recorded, which Megatron's optimizer state needs")
-    return [dict(g.options) for g in info.param_groups]
+    groups = [{k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in g.options.items()} for g in info.param_groups]
+    experts = [g for g in groups if g.get("is_expert_parallel") is True]
+    return [[g for g in groups if g not in experts], experts] if experts and len(experts) < len(groups) else [groups]
 
 
 def _torch_save(value: Any) -> bytes:

@@ -18,6 +18,11 @@ split per layer, the layer number put back into the key, and the key kept as one
 - ``optimizer.state.exp_avg.<key>`` (the distributed optimizer, ``fully_reshardable``) ->
   ``optimizer/exp_avg/<key per layer>``; its fp32 master ``optimizer.state.param.<key>`` ->
   ``optimizer/fp32/<key per layer>``; any other state keeps its name.
+- a mixture of experts' ``SequentialMLP`` experts, stacked on a (layer, global expert) axis pair
+  (``decoder.layers.mlp.experts.experts.linear_fc1.weight`` ``[L, E, ...]``), are split per layer
+  and expert: layer 1, expert 3 -> ``model/decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight``
+  (their optimizer state and ``..._extra_state/shard_<i>.<e>_<L>.<E>`` likewise), as the
+  ``megatron-gpt`` layout with ``num_moe_experts`` counts them;
 - a sharded object ``<module>._extra_state/shard_<i>_<L>`` of a stacked module (TransformerEngine's
   extra state; ``None`` without it) -> the object ``model/decoder.layers.<i>.<module>._extra_state``.
 - ``common.pt``: ``iteration`` is the manifest's step; ``args`` goes to ``info.config.args``,
@@ -54,6 +59,7 @@ from ckptkit.boxes import Box
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit.manifest import CheckpointInfo
 from ckptkit.layouts import Layout, builtin, fit_problems
+from ckptkit.layouts.names import MEGATRON_EXPERTS, MEGATRON_LOCAL_EXPERTS
 from ckptkit.manifest.model import ModelInfo, OptimizerInfo, ParamGroup
 from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry
 from ckptkit.state.tree import escape, json_problems
@@ -76,6 +82,9 @@ LEGACY_FILE = "model_optim_rng.pt"
 STACKED = "decoder.layers."
 OPTIMIZER_STATE = re.compile(r"^optimizer\.state\.([A-Za-z0-9_]+)\.(.+)$")
 SHARDED_OBJECT = re.compile(r"^(.+)/shard_([0-9.]+)_([0-9.]+)$")
+# SequentialMLP experts, stacked by megatron-core on a (layer, global expert) axis pair
+EXPERTS = f"{STACKED}{MEGATRON_EXPERTS}."
+EXPERT_SHARD = re.compile(r"^[0-9]+\.[0-9]+$")
 STATE_NAMES = {"param": "fp32"}  # the distributed optimizer's fp32 master is its state "param"
 _PLANNER = "torch.distributed.checkpoint.planner"
 # Megatron-Core's save planner caches the ranks' plans in .metadata: stand-ins, never read.
@@ -172,6 +181,10 @@ class MegatronNaming(Naming):
         prefix, kind, param = ("model", "param", key) if found is None else (
             f"optimizer/{escape(STATE_NAMES.get(found.group(1), found.group(1)))}", "optimizer", found.group(2))
         whole = Box((0,) * len(meta.shape), meta.shape)
+        if param.startswith(EXPERTS) and len(meta.shape) >= 2:
+            rest = meta.shape[2:]
+            return [Named(f"{prefix}/{escape(expert_key(param, i, e))}", kind, rest, Box((i, e, *(0,) * len(rest)), (1, 1, *rest)))
+                    for i in range(meta.shape[0]) for e in range(meta.shape[1])]
         if not _stacked(param) or not meta.shape:
             return [Named(f"{prefix}/{escape(param)}", kind, meta.shape, whole)]
         rest = meta.shape[1:]
@@ -180,6 +193,9 @@ class MegatronNaming(Naming):
 
     def value(self, key: str) -> str:
         found = SHARDED_OBJECT.match(key)
+        if found is not None and found.group(1).startswith(EXPERTS) and EXPERT_SHARD.match(found.group(2)):
+            layer, expert = (int(n) for n in found.group(2).split("."))
+            return f"model/{escape(expert_key(found.group(1), layer, expert))}"
         if found is not None and _stacked(found.group(1)) and "." not in found.group(2):
             return f"model/{escape(layer_key(found.group(1), int(found.group(2))))}"
         return f"megatron/{escape(key)}"
@@ -193,6 +209,13 @@ def _stacked(key: str) -> bool:
 def layer_key(key: str, layer: int) -> str:
     """The key of one layer of stacked `key`: ``decoder.layers.<layer>.<rest>``."""
     return f"{STACKED}{layer}.{key[len(STACKED):]}"
+
+
+def expert_key(key: str, layer: int, expert: int) -> str:
+    """The key of one layer's expert of expert-stacked `key` (``decoder.layers.mlp.experts.experts.<rest>``):
+    ``decoder.layers.<layer>.mlp.experts.local_experts.<expert>.<rest>``, the expert's global
+    index (as megatron-core names it at EP 1)."""
+    return f"{STACKED}{layer}.{MEGATRON_LOCAL_EXPERTS}.{expert}.{key[len(EXPERTS):]}"
 
 
 class MegatronConverter:
@@ -234,8 +257,11 @@ class MegatronConverter:
         md = read_metadata(path, METADATA_ALLOWED)
         plan = plan_conversion(path, md, MegatronNaming())
         common = _common(path, md, plan)
-        optimizer = common.get("optimizer")
-        bucketed = isinstance(optimizer, dict) and optimizer.get("param_state_sharding_type") == "dp_reshardable"
+        optimizers = _optimizers(common)
+        bucketed = any(o.get("param_state_sharding_type") == "dp_reshardable" for o in optimizers)
+        if bucketed and len(optimizers) > 1:
+            raise ManifestError(f"{path}: a chained optimizer's (a mixture of experts') dp_reshardable state is not read yet; "
+                                "save it fully_reshardable (Megatron-LM --dist-ckpt-optim-fully-reshardable)")
         groups = bucket_values(path, md, plan) if bucketed else None
         info, step = _info(common, plan.objects, plan.object_sources, plan.skipped, groups)
         config = None if layout is not None else model_config(plain(common.get("args")))
@@ -273,6 +299,14 @@ def model_config(args: Any) -> dict[str, JsonValue] | None:
     if args.get("group_query_attention") and isinstance(args.get("num_query_groups"), int):
         config["num_query_groups"] = args["num_query_groups"]
     config["gated_linear_unit"] = bool(args.get("swiglu"))
+    experts = args.get("num_experts")
+    if isinstance(experts, int) and experts > 0:
+        if args.get("moe_grouped_gemm"):
+            return None  # grouped experts (TEGroupedMLP) are saved in another form than SequentialMLP's
+        config["num_moe_experts"] = experts
+        for name in ("moe_ffn_hidden_size", "moe_router_topk"):
+            if isinstance(args.get(name), int):
+                config[name] = args[name]
     config["share_embeddings_and_output_weights"] = not args.get("untie_embeddings_and_output_weights", False)
     return config
 
@@ -304,6 +338,17 @@ def _common(path: str, md: DcpMetadata, plan: Plan) -> dict[str, Any]:
     return tree
 
 
+def _optimizers(common: dict[str, Any]) -> list[dict[str, Any]]:
+    """The optimizer states of ``common.pt``: one, or a ``ChainedOptimizer``'s (a mixture of
+    experts': dense and experts), saved as ``{0: ..., 1: ...}``, in order."""
+    optimizer = common.get("optimizer")
+    if not isinstance(optimizer, dict):
+        return []
+    if optimizer and all(isinstance(k, int) for k in optimizer):
+        return [v for _, v in sorted(optimizer.items()) if isinstance(v, dict)]
+    return [optimizer]
+
+
 def _info(common: dict[str, Any], objects: dict[str, JsonValue], sources: dict[str, str],
           skipped: list[SkippedEntry], groups: Any = None) -> tuple[CheckpointInfo, int | None]:
     """Fold ``common.pt`` into objects (``megatron/...``) and the manifest's info and step (the
@@ -323,7 +368,9 @@ def _info(common: dict[str, Any], objects: dict[str, JsonValue], sources: dict[s
     if isinstance(scheduler, dict) and not json_problems({"s": scheduler}):
         fields["scheduler"] = scheduler
     if groups is None:
-        groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
+        found = [(o.get("optimizer") or {}).get("param_groups") for o in _optimizers(common)]
+        groups = [g for one in found if isinstance(one, list) for g in one] if found and all(isinstance(f, list) for f in found) \
+            else None
     step: int | None = None
     if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
         options = [{k: v for k, v in plain(g).items() if k != "params"} for g in groups]
@@ -343,4 +390,4 @@ def _info(common: dict[str, Any], objects: dict[str, JsonValue], sources: dict[s
 CONVERTER = MegatronConverter()
 
 __all__ = ["COMMON_ALLOWED", "CONVERTER", "METADATA_ALLOWED", "NAME", "MegatronConverter", "MegatronNaming",
-           "checkpoint_directory", "iteration_directory", "layer_key", "legacy", "model_config"]
+           "checkpoint_directory", "expert_key", "iteration_directory", "layer_key", "legacy", "model_config"]
