@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 import ckptkit
 
 from .converters.checks import assert_nothing_written, one_line_error
+from .trainer.runs import trainer_logits
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     if os.environ.get("CI"):
@@ -41,27 +42,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = config_from(model="tiny-moe", steps=2, save_every=2, out=str(out), dp=2, ep=2)
     launch(cfg, prepare(cfg))
     return out / "step_00000002"
-
-
-def _trainer_logits(checkpoint: Path, ids: torch.Tensor) -> torch.Tensor:
-    """The reference trainer's own forward (one process) with the checkpoint's parameters."""
-    from ckptkit.trainer.config import ModelConfig
-    from ckptkit.trainer.engine import module_params
-    from ckptkit.trainer.model import Stage
-    from ckptkit.trainer.tp import TPContext
-
-    cfg = ModelConfig(**ckptkit.read_manifest(str(checkpoint)).info.model.config)  # type: ignore[union-attr]
-    whole = ckptkit.load(str(checkpoint))["model"]
-    stage = Stage(cfg, TPContext(1, 0), pp_rank=0, pp=1, seed=0)
-    filled = set()
-    with torch.no_grad():
-        for module in {id(m): m for m in stage.param_units()}.values():
-            for _, param, parts in module_params(module):
-                for part in parts:
-                    param.data[part.row0 : part.row1] = whole[part.name].reshape(part.row1 - part.row0, *param.shape[1:])
-                    filled.add(part.name)
-        assert filled == set(whole)
-        return stage(ids)
 
 
 def _expected(name: str, whole: dict[str, torch.Tensor], c: dict[str, Any], ranks: dict[str, int], ep: int) -> tuple[torch.Tensor, set[str]]:
@@ -126,7 +106,7 @@ def test_megatron_core_loads_the_moe_export_with_the_trainers_tensors_and_logits
               world, seconds=400)
 
     logits = load_file(str(loaded / "logits.safetensors"))["logits"]
-    want = _trainer_logits(trained, IDS)
+    want = trainer_logits(trained, IDS)
     assert logits.shape == want.shape and (logits - want).abs().max().item() < 1e-4
     whole = ckptkit.load(str(trained))["model"]
     covered: set[str] = set()

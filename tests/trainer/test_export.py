@@ -16,13 +16,9 @@ from ckptkit.io.checksum import checksum_of
 from ckptkit.errors import CheckpointExistsError, LayoutError
 from ckptkit.exports.run import REPORT_NAME, export
 from ckptkit.manifest import Topology, seal
-from ckptkit.trainer.config import ModelConfig
 from ckptkit.trainer.data import Tokenizer
-from ckptkit.trainer.engine import module_params
-from ckptkit.trainer.model import Stage
-from ckptkit.trainer.tp import TPContext
 
-from .runs import train
+from .runs import train, trainer_logits
 
 pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
@@ -34,19 +30,6 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("export-src")
     train(root / "run", (2, 2, 2, 1), 4)
     return root / "run" / "step_00000004"
-
-
-def _trainer_logits(checkpoint: Path, ids: torch.Tensor) -> torch.Tensor:
-    """The reference trainer's own forward (one process) with the checkpoint's weights."""
-    cfg = ModelConfig(**ckptkit.read_manifest(str(checkpoint)).info.model.config)  # type: ignore[union-attr]
-    whole = ckptkit.load(str(checkpoint))["model"]
-    stage = Stage(cfg, TPContext(1, 0), pp_rank=0, pp=1, seed=0)
-    with torch.no_grad():
-        for module in {id(m): m for m in stage.units()}.values():
-            for _, param, parts in module_params(module):
-                for part in parts:
-                    param.data[part.row0 : part.row1] = whole[part.name].reshape(part.row1 - part.row0, *param.shape[1:])
-        return stage(ids)
 
 
 def test_fp32_export_loads_in_transformers_with_the_same_logits(source: Path, tmp_path: Path) -> None:
@@ -63,7 +46,7 @@ def test_fp32_export_loads_in_transformers_with_the_same_logits(source: Path, tm
     assert ids[0].tolist() == Tokenizer().encode(text).tolist()
     with torch.no_grad():
         theirs = model(ids).logits
-    assert (theirs - _trainer_logits(source, ids)).abs().max().item() <= 1e-4
+    assert (theirs - trainer_logits(source, ids)).abs().max().item() <= 1e-4
     written = json.loads((dst / REPORT_NAME).read_text())
     assert written == json.loads(report.model_dump_json())
     index = json.loads((dst / "model.safetensors.index.json").read_text())

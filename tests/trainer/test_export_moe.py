@@ -18,12 +18,10 @@ from ckptkit.errors import LayoutError
 from ckptkit.exports.run import REPORT_NAME, export
 from ckptkit.layouts import reference_llama_moe
 from ckptkit.manifest import seal
-from ckptkit.trainer.config import ModelConfig
 from ckptkit.trainer.data import Tokenizer
-from ckptkit.trainer.engine import module_params
-from ckptkit.trainer.model import Stage
-from ckptkit.trainer.tp import TPContext
 from ckptkit.trainer.train import config_from, launch, prepare
+
+from .runs import trainer_logits
 
 pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
@@ -48,22 +46,6 @@ def tied_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _train(tmp_path_factory.mktemp("moe-tied") / "run", tie_embeddings=True)
 
 
-def _trainer_logits(checkpoint: Path, ids: torch.Tensor) -> torch.Tensor:
-    """The reference trainer's own forward (one process) with the checkpoint's weights."""
-    cfg = ModelConfig(**ckptkit.read_manifest(str(checkpoint)).info.model.config)  # type: ignore[union-attr]
-    whole = ckptkit.load(str(checkpoint))["model"]
-    stage = Stage(cfg, TPContext(1, 0), pp_rank=0, pp=1, seed=0)
-    filled = set()
-    with torch.no_grad():
-        for module in {id(m): m for m in stage.param_units()}.values():
-            for _, param, parts in module_params(module):
-                for part in parts:
-                    param.data[part.row0 : part.row1] = whole[part.name].reshape(part.row1 - part.row0, *param.shape[1:])
-                    filled.add(part.name)
-        assert filled == set(whole)  # every parameter of the checkpoint is in the trainer's model
-        return stage(ids)
-
-
 def _hf_logits(dst: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Load the export in transformers (nothing missing or left over); its logits of `TEXT`
     and the ids its tokenizer gives (the trainer's)."""
@@ -76,12 +58,12 @@ def _hf_logits(dst: Path) -> tuple[torch.Tensor, torch.Tensor]:
         return model(ids).logits, ids
 
 
-def test_fp32_export_loads_as_mixtral_with_the_trainer_logits(source: Path, tmp_path: Path) -> None:
+def test_fp32_export_loads_as_mixtral_with_thetrainer_logits(source: Path, tmp_path: Path) -> None:
     dst = tmp_path / "hf"
     report = export(source, dst, dtype="fp32", max_shard_bytes=100_000)
     assert len(list(dst.glob("model-*.safetensors"))) > 1
     theirs, ids = _hf_logits(dst)
-    assert (theirs - _trainer_logits(source, ids)).abs().max().item() <= 1e-4
+    assert (theirs - trainer_logits(source, ids)).abs().max().item() <= 1e-4
     config = json.loads((dst / "config.json").read_text())
     assert config["architectures"] == ["MixtralForCausalLM"] and config["model_type"] == "mixtral"
     assert (config["num_local_experts"], config["num_experts_per_tok"], config["router_aux_loss_coef"]) == (8, 2, 0.01)
@@ -112,13 +94,13 @@ def test_bf16_export_holds_each_experts_rounded_master_weights(source: Path, tmp
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
-def test_tied_export_has_no_head_and_the_trainer_logits(tied_source: Path, tmp_path: Path) -> None:
+def test_tied_export_has_no_head_and_thetrainer_logits(tied_source: Path, tmp_path: Path) -> None:
     dst = tmp_path / "hf"
     report = export(tied_source, dst, dtype="fp32")
     assert json.loads((dst / "config.json").read_text())["tie_word_embeddings"] is True
     assert "lm_head.weight" not in {t.name for t in report.tensors}
     theirs, ids = _hf_logits(dst)
-    assert (theirs - _trainer_logits(tied_source, ids)).abs().max().item() <= 1e-4
+    assert (theirs - trainer_logits(tied_source, ids)).abs().max().item() <= 1e-4
 
 
 def _with_layout(source: Path, dst: Path, change: Callable[[dict[str, Any], dict[str, Any]], None]) -> Path:
