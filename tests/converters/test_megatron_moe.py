@@ -92,6 +92,26 @@ def test_the_converted_moe_reshards_across_ep_sizes_and_back_byte_for_byte(conve
     assert holders == {"rank00001.safetensors"}
 
 
+def test_the_converted_moe_exports_back_to_megatron_and_converts_again_to_the_same_tensors(converted: Path, tmp_path: Path) -> None:
+    from ckptkit.exports.run import export
+
+    out = tmp_path / "megatron"
+    export(converted, out, format="megatron", tp=1, ep=2)
+    # megatron-core's stacked keys again: experts on a (layer, expert) axis pair, as the fixture holds them
+    from torch.distributed.checkpoint import FileSystemReader
+
+    written = FileSystemReader(str(out)).read_metadata().state_dict_metadata
+    saved = FileSystemReader(str(SAVE)).read_metadata().state_dict_metadata
+    stacked = [k for k in saved if k.startswith(EXPERTS) and "_extra_state" not in k]
+    assert stacked and all(list(written[k].size) == list(saved[k].size) for k in stacked)
+    again = tmp_path / "again"
+    CONVERTER.convert(str(out), str(again), layout=_layout())
+    assert diff(converted, again, kinds=("param",)).equal
+    first, second = ckptkit.load(converted)["model"], ckptkit.load(again)["model"]
+    experts = [k for k in first if ".mlp.experts.local_experts." in k and isinstance(first[k], torch.Tensor)]
+    assert len(experts) == 16 and all(torch.equal(first[k], second[k]) for k in experts)
+
+
 def test_a_layout_that_does_not_fit_the_experts_fails_in_one_line(tmp_path: Path, run_ckptkit: Any) -> None:
     layout = tmp_path / "layout.json"
     layout.write_text(json.dumps(_layout(num_moe_experts=8).to_json()))
