@@ -145,9 +145,11 @@ def device_problems(cfg: TrainConfig) -> list[str]:
     elif cfg.device == "cuda":
         if not torch.cuda.is_available():
             problems.append("--device cuda, but CUDA is not available here")
-        elif "RANK" not in os.environ and cfg.world_size > torch.cuda.device_count():
-            problems.append(f"--device cuda runs one rank per GPU (NCCL): world size {cfg.world_size}, "
-                            f"{torch.cuda.device_count()} GPU(s) here")
+        else:  # ranks on this machine: all of them, or under torchrun its LOCAL_WORLD_SIZE
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) if "RANK" in os.environ else cfg.world_size
+            if local > torch.cuda.device_count():
+                problems.append(f"--device cuda runs one rank per GPU (NCCL): {local} ranks on this machine, "
+                                f"{torch.cuda.device_count()} GPU(s) here")
     return problems
 
 
