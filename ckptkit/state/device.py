@@ -146,6 +146,27 @@ class Buffer:
         self.events = []
 
 
+def cuda_device(device: torch.device) -> torch.device:
+    """`device` with its index (the current device's when it has none)."""
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+
+class SideStreams:
+    """One copy stream per CUDA device, created on first use; thread-safe. The bounce pool's
+    copies and the manager's snapshots each run on a set of these."""
+
+    def __init__(self) -> None:
+        self.streams: dict[torch.device, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device) -> Any:
+        key = cuda_device(device)
+        with self._lock:
+            if key not in self.streams:
+                self.streams[key] = torch.cuda.Stream(device=key)  # type: ignore[no-untyped-call]
+            return self.streams[key]
+
+
 class BouncePool:
     """Host buffers reused across copies between host and devices: at most `buffers` of them,
     allocated when first needed (pinned, by default, when CUDA is available), each of
@@ -178,7 +199,7 @@ class BouncePool:
         self.handed_out = 0  # buffers handed out so far (batches moved)
         self._free: deque[Buffer] = deque()  # least recently released first
         self._cond = threading.Condition()
-        self._streams: dict[torch.device, Any] = {}
+        self._streams = SideStreams()
 
     def acquire(self, nbytes: int, *, wait: bool = True) -> Buffer | None:
         """Return a free buffer (for `nbytes`) whose earlier copies have finished: an idle one, else
@@ -226,11 +247,7 @@ class BouncePool:
 
     def side_stream(self, device: torch.device) -> Any:
         """The pool's copy stream on CUDA device `device` (created once)."""
-        key = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-        with self._cond:
-            if key not in self._streams:
-                self._streams[key] = torch.cuda.Stream(device=key)  # type: ignore[no-untyped-call]
-            return self._streams[key]
+        return self._streams.get(device)
 
 
 def _copy(pool: BouncePool, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:

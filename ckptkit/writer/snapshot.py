@@ -34,6 +34,7 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from ..errors import CkptkitError
+from ..state.device import SideStreams, cuda_device
 
 SNAPSHOT_KINDS = ("auto", "device", "host")
 # A device snapshot leaves this share of the GPU's memory free (for fragmentation and the
@@ -269,24 +270,6 @@ class BufferPool:
     def clear(self) -> None:
         self.tensors.clear()
         self.arenas, self.arena_keys = [], frozenset()
-
-
-class SideStreams:
-    """The manager's side streams, one per CUDA device, created on first use."""
-
-    def __init__(self) -> None:
-        self.streams: dict[torch.device, Any] = {}
-
-    def get(self, device: torch.device) -> Any:
-        key = cuda_device(device)
-        if key not in self.streams:
-            self.streams[key] = torch.cuda.Stream(device=key)  # type: ignore[no-untyped-call]
-        return self.streams[key]
-
-
-def cuda_device(device: torch.device) -> torch.device:
-    """`device` with its index (the current device's when it has none)."""
-    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
 
 def by_device(items: Iterable[T], device_of: Callable[[T], torch.device]) -> dict[torch.device, list[T]]:
