@@ -202,6 +202,9 @@ def _semantic_problems(layout: Layout) -> list[str]:
     for c in layout.constraints:
         if (c.divides is None) == (c.at_most is None):
             problems.append(f"constraint on {c.axis} ({c.what}): give exactly one of divides, at_most")
+    counts = sorted({u.experts for u in layout.units if u.experts is not None})
+    if len(counts) > 1:
+        problems.append(f"expert units hold different numbers of experts ({', '.join(map(str, counts))}); they must hold the same")
     cover: dict[str, list[tuple[int, int, int, tuple[int, ...]]]] = defaultdict(list)
     seen_params: set[tuple[str, str]] = set()
     for unit in layout.units:
@@ -211,8 +214,6 @@ def _semantic_problems(layout: Layout) -> list[str]:
                                                        else "only per-layer units (place 'layers') may use {layer}"))
         if unit.experts is not None and not in_layers:
             problems.append(f"unit {unit.name!r}: only per-layer units (place 'layers') may hold experts")
-        if len([u for u in layout.units if u.experts is not None and u.experts != unit.experts]) and unit.experts:
-            problems.append(f"unit {unit.name!r}: every expert unit must hold the same number of experts")
         for param in unit.params:
             where = f"unit {unit.name!r} param {param.name!r}"
             if (unit.name, param.name) in seen_params:

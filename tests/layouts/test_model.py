@@ -75,10 +75,9 @@ def test_expert_units_are_checked_and_expand_per_expert() -> None:
     doc["units"][0]["experts"] = 2  # experts outside the layers
     problems = layout_problems(doc)
     assert problems == [
+        "expert units hold different numbers of experts (2, 8); they must hold the same",
         "unit 'embed': only per-layer units (place 'layers') may hold experts",
-        "unit 'embed': every expert unit must hold the same number of experts",
         "unit 'embed' param 'weight': tensor 'embed.weight' must contain {expert} (its unit holds experts)",
-        "unit 'layers.{layer}.experts': every expert unit must hold the same number of experts",
         "unit 'layers.{layer}.experts' param '{expert}.gate_up.weight': tensor 'layers.{layer}.mlp.gate.weight' must "
         "contain {expert} (its unit holds experts)",
     ]
