@@ -141,7 +141,7 @@ def test_targets_the_moe_export_cannot_take_fail_in_one_line(trained: Path, tmp_
     cases = [
         ((str(trained), "--ep", "3"), "8 experts are not divisible by ep 3"),
         ((str(trained), "--tp", "8"), "4 query groups"),  # 4 key/value heads cannot be cut 8 ways
-        ((str(llama), "--ep", "2"), "this layout has no experts"),
+        ((str(llama), "--ep", "2"), "the megatron-gpt layout has no experts (ep must be 1)"),
     ]
     for args, says in cases:
         proc = run_ckptkit("export", args[0], str(tmp_path / "out"), "--format", "megatron", *args[1:])

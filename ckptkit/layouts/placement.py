@@ -32,7 +32,7 @@ def topology_problems(layout: Layout, topology: Topology) -> list[str]:
         problems.append(f"world size {t.world_size} is not tp x pp x dp x cp ({t.tp * t.pp * t.dp * t.cp})")
     experts = layout.experts
     if t.ep != 1 and not experts:
-        problems.append("this layout has no experts (ep must be 1)")
+        problems.append(f"the {layout.name} layout has no experts (ep must be 1)")
     if experts and t.dp % t.ep:
         problems.append(f"ep {t.ep} does not divide dp {t.dp} (expert-parallel ranks are carved out of the data-parallel ranks)")
     if experts and experts % t.ep:

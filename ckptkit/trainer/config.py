@@ -161,8 +161,7 @@ def check_topology(cfg: TrainConfig, model: ModelConfig, *, max_world: int | Non
         problems.append("tp, pp, dp, cp and ep must be at least 1")
     else:
         topology = cfg.topology(zero=min(max(cfg.zero, 0), 3))
-        problems += [p.replace("this layout has no experts", f"the {model.family} model has no experts")
-                     for p in topology_problems(model.layout(), topology)]
+        problems += topology_problems(model.layout(), topology)
         if cfg.seq_len % cfg.cp:
             problems.append(f"sequence length {cfg.seq_len} is not divisible by cp {cfg.cp}")
         if model.num_experts and model.top_k > model.num_experts:

@@ -92,4 +92,4 @@ def test_ep_is_refused_where_the_layout_cannot_hold_it() -> None:
     assert topology_problems(moe, Topology(world_size=6, dp=6, ep=3)) == ["8 experts are not divisible by ep 3"]
     assert topology_problems(moe, Topology(world_size=2, dp=2, ep=4)) == [
         "ep 4 does not divide dp 2 (expert-parallel ranks are carved out of the data-parallel ranks)"]
-    assert topology_problems(dense, Topology(world_size=2, dp=2, ep=2)) == ["this layout has no experts (ep must be 1)"]
+    assert topology_problems(dense, Topology(world_size=2, dp=2, ep=2)) == ["the llama layout has no experts (ep must be 1)"]

@@ -193,7 +193,7 @@ def test_impossible_combinations_fail_before_any_process_starts(tmp_path: Path, 
     cases = [
         (["--model", "tiny-moe", "--dp", "3", "--ep", "3"], "8 experts are not divisible by ep 3"),
         (["--model", "tiny-moe", "--dp", "3", "--ep", "2"], "ep 2 does not divide dp 3"),
-        (["--model", "tiny", "--dp", "2", "--ep", "2"], "the llama model has no experts"),
+        (["--model", "tiny", "--dp", "2", "--ep", "2"], "the llama layout has no experts (ep must be 1)"),
         (["--model", "tiny-moe", "--cp", "3"], "sequence length 32 is not divisible by cp 3"),
     ]
     for args, message in cases:
