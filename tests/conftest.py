@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 
 from .fixture_scripts import fixture_script
+from .cuda_fakes import fake_cuda  # noqa: F401  (a fixture for the ordering of CUDA copies)
 from .s3server import s3_bucket, s3_server  # noqa: F401  (fixtures for the S3 tests)
 
 

@@ -137,8 +137,9 @@ def _fill_host(reader: Reader, pieces: Mapping[str, list[ShardedTensor]], thread
             copies.append((out, p.local))
         dests.append(byte_array(out))
     reader.fill(plan.targets, dests, pool=threads)
-    for buf, dest in copies:
-        dest.copy_(buf)
+    with torch.no_grad():  # a target may be a parameter
+        for buf, dest in copies:
+            dest.copy_(buf)
 
 
 def _check_targets(manifest: Manifest, pieces: Mapping[str, list[ShardedTensor]]) -> None:

@@ -14,6 +14,10 @@ A tensor (or a load target's box) is cut into chunks that fit one buffer, along 
 The host memory either adds is the pool's: at most ``total_bytes``, whatever the state's size.
 Side streams first wait for the caller's current stream (`BouncePool.follow`), so the copies
 see every kernel the caller queued before the call.
+
+Every CUDA copy ckptkit issues between buffers and the state, here and in the manager's
+snapshots (`writer.snapshot`), goes through `side_copy`: grouped by device, each group on that
+device's copy stream (`SideStreams`, one per device), marked by an event.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,6 +44,7 @@ BUFFERS = 4  # buffers in a pool: one being filled (or written), the others' cop
 ALIGN = 64  # chunks start at multiples of this in a buffer (any dtype's view is aligned)
 MIN_BUFFER = 256
 DEVICES = ("cpu", "cuda")
+T = TypeVar("T")
 
 
 def device_problems(tensors: Iterable[tuple[str, torch.device]]) -> list[str]:
@@ -166,6 +171,75 @@ class SideStreams:
                 self.streams[key] = torch.cuda.Stream(device=key)  # type: ignore[no-untyped-call]
             return self.streams[key]
 
+    def follow(self, devices: Iterable[torch.device]) -> None:
+        """Make the side stream of each CUDA device in `devices` wait for the calling thread's
+        current stream there (current streams are per thread: call it in the caller's)."""
+        for device in {cuda_device(d) for d in devices if d.type == "cuda"}:
+            self.get(device).wait_stream(torch.cuda.current_stream(device))
+
+
+def by_device(items: Iterable[T], device_of: Callable[[T], torch.device]) -> dict[torch.device, list[T]]:
+    """`items` grouped by their CUDA device (`device_of`, given its index), devices in first-seen
+    order and each group in the items' order."""
+    groups: dict[torch.device, list[T]] = {}
+    for item in items:
+        groups.setdefault(cuda_device(device_of(item)), []).append(item)
+    return groups
+
+
+@dataclass(frozen=True)
+class SideCopy:
+    """The copies `side_copy` issued for one CUDA device: its side stream, and the event recorded
+    on it after them."""
+
+    device: torch.device
+    stream: Any  # torch.cuda.Stream
+    done: Any  # torch.cuda.Event
+
+
+def side_copy(
+    streams: SideStreams, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], *, follow: bool = False, hold: bool = False,
+    keep_sources: bool = False,
+) -> list[SideCopy]:
+    """Copy each (dest, src), outside autograd; return one `SideCopy` per CUDA device involved.
+
+    A pair of host tensors is copied at once. The other pairs are grouped by their CUDA device
+    (the dest's, else the src's; `by_device`) and each group is issued, without blocking, under
+    ``torch.cuda.device(d)`` on d's side stream, then marked by an event. Per device:
+
+    - `follow`: the side stream first waits for d's current stream (the copies see every kernel
+      queued before; pass False when the caller's thread did it already, `SideStreams.follow`);
+    - `keep_sources`: each CUDA source is recorded on the side stream, so that one freed after
+      the call is not reused before its copy ends;
+    - `hold`: d's current stream then waits for the side stream (later work there, such as an
+      in-place update of a source, runs after the copies, on the device, not the host).
+    """
+    groups: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():  # a dest may be (a view of) a parameter
+        for dest, src in pairs:
+            if dest.device.type == "cuda" or src.device.type == "cuda":
+                groups.append((dest, src))
+            else:
+                dest.copy_(src)
+        issued = []
+        for device, group in by_device(groups, lambda pair: pair[0].device if pair[0].device.type == "cuda" else pair[1].device).items():
+            with torch.cuda.device(device):
+                stream = streams.get(device)
+                current = torch.cuda.current_stream(device)
+                if follow:
+                    stream.wait_stream(current)
+                with torch.cuda.stream(stream):
+                    for dest, src in group:
+                        dest.copy_(src, non_blocking=True)
+                        if keep_sources and src.device.type == "cuda":
+                            src.record_stream(stream)
+                    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    done.record(stream)
+                if hold:
+                    current.wait_stream(stream)
+            issued.append(SideCopy(device, stream, done))
+    return issued
+
 
 class BouncePool:
     """Host buffers reused across copies between host and devices: at most `buffers` of them,
@@ -199,7 +273,7 @@ class BouncePool:
         self.handed_out = 0  # buffers handed out so far (batches moved)
         self._free: deque[Buffer] = deque()  # least recently released first
         self._cond = threading.Condition()
-        self._streams = SideStreams()
+        self.streams = SideStreams()
 
     def acquire(self, nbytes: int, *, wait: bool = True) -> Buffer | None:
         """Return a free buffer (for `nbytes`) whose earlier copies have finished: an idle one, else
@@ -242,33 +316,12 @@ class BouncePool:
 
     def follow(self, devices: Iterable[torch.device]) -> None:
         """Make the side stream of each CUDA device wait for the caller's current stream there."""
-        for device in {d for d in devices if d.type == "cuda"}:
-            self.side_stream(device).wait_stream(torch.cuda.current_stream(device))
+        self.streams.follow(devices)
 
-    def side_stream(self, device: torch.device) -> Any:
-        """The pool's copy stream on CUDA device `device` (created once)."""
-        return self._streams.get(device)
-
-
-def _copy(pool: BouncePool, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
-    """Copy each (dest, src); a copy between host and a CUDA device runs on that device's side
-    stream, without blocking. Return the events that mark the end of the CUDA copies."""
-    streams: dict[torch.device, Any] = {}
-    for dest, src in pairs:
-        device = dest.device if dest.device.type == "cuda" else src.device
-        if device.type != "cuda":
-            dest.copy_(src)
-            continue
-        if device not in streams:
-            streams[device] = pool.side_stream(device)
-        with torch.cuda.stream(streams[device]):
-            dest.copy_(src, non_blocking=True)
-    events = []
-    for stream in streams.values():
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
-        events.append(event)
-    return events
+    def copy(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
+        """Copy each (dest, src) between a buffer and a tensor, those on CUDA on the device's side
+        stream (`side_copy`, after `follow`); return the events that mark the ends of the CUDA copies."""
+        return [issued.done for issued in side_copy(self.streams, pairs)]
 
 
 def load_through(
@@ -296,7 +349,7 @@ def load_through(
                 pieces = [targets[c.item][1].local for c in batch]
                 dests = [buf.raw(c).numpy().reshape(byte_shape(c.box.lengths, t.element_size())) for c, t in zip(batch, pieces)]
                 reader.fill(plans[at : at + len(batch)], dests, pool=threads)
-                events = _copy(pool, ((_region(targets[c.item][1], c.box), buf.view(c, t.dtype)) for c, t in zip(batch, pieces)))
+                events = pool.copy(((_region(targets[c.item][1], c.box), buf.view(c, t.dtype)) for c, t in zip(batch, pieces)))
             finally:
                 pool.release(buf, events)
             at += len(batch)
@@ -328,7 +381,7 @@ def staged_bytes(
             if buf is None:
                 return
             batch = batches.popleft()
-            buf.events = _copy(pool, ((buf.view(c, tensors[moved[c.item]].dtype),
+            buf.events = pool.copy(((buf.view(c, tensors[moved[c.item]].dtype),
                                        tensors[moved[c.item]].detach()[c.box.slices()]) for c in batch))
             ready.append((deque(batch), buf))
 

@@ -35,13 +35,14 @@ import torch
 
 from . import retention
 from .snapshot import (
-    BufferPool, DeviceCopy, HostCopy, Key, SideStreams, SnapshotChoice, check_snapshot_options, choose_snapshot,
-    copy_to_device, copy_to_host, device_memory,
+    BufferPool, DeviceCopy, HostCopy, Key, SnapshotChoice, check_snapshot_options, choose_snapshot, copy_to_device,
+    copy_to_host, device_memory,
 )
 from ..io.catalog import LATEST_NAME, read_latest, step_of
 from ..io.run_record import RunRecord, record_run
 from ..errors import CheckpointNotFoundError, CkptkitError, LayoutError
 from ..manifest import MANIFEST_NAME, CheckpointInfo, Manifest, Topology
+from ..state.device import SideStreams
 from ..state.sharded import ShardedTensor
 from ..storage import Storage, open_storage
 from ..state.torch_io import is_leaf

@@ -17,24 +17,21 @@ pinned ones packed into a few power-of-two arenas, `plan_arenas`); `copy_to_host
 (`HostCopy`, `DeviceCopy`): call `wait_staged` (the state may change), then `wait_on_host` (the
 host buffers hold the snapshot).
 
-CUDA tensors need not be on the current device, nor all on one: a copy involving a tensor on
-device d runs on d's current stream, so the copies are grouped by source device
-(`by_device`), each group issued under ``torch.cuda.device(d)`` on d's own side stream
-(`SideStreams`), which first waits for d's current stream, and marked by an event of its own;
-d's current stream then waits for that side stream, and the background thread waits for every
-device's event.
+CUDA tensors need not be on the current device, nor all on one: the copies are issued by
+`state.device.side_copy`, per source device on that device's side stream, after its current
+stream, which then waits for them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 import torch
 
 from ..errors import CkptkitError
-from ..state.device import SideStreams, cuda_device
+from ..state.device import SideCopy, SideStreams, by_device, side_copy
 
 SNAPSHOT_KINDS = ("auto", "device", "host")
 # A device snapshot leaves this share of the GPU's memory free (for fragmentation and the
@@ -48,7 +45,6 @@ MIN_ARENA_BYTES = 64 << 20
 ALIGN = 64
 
 Key = tuple[str, int]  # (fqn, piece index)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -272,93 +268,54 @@ class BufferPool:
         self.arenas, self.arena_keys = [], frozenset()
 
 
-def by_device(items: Iterable[T], device_of: Callable[[T], torch.device]) -> dict[torch.device, list[T]]:
-    """`items` grouped by their CUDA device (`device_of`), devices in first-seen order and each
-    group in the items' order."""
-    groups: dict[torch.device, list[T]] = {}
-    for item in items:
-        groups.setdefault(cuda_device(device_of(item)), []).append(item)
-    return groups
-
-
 @dataclass(frozen=True)
 class HostCopy:
-    """A host snapshot in flight: `done` holds one event per source device, marking the end of
-    its device-to-host copies."""
+    """A host snapshot in flight: one `SideCopy` per source device, whose event marks the end
+    of its device-to-host copies."""
 
-    done: tuple[Any, ...]  # torch.cuda.Event
+    copied: tuple[SideCopy, ...]
 
     def wait_staged(self) -> None:
-        for event in self.done:
-            event.synchronize()
+        for issued in self.copied:
+            issued.done.synchronize()
 
     def wait_on_host(self) -> None:
         self.wait_staged()
 
 
 @dataclass(frozen=True)
-class DeviceStage:
-    """One device's part of a device snapshot: its side stream, the event that ends its
-    device-to-device copies, and its (host buffer, GPU buffer) pairs to drain."""
-
-    device: torch.device
-    stream: Any  # torch.cuda.Stream
-    copied: Any  # torch.cuda.Event
-    pairs: list[tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
 class DeviceCopy:
-    """A device snapshot in flight: one `DeviceStage` per source device."""
+    """A device snapshot in flight: one `SideCopy` per source device for its device-to-device
+    copies, and the (host buffer, GPU buffer) pairs to drain after them."""
 
-    stages: tuple[DeviceStage, ...]
+    streams: SideStreams
+    copied: tuple[SideCopy, ...]
+    drains: tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
     def wait_staged(self) -> None:
-        for stage in self.stages:
-            stage.copied.synchronize()
+        for issued in self.copied:
+            issued.done.synchronize()
 
     def wait_on_host(self) -> None:
         """Copy the GPU buffers into the host buffers, each device's on its side stream (after
         its device-to-device copies), and wait for them all; no current stream waits."""
-        drained = []
-        for stage in self.stages:
-            with torch.cuda.device(stage.device), torch.cuda.stream(stage.stream):
-                for host, dev in stage.pairs:
-                    host.copy_(dev, non_blocking=True)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(stage.stream)
-            drained.append(event)
-        for event in drained:
-            event.synchronize()
+        for issued in side_copy(self.streams, self.drains):
+            issued.done.synchronize()
 
 
 def copy_to_host(streams: SideStreams, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> HostCopy:
-    """Enqueue device-to-host copies (host buffer, CUDA source), grouped by the source's device,
-    each group on that device's side stream, which first waits for the device's current stream;
-    later work on each device's current stream waits for its copies (on the device, not the
-    host), so tensors overwritten after save returns cannot leak into the checkpoint."""
-    events = []
-    for device, group in by_device(copies, lambda c: c[1].device).items():
-        with torch.cuda.device(device):
-            stream = streams.get(device)
-            current = torch.cuda.current_stream(device)
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                for buf, src in group:
-                    buf.copy_(src.detach(), non_blocking=True)
-                    src.record_stream(stream)  # a source freed after save returns is not reused before the copy
-                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                done.record(stream)
-            current.wait_stream(stream)
-        events.append(done)
-    return HostCopy(tuple(events))
+    """Enqueue device-to-host copies (host buffer, CUDA source) on each source device's side
+    stream (`side_copy`), after that device's current stream; later work on each current stream
+    waits for them (on the device, not the host), so tensors overwritten after save returns
+    cannot leak into the checkpoint."""
+    return HostCopy(tuple(side_copy(streams, copies, follow=True, hold=True, keep_sources=True)))
 
 
 def copy_to_device(streams: SideStreams, pool: BufferPool, copies: list[tuple[Key, torch.Tensor, torch.Tensor]]) -> DeviceCopy:
     """Enqueue device-to-device copies of the CUDA sources of (key, host buffer, source) into
-    `pool`'s buffers, grouped by the source's device, each group on that device's side stream,
-    which first waits for the device's current stream; each current stream then waits for these
-    copies alone (the drain to the host buffers comes later, from `DeviceCopy.wait_on_host`).
+    `pool`'s buffers, on each source device's side stream (`side_copy`), after that device's
+    current stream; each current stream then waits for these copies alone (the drain to the
+    host buffers comes later, from `DeviceCopy.wait_on_host`).
 
     Every GPU buffer is allocated first, with its device's side stream current, so that the
     caching allocator ties it to that stream, and before any copy is enqueued.
@@ -366,27 +323,13 @@ def copy_to_device(streams: SideStreams, pool: BufferPool, copies: list[tuple[Ke
     Raises:
         torch.OutOfMemoryError: a GPU buffer could not be allocated (no copy was enqueued).
     """
-    groups = by_device(copies, lambda c: c[2].device)
     buffers: dict[Key, torch.Tensor] = {}
-    for device, group in groups.items():
+    for device, group in by_device(copies, lambda c: c[2].device).items():
         with torch.cuda.device(device), torch.cuda.stream(streams.get(device)):
             for key, _, src in group:
                 buffers[key] = pool.get(key, src)
-    stages = []
-    for device, group in groups.items():
-        with torch.cuda.device(device):
-            stream = streams.get(device)
-            current = torch.cuda.current_stream(device)
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                for key, _, src in group:
-                    buffers[key].copy_(src.detach(), non_blocking=True)
-                    src.record_stream(stream)
-                copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                copied.record(stream)
-            current.wait_stream(stream)
-        stages.append(DeviceStage(device, stream, copied, [(host, buffers[key]) for key, host, _ in group]))
-    return DeviceCopy(tuple(stages))
+    copied = side_copy(streams, [(buffers[key], src) for key, _, src in copies], follow=True, hold=True, keep_sources=True)
+    return DeviceCopy(streams, tuple(copied), tuple((host, buffers[key]) for key, host, _ in copies))
 
 
 def device_memory(device: torch.device) -> DeviceMemory:
@@ -396,7 +339,6 @@ def device_memory(device: torch.device) -> DeviceMemory:
 
 
 __all__ = [
-    "SNAPSHOT_KINDS", "BufferPool", "DeviceCopy", "DeviceMemory", "DeviceStage", "HostCopy", "SideStreams", "SnapshotChoice",
-    "by_device", "check_snapshot_options", "choose_snapshot", "copy_to_device", "copy_to_host", "cuda_device",
-    "device_memory", "plan_arenas", "pow2_ceil",
+    "SNAPSHOT_KINDS", "BufferPool", "DeviceCopy", "DeviceMemory", "HostCopy", "SnapshotChoice", "check_snapshot_options",
+    "choose_snapshot", "copy_to_device", "copy_to_host", "device_memory", "plan_arenas", "pow2_ceil",
 ]

@@ -93,6 +93,18 @@ def test_mixed_cpu_and_cuda_targets_load_together(tmp_path: Path) -> None:
     assert _bits(out["i"].local) == _bits(state["i"][10:30, 300:1000])
 
 
+def test_cuda_parameters_are_loaded_into_and_stay_leaves(tmp_path: Path) -> None:
+    state = _state()
+    ckptkit.save({"model": state}, tmp_path / "ck", step=1)
+    model = torch.nn.Linear(80, 96, device="cuda")  # its weight is (96, 80), as "w"
+    rows = torch.nn.Parameter(torch.zeros(30, 80, device="cuda"))  # a parameter holding rows 10 to 40 of "w"
+    out = ckptkit.load(tmp_path / "ck", {"model": {"w": model.weight}}, pinned_bytes=SMALL_POOL)["model"]
+    ckptkit.load(tmp_path / "ck", {"model": {"w": ShardedTensor(rows, (96, 80), (10, 0))}}, pinned_bytes=SMALL_POOL)
+    assert out["w"] is model.weight and _bits(model.weight) == _bits(state["w"]) and _bits(rows) == _bits(state["w"][10:40])
+    for param in (model.weight, rows):
+        assert param.is_leaf and param.requires_grad and param.grad_fn is None
+
+
 def test_a_load_waits_for_work_queued_on_the_callers_stream(tmp_path: Path) -> None:
     g = torch.randn(2048, 2048)
     ckptkit.save({"model": {"w": g}}, tmp_path / "ck", step=1)

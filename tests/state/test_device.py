@@ -18,9 +18,13 @@ from ckptkit import ShardedTensor
 from ckptkit.boxes import Box, full_box
 from ckptkit.errors import LayoutError
 from ckptkit.io.read import Reader
-from ckptkit.state.device import ALIGN, BouncePool, chunk_box, device_problems, load_through, pack, staged_bytes
+from ckptkit.state.device import (
+    ALIGN, BouncePool, SideStreams, chunk_box, device_problems, load_through, pack, side_copy, staged_bytes,
+)
 from ckptkit.state.torch_io import byte_view
 from ckptkit.storage import MemoryStorage
+
+from ..cuda_fakes import FakeCuda, FakeTensor
 
 
 def _flat_indices(shape: tuple[int, ...], box: Box) -> list[int]:
@@ -193,3 +197,47 @@ def test_buffers_are_a_power_of_two_within_the_pool_and_no_larger_than_needed() 
     assert pool.allocated_bytes == pool.peak_bytes == 4 << 10
     pool.release(held[2])
     assert pool.acquire(10) is held[2]
+
+
+def test_parameters_are_loaded_into_through_the_pool_and_directly_and_stay_leaves(tmp_path: Path) -> None:
+    store, reader, state = _saved()
+    params = [("model/w", ShardedTensor(torch.nn.Parameter(torch.zeros(11, 37).t()[5:25]), (37, 11), (5, 0))),
+              ("model/b", ShardedTensor(torch.nn.Parameter(torch.zeros(300, dtype=torch.bfloat16)), (300,), (0,)))]
+    load_through(reader, params, BouncePool(512, buffers=2, pinned=False))
+    ckptkit.save({"w": state["w"]}, tmp_path / "ck", step=1)
+    direct = torch.nn.Parameter(torch.zeros(11, 37).t())  # non-contiguous: read into a buffer, then copied
+    ckptkit.load(tmp_path / "ck", {"w": direct})
+    for (fqn, piece), param in zip(params, (params[0][1].local, params[1][1].local)):
+        assert _bits(piece.local.detach()) == _bits(state[fqn.split("/")[1]][piece.box.slices()]), fqn
+        assert param.is_leaf and param.requires_grad and param.grad_fn is None
+    assert _bits(direct.detach()) == _bits(state["w"]) and direct.is_leaf and direct.requires_grad
+
+
+def test_side_copies_copy_host_pairs_at_once_and_issue_none_on_a_device() -> None:
+    dest, src = torch.nn.Parameter(torch.zeros(3)), torch.arange(3.0)
+    assert side_copy(SideStreams(), [(dest[1:], src[1:]), (torch.zeros(2), torch.ones(2))]) == []
+    assert dest.tolist() == [0.0, 1.0, 2.0] and dest.is_leaf
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_side_copies_run_per_device_on_its_side_stream_ordered_as_asked(fake_cuda: FakeCuda, ordered: bool) -> None:
+    cuda0, cuda1, host = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    pairs = [(FakeTensor(fake_cuda, "d1", cuda1), FakeTensor(fake_cuda, "h1", host)),  # host to cuda:1
+             (FakeTensor(fake_cuda, "h0", host), FakeTensor(fake_cuda, "s0", cuda0)),  # cuda:0 to host
+             (FakeTensor(fake_cuda, "e1", cuda1), FakeTensor(fake_cuda, "f1", cuda1))]  # on cuda:1
+    streams = SideStreams()
+    issued = side_copy(streams, pairs, follow=ordered, hold=ordered, keep_sources=ordered)
+    side0, side1 = streams.streams[cuda0], streams.streams[cuda1]
+    assert [(c.device, c.stream) for c in issued] == [(cuda1, side1), (cuda0, side0)]  # first-seen order
+    log = fake_cuda.log
+    assert [e for e in log if e[0] == "copy"] == [("copy", "h1", cuda1, side1), ("copy", "f1", cuda1, side1),
+                                                  ("copy", "s0", cuda0, side0)]
+    caller0, caller1 = fake_cuda.current[cuda0], fake_cuda.current[cuda1]
+    waits = [e[1:] for e in log if e[0] == "wait"]
+    assert waits == ([(side1, caller1), (caller1, side1), (side0, caller0), (caller0, side0)] if ordered else [])
+    kept = [e[1:] for e in log if e[0] == "record_stream"]
+    assert kept == ([("f1", side1), ("s0", side0)] if ordered else [])  # the CUDA sources only
+    for side in (side1, side0):
+        last = max(i for i, e in enumerate(log) if e[0] == "copy" and e[3] is side)
+        assert log.index(("record", side)) > last  # each device's event comes after its copies
+    assert fake_cuda.device == cuda0 and fake_cuda.current == {cuda0: caller0, cuda1: caller1}  # all restored

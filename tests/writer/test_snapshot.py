@@ -3,9 +3,7 @@ with CPU tensors does whatever `snapshot` says."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +12,13 @@ import torch
 
 import ckptkit
 from ckptkit import CkptkitError, ShardedTensor
+from ckptkit.state.device import SideStreams, by_device
 from ckptkit.writer.manager import CheckpointManager
 from ckptkit.writer.snapshot import (
-    DEVICE_MARGIN, BufferPool, DeviceMemory, SideStreams, by_device, choose_snapshot, copy_to_device, copy_to_host,
-    plan_arenas, pow2_ceil,
+    DEVICE_MARGIN, BufferPool, DeviceMemory, choose_snapshot, copy_to_device, copy_to_host, plan_arenas, pow2_ceil,
 )
+
+from ..cuda_fakes import FakeCuda, FakeTensor
 
 GB = 10**9
 ROOMY = DeviceMemory(free=100 * GB, total=140 * GB)
@@ -138,91 +138,6 @@ def test_pinned_arenas_of_the_benchmark_state_pin_little_more_than_its_bytes() -
     assert len(arenas) <= nominal // (64 << 20) + 2
 
 
-class _Stream:
-    def __init__(self, log: list[tuple], device: torch.device, name: str) -> None:
-        self.log, self.device, self.name = log, device, name
-
-    def wait_stream(self, other: _Stream) -> None:
-        self.log.append(("wait", self, other))
-
-    def __repr__(self) -> str:
-        return f"{self.name}@{self.device}"
-
-
-class _FakeCuda:
-    """Enough of torch.cuda to record which device and stream each copy, wait and event is
-    issued on (streams are per device, as in CUDA: setting one does not change another device's)."""
-
-    def __init__(self) -> None:
-        self.device = torch.device("cuda", 0)
-        self.current: dict[torch.device, _Stream] = {}
-        self.log: list[tuple] = []
-
-    def current_stream(self, device: torch.device | None = None) -> _Stream:
-        d = device or self.device
-        return self.current.setdefault(d, _Stream(self.log, d, "caller"))
-
-    def Stream(self, device: torch.device) -> _Stream:  # noqa: N802
-        return _Stream(self.log, device, "side")
-
-    def Event(self) -> Any:  # noqa: N802
-        fake = self
-
-        class Event:
-            def record(self, stream: _Stream) -> None:
-                self.stream = stream
-                fake.log.append(("record", stream))
-
-            def synchronize(self) -> None:
-                fake.log.append(("sync", self.stream))
-
-        return Event()
-
-    @contextlib.contextmanager
-    def on_device(self, device: torch.device) -> Iterator[None]:
-        before, self.device = self.device, device
-        try:
-            yield
-        finally:
-            self.device = before
-
-    @contextlib.contextmanager
-    def stream(self, stream: _Stream) -> Iterator[None]:
-        before, self.current[stream.device] = self.current_stream(stream.device), stream
-        try:
-            with self.on_device(stream.device):
-                yield
-        finally:
-            self.current[stream.device] = before
-
-
-class _Tensor:
-    """A CUDA-like tensor whose copies record the device and the stream they were issued on."""
-
-    def __init__(self, fake: _FakeCuda, name: str, device: torch.device) -> None:
-        self.fake, self.name, self.device = fake, name, device
-
-    def detach(self) -> _Tensor:
-        return self
-
-    def copy_(self, src: _Tensor, non_blocking: bool = False) -> None:
-        cuda = src.device if src.device.type == "cuda" else self.device
-        self.fake.log.append(("copy", src.name, self.fake.device, self.fake.current_stream(cuda)))
-
-    def record_stream(self, stream: _Stream) -> None:
-        self.fake.log.append(("record_stream", self.name, stream))
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeCuda:
-    fake = _FakeCuda()
-    for name in ("current_stream", "Stream", "Event", "stream"):
-        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
-    monkeypatch.setattr(torch.cuda, "device", fake.on_device)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.device.index)
-    return fake
-
-
 def test_sources_are_grouped_by_their_device_in_first_seen_order() -> None:
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     items = [("a", cuda1), ("b", cuda0), ("c", cuda1), ("d", cuda0)]
@@ -231,10 +146,10 @@ def test_sources_are_grouped_by_their_device_in_first_seen_order() -> None:
     assert [[name for name, _ in g] for g in groups.values()] == [["a", "c"], ["b", "d"]]
 
 
-def test_a_host_snapshot_copies_each_device_on_its_own_side_stream_after_its_current_stream(fake_cuda: _FakeCuda) -> None:
+def test_a_host_snapshot_copies_each_device_on_its_own_side_stream_after_its_current_stream(fake_cuda: FakeCuda) -> None:
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     host = torch.device("cpu")
-    pairs = [(_Tensor(fake_cuda, f"h{n}", host), _Tensor(fake_cuda, n, d)) for n, d in (("a", cuda1), ("b", cuda0), ("c", cuda1))]
+    pairs = [(FakeTensor(fake_cuda, f"h{n}", host), FakeTensor(fake_cuda, n, d)) for n, d in (("a", cuda1), ("b", cuda0), ("c", cuda1))]
     streams = SideStreams()
     ready = copy_to_host(streams, pairs)
     side0, side1 = streams.streams[cuda0], streams.streams[cuda1]
@@ -257,16 +172,16 @@ def test_a_host_snapshot_copies_each_device_on_its_own_side_stream_after_its_cur
     assert sorted(map(repr, fake_cuda.log)) == sorted(map(repr, [("sync", side1), ("sync", side0)]))
 
 
-def test_a_device_snapshot_allocates_then_copies_and_drains_each_device_on_its_side_stream(fake_cuda: _FakeCuda) -> None:
+def test_a_device_snapshot_allocates_then_copies_and_drains_each_device_on_its_side_stream(fake_cuda: FakeCuda) -> None:
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     host = torch.device("cpu")
 
     class Pool(BufferPool):
         def get(self, key: Any, like: Any) -> Any:
             fake_cuda.log.append(("alloc", key, fake_cuda.device, fake_cuda.current_stream()))
-            return _Tensor(fake_cuda, f"g{key[0]}", like.device)
+            return FakeTensor(fake_cuda, f"g{key[0]}", like.device)
 
-    copies = [((n, 0), _Tensor(fake_cuda, f"h{n}", host), _Tensor(fake_cuda, n, d)) for n, d in (("a", cuda1), ("b", cuda0))]
+    copies = [((n, 0), FakeTensor(fake_cuda, f"h{n}", host), FakeTensor(fake_cuda, n, d)) for n, d in (("a", cuda1), ("b", cuda0))]
     streams = SideStreams()
     ready = copy_to_device(streams, Pool(on_device=True), copies)
     side0, side1 = streams.streams[cuda0], streams.streams[cuda1]
