@@ -22,8 +22,6 @@ from ..layouts.names import LAYER_NAME, LLAMA_TO_HF_LAYER, LLAMA_TO_HF_TOP, MEGA
 from ..manifest import CheckpointInfo
 from ..state.tree import unescape
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
 # Rows [start, start + length) of a source tensor (dim 0), concatenated in order; None: all of it.
 Rows = tuple[tuple[int, int], ...] | None
 # A Hugging Face tensor's source: a checkpoint tensor (fqn) and which of its rows.

@@ -1,0 +1,173 @@
+"""The export formats (pure): each one's name, the options it takes and how its writer is built.
+
+``EXPORT_FORMATS`` is the one table that ``export`` and the ``ckptkit export`` command both read:
+the names and help the command offers, and `ExportFormat.options_problem`, which says which asked
+option a format does not take (``export`` raises it as a LayoutError, the command prints it as bad
+usage). Each format's writer comes from its own module (``hf_writer``, ``dcp`` and ``fsdp2``,
+``zarr_form``, ``megatron``, ``deepspeed``), imported only when an export runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from ..errors import LayoutError
+
+if TYPE_CHECKING:  # the command reads this table: importing it loads neither layouts nor numpy
+    from ..layouts import Layout
+    from ..manifest import Manifest
+    from .source import Source, Writer
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> the dtype written
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """The checked options one export's writer is built from."""
+
+    dtype: str | None  # the dtype written ("bfloat16"); None: each tensor's saved dtype
+    include_optimizer: bool
+    layout: Layout | None  # the model's layout, when given instead of the one the checkpoint records
+    tp: int
+    pp: int
+    ep: int
+    form: str | None  # the form asked for; None: the format's default for the checkpoint
+    max_shard_bytes: int
+    chunk_bytes: int
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """One export format: its name, the command's one-line help, the options it takes, its writer."""
+
+    name: str
+    help: str
+    # The writer (planned: every refusal comes before anything is written) and the form it writes.
+    build: Callable[[Source, ExportOptions], tuple[Writer, str | None]]
+    dtypes: tuple[str, ...] = tuple(DTYPES)  # the --dtype values it converts to; (): none (saved_dtype says why)
+    default_dtype: str | None = None  # the --dtype written when none is asked; None: the saved dtypes
+    saved_dtype: str = ""
+    optimizer: Literal["optional", "always", "never"] = "optional"  # its optimizer state: with --include-optimizer, always, never
+    layout: bool = False  # takes --layout (the model's names)
+    pieces: bool = False  # takes --tp, --pp, --ep (the parallel pieces its files hold)
+    forms: tuple[str, ...] = ()  # its forms (--dcp-form); (): one form
+
+    def options_problem(
+        self, *, dtype: str | None = None, include_optimizer: bool = False, layout: bool = False, tp: int = 1, pp: int = 1,
+        ep: int = 1, dcp_form: str | None = None,
+    ) -> str | None:
+        """Say which of the asked options this format does not take, each named by its flag, in one line.
+
+        Args:
+            dtype: the --dtype asked (``bf16``), or None.
+            include_optimizer: whether the optimizer state is asked for.
+            layout: whether a layout is given.
+            tp, pp, ep: the parallel sizes asked (1: none).
+            dcp_form: the form asked, or None.
+
+        Returns:
+            The problems joined in one message, or None when the format takes every option asked.
+        """
+        problems = []
+        if dtype is not None and not self.dtypes:
+            problems.append(f"--dtype: {self.saved_dtype}")
+        elif dtype is not None and dtype not in self.dtypes:
+            problems.append(f"--dtype: {dtype!r} is not one of {', '.join(self.dtypes)}")
+        if include_optimizer and self.optimizer == "never":
+            problems.append(f"--include-optimizer: the {self.name} format holds model weights only "
+                            f"(use --format {_listed(lambda f: f.optimizer != 'never', 'or')})")
+        if layout and not self.layout:
+            problems.append(f"--layout: names the model for --format {_listed(lambda f: f.layout)} "
+                            f"({_listed(lambda f: not f.layout)} keep the checkpoint's names)")
+        if (tp, pp, ep) != (1, 1, 1) and not self.pieces:
+            problems.append(f"--tp/--pp/--ep: set the pieces of --format {_listed(lambda f: f.pieces)} "
+                            "(the other formats hold whole tensors)")
+        if dcp_form is not None and not self.forms:
+            problems.append(f"--dcp-form: chooses the form of --format {_listed(lambda f: bool(f.forms))} "
+                            "(the other formats have one form)")
+        elif dcp_form is not None and dcp_form not in self.forms:
+            problems.append(f"--dcp-form: {dcp_form!r} is not a form of --format {self.name} (its forms are {', '.join(self.forms)})")
+        return "; ".join(problems) or None  # each problem names its flag first, and holds no "; " itself
+
+    def out_dtype(self, dtype: str | None) -> str | None:
+        """The dtype this format writes for the --dtype asked (checked); None: each tensor's saved one."""
+        wanted = dtype or self.default_dtype
+        return DTYPES[wanted] if wanted else None
+
+
+def _listed(takes: Callable[[ExportFormat], bool], last: str = "and") -> str:
+    """The names of the formats that `takes`, as a sentence lists them ("hf and megatron")."""
+    names = [f.name for f in EXPORT_FORMATS.values() if takes(f)]
+    return f" {last} ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
+
+
+def _hf(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
+    from .hf_writer import hf_writer
+
+    assert options.dtype is not None  # the hf format has a default dtype
+    return hf_writer(source, options.dtype, options.max_shard_bytes, options.layout), None
+
+
+def _dcp(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
+    from ..layouts import layout_for
+
+    where = str(source.loc)
+    form = options.form or _default_form(source.manifest, where)
+    if form == "plain":
+        from .dcp import dcp_writer
+
+        return dcp_writer(source, options.dtype, options.include_optimizer), form
+    from .fsdp2 import fsdp2_writer
+
+    try:
+        model = layout_for(source.manifest, where=where)
+    except LayoutError:
+        raise LayoutError(f"{where}: the fsdp2 form names the parameters as the reference trainer's model (layout llama), "
+                          "and the checkpoint names no model; export with --dcp-form plain (the checkpoint's own names)") from None
+    return fsdp2_writer(source, model, options.dtype, options.include_optimizer), form
+
+
+def _default_form(manifest: Manifest, where: str) -> str:
+    """The dcp form a checkpoint exports to by default: ``fsdp2`` for the reference trainer's
+    model (the module names that form knows), ``plain`` for any other."""
+    from ..layouts import layout_for
+    from .fsdp2 import MODULE_NAMES
+
+    try:
+        return "fsdp2" if layout_for(manifest, where=where).name in MODULE_NAMES else "plain"
+    except LayoutError:
+        return "plain"
+
+
+def _zarr(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
+    from .zarr_form import zarr_writer
+
+    return zarr_writer(source, options.chunk_bytes), None
+
+
+def _megatron(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
+    from ..layouts import layout_for
+    from .megatron import megatron_writer
+
+    layout = options.layout or layout_for(source.manifest, where=str(source.loc))
+    return megatron_writer(source, options.dtype, options.include_optimizer, layout, options.tp, options.pp, options.ep), None
+
+
+def _deepspeed(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
+    from .deepspeed import deepspeed_writer
+
+    return deepspeed_writer(source), None
+
+
+EXPORT_FORMATS = {f.name: f for f in (
+    ExportFormat("hf", "Hugging Face model directory", _hf, default_dtype="bf16", optimizer="never", layout=True),
+    ExportFormat("dcp", "torch.distributed.checkpoint", _dcp, forms=("fsdp2", "plain")),
+    ExportFormat("zarr", "the topology-free form", _zarr, dtypes=(), optimizer="always",
+                 saved_dtype="the zarr form keeps every tensor in its saved dtype"),
+    ExportFormat("megatron", "a Megatron-Core dist_checkpointing (torch_dist) directory", _megatron, layout=True, pieces=True),
+    ExportFormat("deepspeed", "a DeepSpeed universal checkpoint (load_universal), from a checkpoint converted from DeepSpeed",
+                 _deepspeed, dtypes=(), optimizer="always",
+                 saved_dtype="the deepspeed format keeps the fp32 masters and moments, and the module in its saved dtype"),
+)}

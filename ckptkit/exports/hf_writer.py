@@ -1,0 +1,163 @@
+"""The Hugging Face writer: a model directory of safetensors shards, its index, configs and tokenizer.
+
+``hf_writer`` plans the whole export (names, shapes, shards; an unmapped tensor or a dtype it
+cannot convert fails here, before any write) and returns the writer that streams each source
+tensor once, cut into the rows each Hugging Face tensor takes (see ``hf`` for the names and
+configs), then adds the index, ``config.json``, ``generation_config.json`` and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from . import hf
+from .convert import CONVERSIONS
+from ..errors import LayoutError
+from ..io.checksum import checksum_of
+from ..io.payload import read_checked
+from ..io.write import write_safetensors
+from ..layouts import Layout, layout_for
+from ..manifest.dtypes import itemsize
+from ..storage import Storage
+from .source import ExportedFile, ExportedTensor, Source, Writer, Written, exported
+
+
+def hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Layout | None = None) -> Writer:
+    """Plan the HF export (failing before any write) and return its writer. `layout` overrides
+    the one the checkpoint records."""
+    manifest = source.manifest
+    layout = layout or layout_for(manifest, where=str(source.loc))
+    generation: dict[str, Any] | None = None
+    if layout.name in hf.PASSTHROUGH:
+        config = hf.carried_config(manifest.info, layout, str(source.loc), out_dtype)
+        pieces: dict[str, hf.Piece] = {name: (fqn, None) for fqn, name in hf.passthrough_map(manifest.tensors, list(layout.tensors())).items()}
+        carried = (manifest.info.config or {}).get("generation_config.json")
+        generation = carried if isinstance(carried, dict) else hf.generation_config_json(None)
+        max_len = config.get("max_position_embeddings") or config.get("n_positions") or 2048
+    elif layout.name == "megatron-gpt":
+        pieces = hf.megatron_map(manifest.tensors, layout)
+        config = hf.megatron_config_json(layout, out_dtype)
+        max_len = config["max_position_embeddings"]
+    else:
+        model = hf.llama_config(layout, str(source.loc))
+        names = hf.name_map(manifest.tensors, list(layout.tensors()), hf.RENAMES[layout.name])
+        pieces = {name: (fqn, None) for fqn, name in names.items()}
+        config, max_len = hf.model_config_json(layout.name, model, out_dtype), model["max_seq_len"]
+    shapes = {name: _piece_shape(manifest.tensors[fqn].shape, rows) for name, (fqn, rows) in pieces.items()}
+    nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in shapes.items()}
+    shards = hf.plan_shards(nbytes, max_shard_bytes)
+    sources = {fqn for fqn, _ in pieces.values()}
+    odd = sorted(f"{fqn} ({manifest.tensors[fqn].dtype})" for fqn in sources if (manifest.tensors[fqn].dtype, out_dtype) not in CONVERSIONS
+                 and manifest.tensors[fqn].dtype != out_dtype)
+    if odd:
+        raise LayoutError(f"export converts float32, bfloat16 and float16 weights; {len(odd)} are not: " + ", ".join(odd[:10]))
+
+    def write(source: Source, dst: Storage, tmp: str) -> Written:
+        tensors: list[ExportedTensor] = []
+        feed = _Sources(source, [pieces[n][0] for shard in shards for n in shard.names], out_dtype)
+        files = [_write_shard(source, dst, tmp, shard, pieces, shapes, feed, out_dtype, tensors) for shard in shards]
+        index = {"metadata": {"total_size": sum(nbytes.values())},
+                 "weight_map": {name: shard.file for shard in shards for name in shard.names}}
+        extra = {
+            "model.safetensors.index.json": index,
+            "config.json": config,
+            "generation_config.json": generation if generation is not None else hf.generation_config_json(_eos_id(source)),
+        }
+        copied, tokenizer_extra = _tokenizer_files(source, dst, tmp, max_len)
+        files += copied
+        extra.update(tokenizer_extra)
+        for path, doc in extra.items():
+            data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+            dst.write(f"{tmp}/{path}", [data])
+            files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
+        return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in sources))
+
+    return write
+
+
+def _piece_shape(shape: tuple[int, ...], rows: hf.Rows) -> tuple[int, ...]:
+    return shape if rows is None else (sum(n for _, n in rows), *shape[1:])
+
+
+class _Sources:
+    """The source tensors of the exported ones, in the order they are needed: each read (and
+    converted) once, and kept only until its last exported tensor (q, k and v of a fused
+    tensor) has taken its rows."""
+
+    def __init__(self, source: Source, needed: list[str], dtype: str) -> None:
+        self.uses: dict[str, int] = {}
+        for fqn in needed:
+            self.uses[fqn] = self.uses.get(fqn, 0) + 1
+        source.expect(self.uses)
+        self.stream = source.stream(list(self.uses), lambda fqn: dtype)  # first-use order
+        self.held: dict[str, Any] = {}
+
+    def take(self, fqn: str) -> Any:
+        if fqn not in self.held:
+            got, data = next(self.stream)
+            assert got == fqn
+            self.held[fqn] = data
+        data = self.held[fqn]
+        self.uses[fqn] -= 1
+        if not self.uses[fqn]:
+            del self.held[fqn]
+        return data
+
+
+def _write_shard(
+    source: Source, dst: Storage, tmp: str, shard: hf.Shard, pieces: dict[str, hf.Piece], shapes: dict[str, tuple[int, ...]],
+    feed: _Sources, out_dtype: str, report: list[ExportedTensor],
+) -> ExportedFile:
+    """Write one safetensors shard from its tensors' sources, each cut to its rows."""
+    manifest = source.manifest
+
+    def bodies() -> Iterator[memoryview]:
+        for name in shard.names:
+            fqn, rows = pieces[name]
+            data = feed.take(fqn)
+            if rows is not None:  # runs of rows of a fused tensor, in order
+                whole = data.reshape(manifest.tensors[fqn].shape[0], -1)
+                data = np.concatenate([whole[a:a + n] for a, n in rows]).reshape(-1)
+            view = memoryview(data)
+            report.append(exported(source, name, fqn, view, out_dtype, shard.file))
+            yield view
+
+    tensors = [(name, out_dtype, shapes[name]) for name in shard.names]
+    written = write_safetensors(dst, f"{tmp}/{shard.file}", shard.file, tensors, bodies(), metadata={"format": "pt"},
+                                blocks=False)
+    return ExportedFile(path=shard.file, size=written.size, checksum=written.checksum)
+
+
+def _tokenizer_files(
+    source: Source, dst: Storage, tmp: str, max_len: int
+) -> tuple[list[ExportedFile], dict[str, Any]]:
+    """Copy the checkpoint's tokenizer files (checked) to the output; return them and the JSON
+    files to add (a ``tokenizer_config.json`` when the checkpoint has none)."""
+    copied: dict[str, bytes] = {}
+    files: list[ExportedFile] = []
+    for entry in source.manifest.files:
+        if entry.role != "tokenizer":
+            continue
+        data = read_checked(source.loc, entry)
+        name = entry.path.partition("tokenizer/")[2]  # a save to an object store prefixes its paths
+        dst.write(f"{tmp}/{name}", [data])
+        copied[name] = data
+        files.append(ExportedFile(path=name, size=len(data), checksum=entry.checksum))
+    if "tokenizer.json" in copied and "tokenizer_config.json" not in copied:
+        config = hf.tokenizer_config_json(json.loads(copied["tokenizer.json"]), max_len)
+        return files, {"tokenizer_config.json": config}
+    return files, {}
+
+
+def _eos_id(source: Source) -> int | None:
+    for entry in source.manifest.files:
+        if entry.role == "tokenizer" and entry.path.endswith("tokenizer/tokenizer.json"):
+            vocab = json.loads(read_checked(source.loc, entry)).get("model", {}).get("vocab", {})
+            eos = vocab.get("<eos>")
+            return eos if isinstance(eos, int) else None
+    return None
