@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from .ops.convert import ConvertReport, convert, detect_format, list_converters
     from .ops.diff import DiffReport, diff
     from .ops.failure import ErrorReport
+    from .exports.formats import EXPORT_FORMATS
     from .exports.run import ExportReport, export
     from .ops.inspect import InspectReport, human_bytes, inspect
     from .layouts import Layout
@@ -68,6 +69,7 @@ __all__ = [
     "DataProgress",
     "DataVersion",
     "DiffReport",
+    "EXPORT_FORMATS",
     "ErrorReport",
     "ExportReport",
     "InspectReport",
@@ -123,7 +125,7 @@ _LAZY = {
     "Layout": "layouts", "convert": "ops.convert", "ConvertReport": "ops.convert", "detect_format": "ops.convert",
     "list_converters": "ops.convert", "clean": "writer.clean", "CleanReport": "writer.clean", "prune": "writer.prune",
     "PruneReport": "writer.prune",
-    "human_bytes": "ops.inspect", "ErrorReport": "ops.failure",
+    "human_bytes": "ops.inspect", "ErrorReport": "ops.failure", "EXPORT_FORMATS": "exports.formats",
 }
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -84,14 +86,17 @@ def _latest_note(report: ckptkit.ReshardReport, no_latest: bool) -> str:
     return f"no latest pointer written: {root} is not a run root (it holds other files and no latest)"
 
 
+def _offered(values: Callable[[Any], tuple[str, ...]]) -> list[str]:
+    """The values of an option that some export format takes (its --dtype values, its forms), in the table's order."""
+    return list(dict.fromkeys(v for f in ckptkit.EXPORT_FORMATS.values() for v in values(f)))
+
+
 @cli.command("export")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--format", "fmt", default="hf", show_default=True, type=click.Choice(["hf", "dcp", "zarr", "megatron", "deepspeed"]),
-              help="hf: Hugging Face model directory; dcp: torch.distributed.checkpoint; zarr: the topology-free form; "
-                   "megatron: a Megatron-Core dist_checkpointing (torch_dist) directory; deepspeed: a DeepSpeed universal "
-                   "checkpoint (load_universal), from a checkpoint converted from DeepSpeed.")
-@click.option("--dtype", default=None, type=click.Choice(["bf16", "fp16", "fp32"]),
+@click.option("--format", "fmt", default="hf", show_default=True, type=click.Choice(list(ckptkit.EXPORT_FORMATS)),
+              help="; ".join(f"{f.name}: {f.help}" for f in ckptkit.EXPORT_FORMATS.values()) + ".")
+@click.option("--dtype", default=None, type=click.Choice(_offered(lambda f: f.dtypes)),
               help="Output dtype. hf: default bf16; dcp: default the saved dtype; zarr, deepspeed: always the saved dtype.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="hf: largest output file (5GB, 500MB, 2GiB, bytes).")
 @click.option("--include-optimizer", is_flag=True, help="dcp, megatron: also export the optimizer state (zarr and deepspeed always have it).")
@@ -103,7 +108,7 @@ def _latest_note(report: ckptkit.ReshardReport, no_latest: bool) -> str:
               help="megatron: the pipeline-parallel size the layout must allow.")
 @click.option("--ep", default=1, show_default=True, type=click.IntRange(min=1),
               help="megatron: the expert-parallel size the layout must allow (a mixture of experts; the files are the same at any).")
-@click.option("--dcp-form", "dcp_form", default=None, type=click.Choice(["fsdp2", "plain"]),
+@click.option("--dcp-form", "dcp_form", default=None, type=click.Choice(_offered(lambda f: f.forms)),
               help="dcp: fsdp2 (the default for the reference trainer's checkpoints): the state dict FSDP2's get_state_dict "
                    "gives for its model, which an FSDP2 job at any world size loads with dcp.load + set_state_dict; plain "
                    "(the default for any other): the checkpoint's own tensor names, for dcp.load into a plain state dict.")
@@ -121,18 +126,10 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
         size = parse_size(max_shard_size)
     except CkptkitError as exc:
         usage(f"--max-shard-size: {exc}")
-    if fmt == "zarr" and dtype is not None:
-        usage("--dtype: the zarr form keeps every tensor in its saved dtype")
-    if fmt == "deepspeed" and dtype is not None:
-        usage("--dtype: the deepspeed format keeps the fp32 masters and moments, and the module in its saved dtype")
-    if fmt == "hf" and include_optimizer:
-        usage("--include-optimizer: the hf format holds model weights only (use --format dcp, megatron or zarr)")
-    if fmt not in ("hf", "megatron") and layout_file is not None:
-        usage("--layout: names the model for --format hf and megatron; dcp, zarr and deepspeed keep the checkpoint's names")
-    if fmt != "megatron" and (tp, pp, ep) != (1, 1, 1):
-        usage("--tp/--pp/--ep: set the pieces of --format megatron; the other formats hold whole tensors")
-    if fmt != "dcp" and dcp_form is not None:
-        usage("--dcp-form: chooses the form of --format dcp; the other formats have one form")
+    problem = ckptkit.EXPORT_FORMATS[fmt].options_problem(dtype=dtype, include_optimizer=include_optimizer,
+                                                           layout=layout_file is not None, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form)
+    if problem:
+        usage(problem)
     from ..layouts import load_layout
 
     layout = load_layout(layout_file) if layout_file is not None else None
