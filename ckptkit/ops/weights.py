@@ -62,7 +62,9 @@ def load_weights(
     names are that layout's: the checkpoint's model (its recorded layout, or its
     ``info.model``) must be the same model, every tensor of the same shape, none left over,
     its names mapped when its layout is another (``hf-llama`` into ``llama``). A float
-    tensor saved in another float dtype (bf16 weights into fp32 buffers) is cast.
+    tensor saved in another float dtype (bf16 weights into fp32 buffers) is read into a buffer
+    of its saved dtype on the parameter's device, then cast; such buffers hold at most about
+    STAGED_BYTES (1 GiB) at a time.
     Collective use: every rank calls it with its own boxes.
 
     Returns:
@@ -90,19 +92,36 @@ def load_weights(
         entry = manifest.tensors.get(f"model/{escape(names[name])}")
         saved = torch_dtype(entry.dtype) if entry is not None else None
         target[names[name]] = [_staged(box, saved, casts) for box in leaf_shards(leaf)]
-    checkpoint.load({"model": target})
-    for staged, dest in casts:
-        dest.copy_(staged)
+        if sum(staged.numel() * staged.element_size() for staged, _ in casts) >= STAGED_BYTES:
+            _load_cast(checkpoint, target, casts)
+            target, casts = {}, []
+    _load_cast(checkpoint, target, casts)
     return checkpoint
 
 
+# The most bytes held in buffers of the saved dtype before they are cast into the parameters
+# (once a tensor takes it past, the ones gathered so far are loaded and cast).
+STAGED_BYTES = 1 << 30
+
+
 def _staged(box: ShardedTensor, saved: torch.dtype | None, casts: list[tuple[torch.Tensor, torch.Tensor]]) -> ShardedTensor:
-    """The box itself, or a buffer in the saved float dtype to cast from after the load."""
+    """The box itself, or a buffer in the saved float dtype, on the box's device, to cast from
+    after the load."""
     if saved is None or saved == box.local.dtype or not (saved.is_floating_point and box.local.dtype.is_floating_point):
         return box
-    staged = torch.empty(tuple(box.local.shape), dtype=saved)
+    staged = torch.empty(tuple(box.local.shape), dtype=saved, device=box.local.device)
     casts.append((staged, box.local))
     return ShardedTensor(staged, box.global_shape, box.global_offsets)
+
+
+def _load_cast(checkpoint: Checkpoint, target: dict[str, list[ShardedTensor]], casts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Load `target`'s boxes, then cast the staged ones into their parameters."""
+    if not target:
+        return
+    checkpoint.load({"model": target})
+    with torch.no_grad():  # a parameter is a leaf that requires grad
+        for staged, dest in casts:
+            dest.copy_(staged)
 
 
 def _check_model(manifest: Manifest, layout: Layout, names: Mapping[str, str], where: str) -> None:

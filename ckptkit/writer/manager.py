@@ -341,7 +341,7 @@ class CheckpointManager:
         if choice.kind == "device":
             try:
                 return copy_to_device(self._side_streams, self._device_buffers, copies), choice
-            except torch.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError from torch 2.5 on
                 self._device_buffers.clear()
                 failed = f"the GPU ran out of memory allocating {choice.cuda_bytes / 1e9:.2f} GB of buffers"
                 if self.snapshot == "device":

@@ -321,7 +321,7 @@ def copy_to_device(streams: SideStreams, pool: BufferPool, copies: list[tuple[Ke
     caching allocator ties it to that stream, and before any copy is enqueued.
 
     Raises:
-        torch.OutOfMemoryError: a GPU buffer could not be allocated (no copy was enqueued).
+        torch.cuda.OutOfMemoryError: a GPU buffer could not be allocated (no copy was enqueued).
     """
     buffers: dict[Key, torch.Tensor] = {}
     for device, group in by_device(copies, lambda c: c[2].device).items():

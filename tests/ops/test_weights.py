@@ -67,3 +67,21 @@ def test_without_a_layout_names_are_the_checkpoints(tmp_path: Path) -> None:
     w = torch.empty(2, 3, dtype=torch.float64)
     ckptkit.load_weights(tmp_path / "c", {"w": w})
     assert torch.equal(w, torch.arange(6.0, dtype=torch.float64).reshape(2, 3))
+
+
+def test_weights_saved_in_another_float_dtype_are_cast_into_parameters_a_batch_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    saved = {f"w{i}": torch.randn(4, 8, generator=g).to(torch.bfloat16) for i in range(5)}
+    ckptkit.save({"model": saved}, tmp_path / "c", step=1)
+    loads = []
+    real = ckptkit.Checkpoint.load
+    monkeypatch.setattr(ckptkit.Checkpoint, "load", lambda self, target, **kw: loads.append(sorted(target["model"])) or real(self, target, **kw))
+    monkeypatch.setattr("ckptkit.ops.weights.STAGED_BYTES", 2 * 4 * 8 * 2)  # two bf16 tensors' bytes
+    params = {name: torch.nn.Parameter(torch.zeros(4, 8)) for name in saved}
+    ckptkit.load_weights(tmp_path / "c", params)
+    assert loads == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    for name, param in params.items():
+        assert torch.equal(param.detach(), saved[name].float()), name
+        assert param.is_leaf and param.requires_grad and param.dtype == torch.float32
