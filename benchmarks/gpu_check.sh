@@ -2,14 +2,18 @@
 # The GPU check, in one run on a machine with torch+CUDA: the tests marked gpu, then the GPU
 # benchmark with a small state, then with the full one. Outputs go under $OUT (default
 # bench-out/gpu-check): pytest.log, small.txt, small/gpu-results.json, full.txt,
-# full/gpu-results.json, status.txt (each stage's exit status and wall time), import.log: seven
-# files, no log over 4 MiB (a longer one keeps its last 4 MiB; the JSON files are a few KB), so
+# full/gpu-results.json, status.txt (each stage's exit status and wall time), import.log: at most
+# seven files (those of the stages run), no log over 4 MiB (a longer one keeps its last 4 MiB; the JSON files are a few KB), so
 # that all of them come back from a device run. Exit status: 0 when every stage passed, 1 when
 # one failed, 2 without a CUDA device (nothing run).
 #
 # The GPU machine has torch but not all of ckptkit's dependencies, and no package index:
 #   here, once:   benchmarks/gpu_check.sh --fetch-wheels   (downloads them into .whl/, git-ignored)
 #   there:        bash benchmarks/gpu_check.sh             (with .whl carried beside the tree)
+# Stages: `bash benchmarks/gpu_check.sh [tests] [small] [full]` runs those named (none: all
+# three, about 570 s at their limits). A device run has 600 s a command and about 900 s in all,
+# start included: run `tests small` (at most about 250 s) in one command and `full` in another,
+# so that a failed first one leaves time to run it again.
 # Settings (environment): PYTHON (python3), OUT, WHEELS (.whl), WORK (scratch for checkpoints,
 # /tmp/ckptkit-gpu-work), TESTS_S, SMALL_S, FULL_S (time limits of the stages: 120, 120, 300; 540 s in all, inside a
 # device run's 600 s), FULL_ARGS (--repeats 2 --skip-dcp).
@@ -49,6 +53,13 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
     fetch_wheels
     exit $?
 fi
+STAGES=${*:-all}
+for name in $STAGES; do
+    case $name in
+        all | tests | small | full) ;;
+        *) echo "gpu_check: unknown stage '$name' (the stages are tests, small and full; none: all three)"; exit 2 ;;
+    esac
+done
 
 mkdir -p "$OUT"
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
@@ -91,11 +102,18 @@ shrink() {  # shrink FILE: keep the last 4 MiB of a longer file (a device run re
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$OUT/status.txt" 2>&1
 # The test files with gpu tests, so that no other file's missing dependency stops the collection.
 mapfile -t gpu_tests < <(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include='*.py' | sort)
-stage "pytest -m gpu" "${TESTS_S:-120}" "$OUT/pytest.log" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider --tb=short "${gpu_tests[@]}"
+wants() { [ "$STAGES" = all ] || [[ " $STAGES " == *" $1 "* ]]; }
+if wants tests; then
+    stage "pytest -m gpu" "${TESTS_S:-120}" "$OUT/pytest.log" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider --tb=short "${gpu_tests[@]}"
+fi
 rm -rf "$WORK"
-stage "benchmark --small" "${SMALL_S:-120}" "$OUT/small.txt" "$PYTHON" benchmarks/gpu.py --small --repeats 3 --out "$OUT/small" --work "$WORK/small"
+if wants small; then
+    stage "benchmark --small" "${SMALL_S:-120}" "$OUT/small.txt" "$PYTHON" benchmarks/gpu.py --small --repeats 3 --out "$OUT/small" --work "$WORK/small"
+fi
 rm -rf "$WORK"
-# shellcheck disable=SC2086
-stage "benchmark (full)" "${FULL_S:-300}" "$OUT/full.txt" "$PYTHON" benchmarks/gpu.py ${FULL_ARGS:---repeats 2 --skip-dcp} --out "$OUT/full" --work "$WORK/full"
+if wants full; then
+    # shellcheck disable=SC2086
+    stage "benchmark (full)" "${FULL_S:-300}" "$OUT/full.txt" "$PYTHON" benchmarks/gpu.py ${FULL_ARGS:---repeats 2 --skip-dcp} --out "$OUT/full" --work "$WORK/full"
+fi
 rm -rf "$WORK"
 exit $failed

@@ -3,7 +3,7 @@
 - A *step* is a fixed run of bf16 matrix products on the current stream, about `--step-ms`
   long: the training's compute. `normal` is its median time alone.
 - A save's *stall* is the time from calling the save to the end of the next step (the host
-  synchronized before and after), minus `normal`: what the save costs the training, whether it
+  synchronized with the current stream before and after), minus `normal`: what the save costs the training, whether it
   blocks the host or makes the current stream wait. DCP's stagers that return before staging
   ends are waited for (``staging_completion``) before the step, since the state may not change
   until then.
@@ -51,10 +51,14 @@ class Step:
 
 
 def timed(fn: Callable[[], Any]) -> float:
-    torch.cuda.synchronize()
+    """The time of `fn` and of the work it queued on the current stream. Only the current stream
+    is waited for: a save's work on other streams (a device snapshot's drain to the host, on the
+    side stream) is not the training's time, and the steps that overlap it count as slowed."""
+    stream = torch.cuda.current_stream()
+    stream.synchronize()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    stream.synchronize()
     return time.perf_counter() - start
 
 
@@ -73,11 +77,12 @@ def normal_step_s(step: Step, repeats: int = 5) -> float:
 
 
 def _stall(save: Callable[[], Any], step: Step, normal: float) -> tuple[float, Any]:
-    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()  # as in `timed`: the training's stream alone
+    stream.synchronize()
     start = time.perf_counter()
     result = save()
     step.run()
-    torch.cuda.synchronize()
+    stream.synchronize()
     return time.perf_counter() - start - normal, result
 
 

@@ -106,3 +106,40 @@ def test_a_failing_run_still_writes_what_it_measured(tmp_path: Path, monkeypatch
         gpu.main(["--out", str(out), "--work", str(tmp_path / "work")])
     written = json.loads((out / "gpu-results.json").read_text())
     assert written == {"copy_host": {"seconds": 0.3}, "error": "RuntimeError: CUDA error: out of memory"}
+
+
+_STOPPED_RUN = """
+import sys, time
+from benchmarks import gpu
+
+def run(args, say, results):
+    results["copy_host"] = {"seconds": 0.3}
+    say("[gpu] measured one")
+    time.sleep(60)
+
+gpu.cuda_problem = lambda: None
+gpu.run = run
+sys.exit(gpu.main(["--out", sys.argv[1], "--work", sys.argv[2]]))
+"""
+
+
+def test_a_run_stopped_by_sigterm_exits_143_keeping_what_it_measured(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", _STOPPED_RUN, str(out), str(tmp_path / "work")], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    assert proc.stderr.readline() == "[gpu] measured one\n"  # written, then said, once measured
+    assert json.loads((out / "gpu-results.json").read_text()) == {"copy_host": {"seconds": 0.3}}
+    proc.terminate()  # what a stage's time limit sends
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=30) == 143, rest
+    assert json.loads((out / "gpu-results.json").read_text()) == {"copy_host": {"seconds": 0.3}, "error": "SystemExit: 143"}
+
+
+def test_the_check_script_refuses_an_unknown_stage_in_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "tests", "big"], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout.splitlines() == ["gpu_check: unknown stage 'big' (the stages are tests, small and full; none: all three)"]
+    assert not (tmp_path / "out").exists()
