@@ -12,6 +12,7 @@ client state the load returned. Used by ``tests/test_export_deepspeed.py``.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import warnings
@@ -51,6 +52,12 @@ def job(rank: int, world: int, path: str, stage: int, universal: bool, out: str,
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    ds_comm = importlib.import_module("deepspeed.comm.torch")  # not `import ... as`: deepspeed.comm.torch is also torch
+
+    # On its CPU accelerator DeepSpeed JIT-builds a shared-memory all-reduce at init (g++, over a
+    # minute on 2 cores, in every fresh environment); gloo's all-reduce makes the same sums, and
+    # what is tested here (the checkpoint load and the step after it) does not depend on which.
+    ds_comm.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     try:
         fx = fixture_module()
