@@ -105,6 +105,15 @@ def test_cuda_parameters_are_loaded_into_and_stay_leaves(tmp_path: Path) -> None
         assert param.is_leaf and param.requires_grad and param.grad_fn is None
 
 
+def test_weights_saved_in_bf16_are_cast_on_the_gpu_into_fp32_cuda_parameters(tmp_path: Path) -> None:
+    saved = torch.randn(96, 80).to(torch.bfloat16)
+    ckptkit.save({"model": {"weight": saved}}, tmp_path / "ck", step=1)
+    model = torch.nn.Linear(80, 96, bias=False, device="cuda")
+    ckptkit.load_weights(tmp_path / "ck", dict(model.named_parameters()))
+    assert model.weight.dtype == torch.float32 and model.weight.is_leaf and model.weight.requires_grad
+    assert _bits(model.weight) == _bits(saved.float())
+
+
 def test_a_load_waits_for_work_queued_on_the_callers_stream(tmp_path: Path) -> None:
     g = torch.randn(2048, 2048)
     ckptkit.save({"model": {"w": g}}, tmp_path / "ck", step=1)
