@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,15 +19,13 @@ pytestmark = pytest.mark.slow
 
 TRIALS = 24
 
-_CHILD = r"""
-import sys, torch, ckptkit
-root, first = sys.argv[1], int(sys.argv[2])
-print("ready", flush=True)
-for step in range(first, first + 1000):
-    g = torch.Generator().manual_seed(step)
-    state = {"model": {f"w{i}": torch.randn(64, 1024, generator=g) for i in range(6)}, "meta": {"step": step}}
-    ckptkit.save(state, f"{root}/step_{step:04d}", step=step, max_file_bytes=600_000)
-"""
+
+def _save_forever(root: str, first: int, ready: Any) -> None:
+    """The process killed: saves steps from `first` on, each as the one `_expected` gives."""
+    ready.set()
+    for step in range(first, first + 1000):
+        state = {"model": _expected(step), "meta": {"step": step}}
+        ckptkit.save(state, f"{root}/step_{step:04d}", step=step, max_file_bytes=600_000)
 
 
 def _expected(step: int) -> dict[str, torch.Tensor]:
@@ -35,13 +33,22 @@ def _expected(step: int) -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.randn(64, 1024, generator=g) for i in range(6)}
 
 
+# The saving processes are forked from a server that imported torch and ckptkit once, so that
+# a trial does not pay an interpreter's start; each is still a process of its own, SIGKILLed.
+_PROCESSES = multiprocessing.get_context("forkserver")
+_PROCESSES.set_forkserver_preload(["torch", "ckptkit", __name__])
+
+
 def _kill_at_random(root: Path, first_step: int, delay: float) -> None:
-    cmd = [sys.executable, "-c", _CHILD, str(root), str(first_step)]
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    ready = _PROCESSES.Event()
+    child = _PROCESSES.Process(target=_save_forever, args=(str(root), first_step, ready))
+    child.start()
+    assert ready.wait(60), "the saving process did not start"
     time.sleep(delay)
+    assert child.pid is not None
     os.kill(child.pid, signal.SIGKILL)
-    child.wait()
+    child.join()
+    assert child.exitcode == -signal.SIGKILL
 
 
 def _check(root: Path, names: set[str]) -> None:
