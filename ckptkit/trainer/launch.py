@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -22,7 +23,7 @@ def free_port() -> int:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> None:
-    """Run ``fn(rank, world_size, *args)`` in `world_size` spawned processes joined in one process group.
+    """Run ``fn(rank, world_size, *args)`` in `world_size` processes joined in one process group.
 
     `fn` must be importable (a module-level function).
 
@@ -42,11 +43,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)
+    # The ranks are forked from a server process that imported torch and `fn`'s module once (not
+    # an interpreter started and torch imported per rank, seconds each); the server has not
+    # touched CUDA, so each rank initialises its own. A rank takes the caller's environment as
+    # it is now (the server's is the one it started with).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", fn.__module__])
     with tempfile.TemporaryDirectory(prefix="ckptkit-ranks-") as errors:
         try:
             mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-                _entry, args=(fn, world_size, port, backend, errors, args), nprocs=world_size, join=True,
-                start_method="spawn",
+                _entry, args=(fn, world_size, port, backend, errors, dict(os.environ), args), nprocs=world_size,
+                join=True, start_method="forkserver",
             )
         except (ProcessRaisedException, ProcessExitedException) as exc:
             raise CkptkitError(_first_failure(errors) or f"rank {exc.error_index} failed") from exc
@@ -68,8 +75,11 @@ def _first_failure(directory: str) -> str:
 
 
 def _entry(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, errors: str, args: tuple[Any, ...]
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, errors: str, environ: dict[str, str],
+    args: tuple[Any, ...],
 ) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
