@@ -3,20 +3,20 @@
 # benchmark with a small state, then with the full one. Outputs go under $OUT (default
 # bench-out/gpu-check): pytest.log, small.txt, small/gpu-results.json, full.txt,
 # full/gpu-results.json, status.txt (each stage's exit status and wall time), import.log: at most
-# seven files (those of the stages run), no log over 4 MiB (a longer one keeps its last 4 MiB; the JSON files are a few KB), so
-# that all of them come back from a device run. Exit status: 0 when every stage passed, 1 when
+# seven files (those of the stages run), no log over 4 MiB (a longer one keeps its last 4 MiB;
+# the JSON files are a few KB), small enough to copy back from a remote machine. Exit status: 0 when every stage passed, 1 when
 # one failed, 2 without a CUDA device (nothing run).
 #
 # The GPU machine has torch but not all of ckptkit's dependencies, and no package index:
 #   here, once:   benchmarks/gpu_check.sh --fetch-wheels   (downloads them into .whl/, git-ignored)
 #   there:        bash benchmarks/gpu_check.sh             (with .whl carried beside the tree)
 # Stages: `bash benchmarks/gpu_check.sh [tests] [small] [full]` runs those named (none: all
-# three, about 570 s at their limits). A device run has 600 s a command and about 900 s in all,
-# start included: run `tests small` (at most about 250 s) in one command and `full` in another,
-# so that a failed first one leaves time to run it again.
+# three, about 570 s at their limits). Where GPU time is short, run `tests small` (at most
+# about 250 s) in one command and `full` in another, so that a failed first one leaves time to
+# run it again.
 # Settings (environment): PYTHON (python3), OUT, WHEELS (.whl), WORK (scratch for checkpoints,
-# /tmp/ckptkit-gpu-work), TESTS_S, SMALL_S, FULL_S (time limits of the stages: 120, 120, 300; 540 s in all, inside a
-# device run's 600 s), FULL_ARGS (--repeats 2 --skip-dcp).
+# /tmp/ckptkit-gpu-work), TESTS_S, SMALL_S, FULL_S (time limits of the stages: 120, 120, 300; 540 s in all, under
+# ten minutes), FULL_ARGS (--repeats 2 --skip-dcp).
 # The full stage measures 3 saves per snapshot kind and 2 cold reads and loads of the ~7.5 GB
 # state, and leaves DCP out: with DCP (12 more saves of 7.5 GB) and 3 repeats it needs well over
 # 300 s. DCP is compared in the small stage; for DCP at the full size, run
@@ -92,7 +92,7 @@ stage() {  # stage NAME LIMIT_S LOG COMMAND...: run one stage, record its status
     [ $rc = 0 ] || failed=1
     shrink "$log"
 }
-shrink() {  # shrink FILE: keep the last 4 MiB of a longer file (a device run returns files of at most 16 MiB)
+shrink() {  # shrink FILE: keep the last 4 MiB of a longer file (remote runs may copy back only small files)
     local size
     size=$(wc -c <"$1" 2>/dev/null) || return 0
     [ "$size" -le $((4 << 20)) ] && return 0
