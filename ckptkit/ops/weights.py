@@ -26,6 +26,10 @@ from ..state.tree import escape
 from ..storage import Storage
 from .load import Checkpoint, open
 
+# The most bytes held in buffers of the saved dtype before they are cast into the parameters
+# (once a tensor takes it past, the ones gathered so far are loaded and cast).
+STAGED_BYTES = 1 << 30
+
 # The source layouts each target layout can take parameters from under other names: target
 # name -> source name (both without the ``model/`` prefix; None: the target name has none).
 RENAMES = {("hf-llama", "llama"): hf_name}
@@ -88,20 +92,18 @@ def load_weights(
             raise LayoutError(f"{len(stray)} parameter(s) are not tensors of the layout {layout.name!r}: " + summarize(stray))
     target: dict[str, list[ShardedTensor]] = {}
     casts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    staged = 0  # bytes of the buffers in `casts`
     for name, leaf in params.items():
         entry = manifest.tensors.get(f"model/{escape(names[name])}")
         saved = torch_dtype(entry.dtype) if entry is not None else None
+        held = len(casts)
         target[names[name]] = [_staged(box, saved, casts) for box in leaf_shards(leaf)]
-        if sum(staged.numel() * staged.element_size() for staged, _ in casts) >= STAGED_BYTES:
+        staged += sum(buf.numel() * buf.element_size() for buf, _ in casts[held:])
+        if staged >= STAGED_BYTES:
             _load_cast(checkpoint, target, casts)
-            target, casts = {}, []
+            target, casts, staged = {}, [], 0
     _load_cast(checkpoint, target, casts)
     return checkpoint
-
-
-# The most bytes held in buffers of the saved dtype before they are cast into the parameters
-# (once a tensor takes it past, the ones gathered so far are loaded and cast).
-STAGED_BYTES = 1 << 30
 
 
 def _staged(box: ShardedTensor, saved: torch.dtype | None, casts: list[tuple[torch.Tensor, torch.Tensor]]) -> ShardedTensor:
