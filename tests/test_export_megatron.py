@@ -182,18 +182,24 @@ def test_the_llama_in_megatron_files_converts_back_to_every_original_tensor(tmp_
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def megatron_qkv(state: dict[str, torch.Tensor], prefix: str, c: dict[str, Any]) -> torch.Tensor:
+    """Layer `prefix`'s q, k and v of the reference Llama as Megatron fuses them, written out
+    here: per query group, its queries, then its key, then its value."""
+    hd, per = c["hidden_size"] // c["num_heads"], c["num_heads"] // c["num_kv_heads"]
+    q, k, v = (state[prefix + f"attn.{n}.weight"] for n in "qkv")
+    return torch.cat([t for g in range(c["num_kv_heads"]) for t in (q[g * per * hd:(g + 1) * per * hd], k[g * hd:(g + 1) * hd],
+                                                                   v[g * hd:(g + 1) * hd])])
+
+
 def _as_megatron(state: dict[str, torch.Tensor], c: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The reference Llama's tensors of one state (parameters or a moment) under Megatron's keys,
     layers stacked, q, k, v interleaved per query group and gate, up stacked, written out here."""
-    hd, per = c["hidden_size"] // c["num_heads"], c["num_heads"] // c["num_kv_heads"]
     out = {"embedding.word_embeddings.weight": state["embed.weight"], "decoder.final_layernorm.weight": state["norm.weight"],
            "output_layer.weight": state["lm_head.weight"]}
     layers: dict[str, list[torch.Tensor]] = {}
     for i in range(c["num_layers"]):
         p = f"layers.{i}."
-        q, k, v = (state[p + f"attn.{n}.weight"] for n in "qkv")
-        qkv = torch.cat([t for g in range(c["num_kv_heads"]) for t in (q[g * per * hd:(g + 1) * per * hd], k[g * hd:(g + 1) * hd],
-                                                                      v[g * hd:(g + 1) * hd])])
+        qkv = megatron_qkv(state, p, c)
         for key, value in (("self_attention.linear_qkv.layer_norm_weight", state[p + "attn_norm.weight"]),
                            ("self_attention.linear_qkv.weight", qkv), ("self_attention.linear_proj.weight", state[p + "attn.o.weight"]),
                            ("mlp.linear_fc1.layer_norm_weight", state[p + "mlp_norm.weight"]),

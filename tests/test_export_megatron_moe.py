@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 import ckptkit
 
 from .converters.checks import assert_nothing_written, one_line_error
+from .test_export_megatron import megatron_qkv
 from .trainer.runs import trainer_logits
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -155,16 +156,14 @@ def _as_megatron_moe(state: dict[str, torch.Tensor], c: dict[str, Any]) -> dict[
     """The mixture of experts' tensors of one state (parameters or a moment) under Megatron's keys,
     written out here: layers stacked, q, k, v interleaved per query group, the router stacked by
     layer, each expert's [gate; up] and down stacked on the (layer, expert) axes."""
-    hd, per, n = c["hidden_size"] // c["num_heads"], c["num_heads"] // c["num_kv_heads"], c["num_experts"]
+    n = c["num_experts"]
     out = {"embedding.word_embeddings.weight": state["embed.weight"], "decoder.final_layernorm.weight": state["norm.weight"]}
     if not c["tie_embeddings"]:
         out["output_layer.weight"] = state["lm_head.weight"]
     layers: dict[str, list[torch.Tensor]] = {}
     for i in range(c["num_layers"]):
         p = f"layers.{i}."
-        q, k, v = (state[p + f"attn.{x}.weight"] for x in "qkv")
-        qkv = torch.cat([t for g in range(c["num_kv_heads"]) for t in (q[g * per * hd:(g + 1) * per * hd], k[g * hd:(g + 1) * hd],
-                                                                      v[g * hd:(g + 1) * hd])])
+        qkv = megatron_qkv(state, p, c)
         x = [f"{p}mlp.experts.{e}." for e in range(n)]
         for key, value in (("self_attention.linear_qkv.layer_norm_weight", state[p + "attn_norm.weight"]),
                            ("self_attention.linear_qkv.weight", qkv), ("self_attention.linear_proj.weight", state[p + "attn.o.weight"]),
