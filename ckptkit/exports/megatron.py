@@ -157,7 +157,7 @@ def plan_entries(source: Source, layout: Layout, sources: Sources, tp: int, out_
     """
     tensors = source.manifest.tensors
     params = {part.name: (param, layer, expert) for unit in layout.units
-              for layer in (range(layout.num_layers) if unit.place == "layers" else (None,))
+              for layer in layout.unit_layers(unit)
               for expert in (range(unit.experts) if unit.experts else (None,))
               for param in unit.params for part in local_param(param, layer, 1, 0, expert).parts}
     shapes = layout.tensors()

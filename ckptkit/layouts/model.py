@@ -3,7 +3,10 @@ on a mesh, as plain JSON (schema ``ckptkit-layout`` 1.x), with its checks (pure)
 
 A layout lists the model's units (the modules whose parameters ZeRO flattens together) in
 pipeline order. A unit is placed on the first stage, the last stage, or repeated once per
-layer (``{layer}`` in its names becomes the layer index; stages hold equal runs of layers).
+layer (``{layer}`` in its names becomes the layer index; stages hold equal runs of layers), or
+on the layers it lists (``layers``: a model whose first layers are dense and the others a
+mixture of experts has a unit of each kind; units of one name on disjoint layers are one
+module's two forms).
 A unit's parameters are what one TP rank holds locally: each is made of parts, each part a
 logical tensor or a partition of one along the TP dim, fused along that dim in order; TP
 cuts every part evenly (or, with ``groups``, in groups interleaved part by part, as Megatron
@@ -30,7 +33,7 @@ from ..errors import LayoutError
 
 FORMAT = "ckptkit-layout"
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = "1.1"  # 1.1: expert units (experts, {expert})
+SCHEMA_VERSION = "1.2"  # 1.1: expert units (experts, {expert}); 1.2: per-layer units on some layers (layers)
 LAYER = "{layer}"
 EXPERT = "{expert}"
 Axis = Literal["tp", "cp", "dp", "pp"]
@@ -73,6 +76,7 @@ class Unit(_Model):
     place: Literal["first", "layers", "last"]
     params: tuple[Param, ...] = Field(min_length=1)
     experts: int | None = Field(default=None, ge=1)  # an expert unit: its params once per expert, cut over EP
+    layers: tuple[int, ...] | None = None  # a per-layer unit on these layers only (None: every layer)
 
 
 class StateGroup(_Model):
@@ -130,12 +134,18 @@ class Layout(_Model):
         """Every logical tensor (without a state prefix) with its global shape, layers expanded."""
         out: dict[str, tuple[int, ...]] = {}
         for unit in self.units:
-            for layer in range(self.num_layers) if unit.place == "layers" else (None,):
+            for layer in self.unit_layers(unit):
                 for expert in range(unit.experts) if unit.experts else (None,):
                     for param in unit.params:
                         for part in param.parts:
                             out[expand(part.tensor, layer, expert)] = part.shape
         return out
+
+    def unit_layers(self, unit: Unit) -> tuple[int | None, ...]:
+        """The layers `unit` repeats on, in order; ``(None,)`` for a first or last unit."""
+        if unit.place != "layers":
+            return (None,)
+        return unit.layers if unit.layers is not None else tuple(range(self.num_layers))
 
     @property
     def experts(self) -> int:
@@ -205,10 +215,11 @@ def _semantic_problems(layout: Layout) -> list[str]:
     counts = sorted({u.experts for u in layout.units if u.experts is not None})
     if len(counts) > 1:
         problems.append(f"expert units hold different numbers of experts ({', '.join(map(str, counts))}); they must hold the same")
-    cover: dict[str, list[tuple[int, int, int, tuple[int, ...]]]] = defaultdict(list)
-    seen_params: set[tuple[str, str]] = set()
+    cover: dict[tuple[str, int | None], list[tuple[int, int, int, tuple[int, ...]]]] = defaultdict(list)
+    seen_params: set[tuple[str, str, int | None]] = set()
     for unit in layout.units:
         in_layers = unit.place == "layers"
+        problems += _layers_problems(unit, layout.num_layers)
         if in_layers != (LAYER in unit.name):
             problems.append(f"unit {unit.name!r}: " + ("a per-layer unit's name must contain {layer}" if in_layers
                                                        else "only per-layer units (place 'layers') may use {layer}"))
@@ -216,21 +227,39 @@ def _semantic_problems(layout: Layout) -> list[str]:
             problems.append(f"unit {unit.name!r}: only per-layer units (place 'layers') may hold experts")
         for param in unit.params:
             where = f"unit {unit.name!r} param {param.name!r}"
-            if (unit.name, param.name) in seen_params:
+            keys = {(unit.name, param.name, layer) for layer in layout.unit_layers(unit)}
+            if keys & seen_params:
                 problems.append(f"{where}: listed twice")
-            seen_params.add((unit.name, param.name))
+            seen_params |= keys
             for part in param.parts:
                 if (EXPERT in part.tensor) != (unit.experts is not None):
                     problems.append(f"{where}: tensor {part.tensor!r} " + (
                         "must contain {expert} (its unit holds experts)" if unit.experts is not None
                         else "may not use {expert} (only expert units hold experts)"))
-            problems += _param_problems(where, param, in_layers, cover)
-    for tensor, spans in cover.items():
+            problems += _param_problems(where, param, in_layers, cover, layout.unit_layers(unit) or (None,))
+    for (tensor, _), spans in cover.items():
         problems += _cover_problems(tensor, spans)
+    return sorted(set(problems), key=problems.index)  # a template's problem once, not once per layer
     return problems
 
 
-def _param_problems(where: str, param: Param, in_layers: bool, cover: dict[str, list[Any]]) -> list[str]:
+def _layers_problems(unit: Unit, num_layers: int) -> list[str]:
+    """A unit's ``layers``: only on a per-layer unit, in order, each once, each a layer of the model."""
+    if unit.layers is None:
+        return []
+    if unit.place != "layers":
+        return [f"unit {unit.name!r}: only per-layer units (place 'layers') may list layers"]
+    if list(unit.layers) != sorted(set(unit.layers)):
+        return [f"unit {unit.name!r}: its layers {list(unit.layers)} must be in increasing order, each once"]
+    outside = [i for i in unit.layers if not 0 <= i < num_layers]
+    if outside:
+        return [f"unit {unit.name!r}: layers {outside} are not layers of the model's {num_layers}"]
+    return []
+
+
+def _param_problems(
+    where: str, param: Param, in_layers: bool, cover: dict[tuple[str, int | None], list[Any]], layers: tuple[int | None, ...]
+) -> list[str]:
     problems = []
     dim = param.tp.dim if param.tp is not None else 0
     if param.tp is not None and param.tp.groups is not None and param.tp.pad_multiple is not None:
@@ -257,7 +286,8 @@ def _param_problems(where: str, param: Param, in_layers: bool, cover: dict[str, 
         if groups is not None and length % groups:
             problems.append(f"{where}: {length} along dim {dim} of {part.tensor!r} is not divisible by its {groups} groups")
         others.add(tuple(n for d, n in enumerate(part.shape) if d != dim))
-        cover[part.tensor].append((part.start, length, dim, part.shape))
+        for layer in layers:  # per layer: units of one name on disjoint layers describe a tensor each
+            cover[(part.tensor, layer)].append((part.start, length, dim, part.shape))
     if len(others) > 1:
         problems.append(f"{where}: fused parts differ outside dim {dim}: {sorted(list(o) for o in others)}")
     return problems

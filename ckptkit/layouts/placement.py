@@ -177,8 +177,8 @@ def _stage(layout: Layout, tp: int, tp_rank: int, pp: int, pp_rank: int, ep: int
         return bool(u.experts) or not experts_only
 
     out = [unit(u, None) for u in layout.units if u.place == "first" and pp_rank == 0 and wanted(u)]
-    layer_units = [u for u in layout.units if u.place == "layers" and wanted(u)]
-    out += [unit(u, layer) for layer in stage_layers(layout, pp, pp_rank) for u in layer_units]
+    layer_units = [(u, set(layout.unit_layers(u))) for u in layout.units if u.place == "layers" and wanted(u)]
+    out += [unit(u, layer) for layer in stage_layers(layout, pp, pp_rank) for u, on in layer_units if layer in on]
     out += [unit(u, None) for u in layout.units if u.place == "last" and pp_rank == pp - 1 and wanted(u)]
     return out
 

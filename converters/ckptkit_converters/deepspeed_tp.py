@@ -39,7 +39,7 @@ def local_params(layout: Layout, tp: int, tp_rank: int) -> dict[str, ParamSpec]:
     give it: the parameter's name and its unit's name before it (layers expanded)."""
     out: dict[str, ParamSpec] = {}
     for unit in layout.units:
-        for layer in range(layout.num_layers) if unit.place == "layers" else (None,):
+        for layer in layout.unit_layers(unit):
             for param in unit.params:
                 spec = local_param(param, layer, tp, tp_rank)
                 out.setdefault(expand(param.name, layer), spec)

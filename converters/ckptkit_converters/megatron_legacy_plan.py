@@ -67,7 +67,7 @@ def layout_index(layout: Layout) -> dict[str, tuple[Param, int | None]]:
     """The layout's parameters by their module name (``decoder.layers.1.mlp.linear_fc1.weight``)."""
     out: dict[str, tuple[Param, int | None]] = {}
     for unit in layout.units:
-        for layer in range(layout.num_layers) if unit.place == "layers" else (None,):
+        for layer in layout.unit_layers(unit):
             for param in unit.params:
                 out[f"{expand(unit.name, layer)}.{param.name}"] = (param, layer)
     return out

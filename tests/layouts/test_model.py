@@ -50,11 +50,27 @@ def test_every_mistake_is_listed_once() -> None:
     (lambda d: d["units"][1]["params"].append(d["units"][1]["params"][0]),
      "unit 'layers.{layer}' param 'attn_norm.weight': listed twice"),
     (lambda d: d.update(zero={"flatten": "rows"}), "zero.flatten: Input should be 'unit', 'stage' or 'param'"),
+    (lambda d: d["units"][0].update(layers=[0]), "unit 'embed': only per-layer units (place 'layers') may list layers"),
+    (lambda d: d["units"][1].update(layers=[2, 1]), "unit 'layers.{layer}': its layers [2, 1] must be in increasing order, each once"),
+    (lambda d: d["units"][1].update(layers=[3, 4, 7]), "unit 'layers.{layer}': layers [4, 7] are not layers of the model's 4"),
+    (lambda d: (d["units"][1].update(layers=[0, 1]), d["units"].insert(2, dict(d["units"][1], layers=[1, 2, 3]))),
+     "unit 'layers.{layer}' param 'attn_norm.weight': listed twice"),
 ])
 def test_each_kind_of_mistake_is_named(edit, problem: str) -> None:  # type: ignore[no-untyped-def]
     doc = reference_llama(LLAMA).to_json()
     edit(doc)
     assert problem in layout_problems(doc)
+
+
+def test_units_of_one_name_on_disjoint_layers_describe_one_module_each() -> None:
+    doc = reference_llama(LLAMA).to_json()
+    dense = dict(doc["units"][1], layers=[0, 1])
+    other = dict(doc["units"][1], layers=[2, 3], params=doc["units"][1]["params"][:3])  # attention only
+    doc["units"][1:2] = [dense, other]
+    layout = parse_layout(doc)
+    names = layout.tensors()
+    assert "layers.1.mlp.down.weight" in names and "layers.2.mlp.down.weight" not in names
+    assert "layers.3.attn.q.weight" in names and layout.unit_layers(layout.units[2]) == (2, 3)
 
 
 def test_not_json_is_one_problem() -> None:
