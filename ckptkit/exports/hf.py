@@ -154,13 +154,16 @@ def megatron_config_json(layout: Layout, dtype: str) -> dict[str, Any]:
     return {**config_json(model, dtype), "head_dim": int(c.get("kv_channels") or h // heads)}  # type: ignore[arg-type]
 
 
-# Layouts whose tensors are already under their Hugging Face names (``model/<name>``, as the
-# ``hf`` converter writes them): export renames nothing and writes back the carried config.json.
-PASSTHROUGH = ("hf-llama", "gpt2")
+def passthrough(layout: Layout) -> bool:
+    """Whether the layout's tensors are already under their Hugging Face names (``model/<name>``,
+    as the ``hf`` converter writes them: a Hugging Face view, ``hf-<model_type>``, or ``gpt2`` as
+    checkpoints converted before the views recorded it): export renames nothing and writes back
+    the carried config.json."""
+    return layout.name.startswith("hf-") or layout.name == "gpt2"
 
 
 def passthrough_map(tensors: Mapping[str, Any], expected: list[str]) -> dict[str, str]:
-    """Map every parameter (``model/<name>``) of a checkpoint in a `PASSTHROUGH` layout to its
+    """Map every parameter (``model/<name>``) of a checkpoint in a `passthrough` layout to its
     Hugging Face name, ``<name>`` unescaped.
 
     Raises:

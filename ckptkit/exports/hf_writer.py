@@ -33,7 +33,7 @@ def hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Layo
     manifest = source.manifest
     layout = layout or layout_for(manifest, where=str(source.loc))
     generation: dict[str, Any] | None = None
-    if layout.name in hf.PASSTHROUGH:
+    if hf.passthrough(layout):
         config = hf.carried_config(manifest.info, layout, str(source.loc), out_dtype)
         pieces: dict[str, hf.Piece] = {name: (fqn, None) for fqn, name in hf.passthrough_map(manifest.tensors, list(layout.tensors())).items()}
         carried = (manifest.info.config or {}).get("generation_config.json")

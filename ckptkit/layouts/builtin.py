@@ -1,5 +1,6 @@
-"""Built-in layouts: the reference trainer's Llama and its mixture of experts, the Hugging Face Llama (Qwen2) and GPT-2
-families, and Megatron-Core's GPT, each made from a model config (pure).
+"""Built-in layouts: the reference trainer's Llama and its mixture of experts, any Hugging Face model with a
+canonical model (``hf``, from its ``config.json``; ``hf-llama`` and ``gpt2`` name two of them), and
+Megatron-Core's GPT, each made from a model config (pure).
 
 ``builtin(family, config)`` returns one; ``FAMILIES`` lists them. A checkpoint written before
 layouts were recorded names its model in ``info.model`` (family and config): its layout is
@@ -12,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import LayoutError
+from ..models.hf_view import hf_layout
 from .names import MEGATRON_LOCAL_EXPERTS
 from .model import DEFAULT_STATES, Constraint, Layout, Param, StateGroup, TensorPart, TPCut, Unit
 
@@ -111,65 +113,21 @@ def _decoder(
 
 
 def hf_llama(config: Mapping[str, Any]) -> Layout:
-    """A Hugging Face ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``: ``attention_bias`` true gives
-    q, k, v biases), tensors under their Hugging Face names, Megatron-style TP cuts."""
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    c = _need(config, keys, "hf-llama")
-    h, f, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
-    kv = c.get("num_key_value_heads") or heads
-    hd = c.get("head_dim") or h // heads
-    bias = bool(c.get("attention_bias", False))
-    p = f"model.layers.{L}."
-    params = [_param("input_layernorm.weight", [(p + "input_layernorm.weight", (h,))])]
-    for name, rows in (("q_proj", heads * hd), ("k_proj", kv * hd), ("v_proj", kv * hd)):
-        params.append(_param(f"self_attn.{name}.weight", [(p + f"self_attn.{name}.weight", (rows, h))], 0))
-        if bias:
-            params.append(_param(f"self_attn.{name}.bias", [(p + f"self_attn.{name}.bias", (rows,))], 0))
-    params += [
-        _param("self_attn.o_proj.weight", [(p + "self_attn.o_proj.weight", (h, heads * hd))], 1),
-        _param("post_attention_layernorm.weight", [(p + "post_attention_layernorm.weight", (h,))]),
-        _param("mlp.gate_proj.weight", [(p + "mlp.gate_proj.weight", (f, h))], 0),
-        _param("mlp.up_proj.weight", [(p + "mlp.up_proj.weight", (f, h))], 0),
-        _param("mlp.down_proj.weight", [(p + "mlp.down_proj.weight", (h, f))], 1),
-    ]
-    layer = Unit(name=f"model.layers.{L}", place="layers", params=tuple(params))
-    return _decoder("hf-llama", c, c["num_hidden_layers"], (layer,), ("embed_tokens", "model.embed_tokens.weight"),
-                    ("norm", "model.norm.weight"), "lm_head.weight", bool(c.get("tie_word_embeddings")), kv)
+    """A Hugging Face ``LlamaForCausalLM`` (or another ``model_type`` the config names) under its
+    Hugging Face names: the layout of its canonical model's Hugging Face view."""
+    return hf({"model_type": "llama", **config})
 
 
 def gpt2(config: Mapping[str, Any]) -> Layout:
-    """A Hugging Face ``GPT2LMHeadModel``: Conv1D weights stored [in, out], so column-parallel
-    weights are cut on dim 1 and row-parallel ones on dim 0; ``c_attn`` fuses q, k, v along
-    dim 1 (each partition cut over TP); ``lm_head`` is tied to ``wte`` (pp 1)."""
-    c = _need(config, ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"), "gpt2")
-    v, h, heads, n_pos = c["vocab_size"], c["n_embd"], c["n_head"], c["n_positions"]
-    f = c.get("n_inner") or 4 * h
-    p = f"transformer.h.{L}."
+    """A Hugging Face ``GPT2LMHeadModel`` under its Hugging Face names (``Conv1D`` weights
+    stored [in, out]; ``c_attn`` fuses q, k, v; the head is tied, so pp 1)."""
+    return hf({**config, "model_type": "gpt2"})
 
-    def norm(name: str) -> list[Param]:
-        return [_param(f"{name}.weight", [(p + f"{name}.weight", (h,))]), _param(f"{name}.bias", [(p + f"{name}.bias", (h,))])]
 
-    layer = Unit(name=f"transformer.h.{L}", place="layers", params=(
-        *norm("ln_1"),
-        _fused("attn.c_attn.weight", p + "attn.c_attn.weight", (h, 3 * h), 1, [h, h, h]),
-        _fused("attn.c_attn.bias", p + "attn.c_attn.bias", (3 * h,), 0, [h, h, h]),
-        _param("attn.c_proj.weight", [(p + "attn.c_proj.weight", (h, h))], 0),
-        _param("attn.c_proj.bias", [(p + "attn.c_proj.bias", (h,))]),
-        *norm("ln_2"),
-        _param("mlp.c_fc.weight", [(p + "mlp.c_fc.weight", (h, f))], 1),
-        _param("mlp.c_fc.bias", [(p + "mlp.c_fc.bias", (f,))], 0),
-        _param("mlp.c_proj.weight", [(p + "mlp.c_proj.weight", (f, h))], 0),
-        _param("mlp.c_proj.bias", [(p + "mlp.c_proj.bias", (h,))]),
-    ))
-    first = Unit(name="embeddings", place="first", params=(
-        _param("wte.weight", [("transformer.wte.weight", (v, h))], 0, pad_multiple=1),
-        _param("wpe.weight", [("transformer.wpe.weight", (n_pos, h))]),
-    ))
-    last = Unit(name="ln_f", place="last", params=(_param("weight", [("transformer.ln_f.weight", (h,))]),
-                                                   _param("bias", [("transformer.ln_f.bias", (h,))])))
-    constraints = (Constraint(axis="tp", divides=heads, what="attention heads"),
-                   Constraint(axis="pp", at_most=1, what="the tied lm_head needs the embedding and the head on one stage"))
-    return Layout(name="gpt2", config=c, num_layers=c["n_layer"], units=(first, layer, last), constraints=constraints)
+def hf(config: Mapping[str, Any]) -> Layout:
+    """The model a Hugging Face ``config.json`` describes (any ``model_type`` with a canonical
+    model, ``ckptkit.models``) under its Hugging Face names."""
+    return hf_layout(config)
 
 
 MEGATRON_GPT_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
@@ -237,7 +195,8 @@ def _megatron_mlp(name: str, tensor: str, h: int, f: int, gated: bool) -> tuple[
 
 
 FAMILIES: dict[str, Callable[[Mapping[str, Any]], Layout]] = {
-    "llama": reference_llama, "llama-moe": reference_llama_moe, "hf-llama": hf_llama, "gpt2": gpt2, "megatron-gpt": megatron_gpt,
+    "llama": reference_llama, "llama-moe": reference_llama_moe, "hf": hf, "hf-llama": hf_llama, "gpt2": gpt2,
+    "megatron-gpt": megatron_gpt,
 }
 
 

@@ -11,10 +11,11 @@ tensor's bytes are then read straight from its byte range, one tensor at a time;
 
 Names: Hugging Face key ``k`` becomes ckptkit name ``model/<k>`` (`fqn_of`; the key is one
 name part, escaped as ckptkit escapes a part), e.g. ``model.layers.0.self_attn.q_proj.weight``
--> ``model/model.layers.0.self_attn.q_proj.weight``: that is where the built-in layouts
-``hf-llama`` and ``gpt2`` place a model's parameters, so the layout of the family is recorded
-(``model_type`` llama or qwen2: ``hf-llama``, with q, k, v biases for qwen2; gpt2: ``gpt2``)
-and the checkpoint reshards without ``--layout``. `hf_key` is the exact inverse. Every tensor
+-> ``model/model.layers.0.self_attn.q_proj.weight``: the names of the model's Hugging Face
+view, so for every model type with a canonical model (``ckptkit.models``: the Llama family and
+its mixtures of experts, GPT-NeoX, GPT-2) the layout is derived from ``config.json`` and
+recorded (``hf-<model_type>``), and the checkpoint reshards and exports without ``--layout``.
+`hf_key` is the exact inverse. Every tensor
 is of kind ``param``; the step is 0.
 
 Tied weights are stored once by transformers (GPT-2's ``lm_head.weight`` is
@@ -33,10 +34,11 @@ from dataclasses import dataclass, field
 
 from pydantic import JsonValue
 
-from ckptkit.errors import CkptkitError, IntegrityError, ManifestError
+from ckptkit.errors import CkptkitError, IntegrityError, LayoutError, ManifestError
 from ckptkit.io.safetensors import Header
-from ckptkit.layouts import Layout, builtin
+from ckptkit.layouts import Layout
 from ckptkit.manifest import CheckpointInfo, ModelInfo, strictjson
+from ckptkit.models import READERS, hf_layout, hf_view, spec_from_config
 from ckptkit.ops.convert import ConvertReport, Progress, TensorSpec, report_of, write_converted
 from ckptkit.state.tree import escape, unescape
 from ckptkit.storage.local import open_regular
@@ -54,13 +56,7 @@ PICKLED_INDEX = "pytorch_model.bin.index.json"
 PICKLED = (PICKLED_SINGLE, PICKLED_INDEX)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja")
-# model_type -> (built-in layout family, config values the layout needs that config.json leaves implicit)
-FAMILIES: dict[str, tuple[str, dict[str, JsonValue]]] = {
-    "llama": ("hf-llama", {}), "qwen2": ("hf-llama", {"attention_bias": True}), "gpt2": ("gpt2", {}),
-}
-# The input embedding a tied lm_head.weight shares, by model_type (others: whichever is stored).
-EMBEDDINGS = {"gpt2": "transformer.wte.weight"}
-DEFAULT_EMBEDDING = "model.embed_tokens.weight"
+DEFAULT_EMBEDDING = "model.embed_tokens.weight"  # the embedding a tied head shares, for a model type with no canonical model
 JSON_LIMIT = 64 << 20  # no config or index file is read past this size
 TOKENIZER_LIMIT = 256 << 20  # nor a tokenizer file past this one
 _CHUNK = 1 << 30  # one pread at most (Linux reads at most ~2 GiB per call)
@@ -135,10 +131,11 @@ class HfConverter:
                 fds[where.file], _ = open_regular(os.path.join(src, where.file))
             return read_range(fds[where.file], where.begin, where.end, os.path.join(src, where.file))
 
+        found = None if layout is not None else layout_of(source.config)
         objects: dict[str, JsonValue] = {"hf/tied_weights": dict(source.tied)} if source.tied else {}
         try:
             committed = write_converted(dst, [spec for spec, _ in source.tensors], read, objects=objects, step=lambda: 0,
-                                        info=info_of(source), layout=layout or layout_of(source.config),
+                                        info=info_of(source, layout or found), layout=layout or found,
                                         tokenizer=source.tokenizer, progress=progress)
         finally:
             for fd in fds.values():
@@ -283,30 +280,37 @@ def read_range(fd: int, begin: int, end: int, where: str) -> memoryview:
 
 def tied_weights(config: dict[str, JsonValue], keys: set[str]) -> dict[str, str]:
     """The tied names that are not stored, each with the stored tensor it shares: ``lm_head.weight``
-    when the config ties word embeddings (transformers' default) and the file lacks it."""
+    when the config ties word embeddings (transformers' default) and the file lacks it; the
+    embedding is the one the model's Hugging Face view names."""
     if "lm_head.weight" in keys or config.get("tie_word_embeddings", True) is not True:
         return {}
-    embedding = EMBEDDINGS.get(str(config.get("model_type")), DEFAULT_EMBEDDING)
+    try:
+        embedding = hf_view(spec_from_config(config)).top["embed.weight"]
+    except LayoutError:
+        embedding = DEFAULT_EMBEDDING
     return {"lm_head.weight": embedding} if embedding in keys else {}
 
 
 def layout_of(config: dict[str, JsonValue]) -> Layout | None:
-    """The built-in layout of the model's family (by ``model_type``), or None for another family.
+    """The layout of the model under its Hugging Face names (`ckptkit.models.hf_layout`), or
+    None for a model type with no canonical model (its weights convert; reshard and export
+    then need --layout).
 
     Raises:
-        LayoutError: the config lacks a value the layout needs.
+        LayoutError: the config lacks a value the model needs, or has a wrong one.
     """
-    family = FAMILIES.get(str(config.get("model_type")))
-    return None if family is None else builtin(family[0], {**config, **family[1]})
+    if str(config.get("model_type")) not in READERS:
+        return None
+    return hf_layout(config)
 
 
-def info_of(source: _Source) -> CheckpointInfo:
-    """The manifest's info: the config files as JSON, and the model's family and config when it has a layout."""
+def info_of(source: _Source, layout: Layout | None) -> CheckpointInfo:
+    """The manifest's info: the config files as JSON, and the model's family (its layout's
+    name) and config when it has a layout."""
     files: dict[str, JsonValue] = {CONFIG: source.config}
     if source.generation is not None:
         files[GENERATION_CONFIG] = source.generation
-    family = FAMILIES.get(str(source.config.get("model_type")))
-    model = None if family is None else ModelInfo(family=family[0], config={**source.config, **family[1]})
+    model = None if layout is None else ModelInfo(family=layout.name, config=source.config)
     return CheckpointInfo(config=files, model=model)
 
 

@@ -70,7 +70,7 @@ def test_every_tensor_equals_the_models_state_dict_and_verifies(family: str, dty
     assert all(t.name == fqn_of(t.source) and hf_key(t.name) == t.source and t.kind == "param" for t in report.tensors)
 
 
-@pytest.mark.parametrize(("family", "layout"), [("llama", "hf-llama"), ("qwen2", "hf-llama"), ("gpt2", "gpt2")])
+@pytest.mark.parametrize(("family", "layout"), [("llama", "hf-llama"), ("qwen2", "hf-qwen2"), ("gpt2", "hf-gpt2")])
 def test_the_familys_layout_is_recorded_and_reshards_without_one(family: str, layout: str, tmp_path: Path) -> None:
     src, want = _saved(family, tmp_path)
     dst = tmp_path / "out"
@@ -237,3 +237,25 @@ def test_resharded_and_exported_back_gives_the_same_tensors_and_logits(
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, original(ids).logits)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (dict(intermediate_size=48), r"the layout 'hf-llama' does not fit the converted tensors: .*model\.layers\.0\.mlp\.down_proj\.weight: "
+                                 r"the layout says shape \[32, 48\], the tensor is \[32, 64\]"),
+    (dict(num_attention_heads="four"), r"config\.json \(llama\): num_attention_heads must be a non-negative integer, not 'four'"),
+])
+def test_a_config_unlike_its_weights_is_refused_naming_the_tensor_or_value(
+    edit: dict[str, Any], message: str, tmp_path: Path, run_ckptkit: Any
+) -> None:
+    src, _ = _saved("llama", tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **edit}))
+    dst = tmp_path / "out"
+    with pytest.raises(ckptkit.LayoutError, match=message):
+        CONVERTER.convert(str(src), str(dst))
+    assert_nothing_written(tmp_path, dst)
+    if REGISTERED:
+        proc = run_ckptkit("convert", "--from", "hf", str(src), str(dst))
+        lines = proc.stderr.splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert_nothing_written(tmp_path, dst)

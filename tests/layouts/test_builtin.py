@@ -36,7 +36,7 @@ def test_hf_llama_layout_has_the_tensors_of_real_llama_and_qwen2_models(architec
     config_class = transformers.LlamaConfig if architecture == "LlamaForCausalLM" else transformers.Qwen2Config
     model = getattr(transformers, architecture)(config_class(**LLAMA))
     shapes = _state_dict_shapes(model)
-    layout = hf_llama(dict(LLAMA, attention_bias=bias))
+    layout = hf_llama(dict(LLAMA, model_type=config_class.model_type))
     assert layout.tensors() == {k: v for k, v in shapes.items() if "rotary" not in k}
     assert any(name.endswith("q_proj.bias") for name in layout.tensors()) == bias
 
