@@ -190,6 +190,29 @@ def test_a_layout_that_cannot_hold_the_topology_fails_before_writing() -> None:
     assert dst.list("") == []
 
 
+def _other_model(*names: str) -> Layout:
+    params = tuple(Param(name=n, parts=(TensorPart(tensor=n, shape=(6, 4)),), tp=TPCut(dim=0)) for n in names)
+    return Layout(name="other", units=(Unit(name="m", place="first", params=params),), states=(StateGroup(prefix="model", role="param"),))
+
+
+def test_a_layout_that_places_none_of_the_tensors_is_refused_before_writing() -> None:
+    src = _small_source()
+    dst = MemoryStorage()
+    with pytest.raises(LayoutError, match=r"the layout 'other' places none of the checkpoint's tensors \(it names model/\.\.\."):
+        resharder.reshard("src", "dst", Topology(world_size=4, tp=2, pp=2), layout=_other_model("v"), storage=src, dst_storage=dst)
+    assert dst.list("") == []
+
+
+def test_a_layout_that_leaves_model_tensors_unplaced_is_refused_before_writing() -> None:
+    store = MemoryStorage()
+    w = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    ckptkit.save({"model": {"w": w, "u": w + 1}}, "src", step=1, storage=store)
+    dst = MemoryStorage()
+    with pytest.raises(LayoutError, match=r"the layout 'other' has no place for 1 of the checkpoint's tensors: model/u"):
+        resharder.reshard("src", "dst", Topology(world_size=2, tp=2), layout=_other_model("w"), storage=store, dst_storage=dst)
+    assert dst.list("") == []
+
+
 def test_a_checkpoint_without_model_info_names_what_is_missing() -> None:
     src = _small_source()
     with pytest.raises(LayoutError, match=r"records no layout and names no model \(info.model\).*--layout FILE"):

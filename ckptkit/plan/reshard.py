@@ -66,12 +66,30 @@ def plan_reshard(
     if problems:
         raise LayoutError(f"cannot reshard to {topology.describe()}: " + summarize(problems))
     placed, problems = placed_tensors(layout, {fqn: t.shape for fqn, t in manifest.tensors.items()})
+    problems += unplaced_problems(layout, manifest, placed)
     if problems:
         raise LayoutError(f"the layout does not match the saved tensors: {len(problems)} problem(s): " + summarize(problems))
     with collector_paused():
         by_tensor = {fqn: boxes for fqn, boxes in holders(layout, topology).items() if fqn in placed}
         return plan_placement(manifest, by_tensor, topology, files_per_rank=files_per_rank,
                               max_file_bytes=max_file_bytes, layout=layout)
+
+
+def unplaced_problems(layout: Layout, manifest: Manifest, placed: set[str]) -> list[str]:
+    """Say so when the layout places none of the checkpoint's tensors, or leaves parameters or
+    optimizer state under its state groups (``model/``, the optimizer's moments) without a
+    place: a target labelled with a topology must hold those where that topology has them
+    (buffers, as RNG rows, keep their saved boxes)."""
+    if not placed:
+        return [f"the layout {layout.name!r} places none of the checkpoint's tensors "
+                f"(it names {', '.join(layout.tensor_groups())}/...; is it this model's layout?)"]
+    prefixes = tuple(f"{g.prefix}/" for g in layout.states)
+    unplaced = sorted(fqn for fqn, t in manifest.tensors.items()
+                      if fqn.startswith(prefixes) and fqn not in placed and t.kind in ("param", "optimizer"))
+    if not unplaced:
+        return []
+    shown = ", ".join(unplaced[:10]) + (f" and {len(unplaced) - 10} more" if len(unplaced) > 10 else "")
+    return [f"the layout {layout.name!r} has no place for {len(unplaced)} of the checkpoint's tensors: {shown}"]
 
 
 def plan_placement(
