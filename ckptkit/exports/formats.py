@@ -124,8 +124,9 @@ def _dcp(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
     try:
         model = layout_for(source.manifest, where=where)
     except LayoutError:
-        raise LayoutError(f"{where}: the fsdp2 form names the parameters as the reference trainer's model (layout llama), "
-                          "and the checkpoint names no model; export with --dcp-form plain (the checkpoint's own names)") from None
+        raise LayoutError(f"{where}: the fsdp2 form names the parameters as the reference trainer's model (layout llama) "
+                          "or a Hugging Face model does, and the checkpoint names no model; export with --dcp-form plain "
+                          "(the checkpoint's own names)") from None
     return fsdp2_writer(source, model, options.dtype, options.include_optimizer), form
 
 

@@ -52,6 +52,7 @@ from ..storage import Storage
 from .convert import output_dtype
 from .dcp import file_entry, write_dcp
 from .megatron_llama import Run, fused_llama, llama_optimizer, llama_param_groups, megatron_gpt_of_llama
+from .hf import passthrough
 from .source import ExportedFile, ExportedTensor, Source, Writer, Written
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
@@ -135,6 +136,10 @@ def megatron_sources(source: Source, layout: Layout, include_optimizer: bool) ->
     if layout.name in ("llama", "llama-moe"):
         optimizer = llama_optimizer(source, layout) if include_optimizer else {}
         return {"": fused_llama(tensors, layout), **optimizer}, megatron_gpt_of_llama(layout)
+    if passthrough(layout):
+        raise LayoutError(f"{source.loc} is a Hugging Face model ({layout.name!r}): the megatron format writes Megatron-Core "
+                          "GPTs from the reference trainer's llama and llama-moe and from converted Megatron-Core saves; "
+                          "from a Hugging Face model's names it is not written yet (export --format hf, dcp or zarr)")
     if layout.name != "megatron-gpt":
         raise LayoutError(f"the megatron format writes a Megatron-Core GPT (layout megatron-gpt, or the reference trainer's "
                           f"llama or llama-moe); {source.loc} is {layout.name!r}: give --layout FILE "
