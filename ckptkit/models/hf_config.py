@@ -40,6 +40,8 @@ class Config:
         value = self.raw.get(key)
         if value is None and default is not None:
             return default
+        if value is None:
+            raise LayoutError(f"config.json ({self.type}) lacks {key}, an integer the model needs")
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise LayoutError(f"config.json ({self.type}): {key} must be a non-negative integer, not {value!r}")
         return value

@@ -243,6 +243,7 @@ def test_resharded_and_exported_back_gives_the_same_tensors_and_logits(
     (dict(intermediate_size=48), r"the layout 'hf-llama' does not fit the converted tensors: .*model\.layers\.0\.mlp\.down_proj\.weight: "
                                  r"the layout says shape \[32, 48\], the tensor is \[32, 64\]"),
     (dict(num_attention_heads="four"), r"config\.json \(llama\): num_attention_heads must be a non-negative integer, not 'four'"),
+    (dict(hidden_size=None), r"config\.json \(llama\) lacks hidden_size, an integer the model needs"),
 ])
 def test_a_config_unlike_its_weights_is_refused_naming_the_tensor_or_value(
     edit: dict[str, Any], message: str, tmp_path: Path, run_ckptkit: Any
