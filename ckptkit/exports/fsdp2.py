@@ -42,7 +42,7 @@ from ..io.checksum import checksum_of
 from ..layouts import Layout
 from ..layouts.model import expand
 from ..layouts.placement import local_param
-from ..models import module_names
+from ..models import module_names, tied_heads
 from ..state.torch_io import byte_view, torch_dtype
 from ..storage import Storage
 from .convert import output_dtype
@@ -55,7 +55,6 @@ OPTIM = "optim"
 MOMENTS = {"exp_avg": "optimizer/exp_avg", "exp_avg_sq": "optimizer/exp_avg_sq"}  # torch's name -> the checkpoint's prefix
 # The module fqn of each layout parameter (``<unit>.<param>``) where the model's module differs.
 MODULE_NAMES: dict[str, dict[str, str]] = {"llama": {"lm_head.weight": "head.weight"}}
-TIED = "hf/tied_weights"  # a converted Hugging Face checkpoint's tied names, each with the stored tensor it shares
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,27 +87,23 @@ def module_params(layout: Layout) -> list[tuple[str, Any]]:
         raise LayoutError(f"the fsdp2 form names parameters as the reference trainer's model (layout llama) or a "
                           f"Hugging Face model (layout hf-<model_type>) does, not {layout.name!r}; export with "
                           f"--dcp-form plain (the checkpoint's own names)")
-    # A Hugging Face view's units and params are its files' names, its modules' but for a few.
-    renames = MODULE_NAMES[layout.name] if layout.name in MODULE_NAMES else module_names(layout.config)
+    if passthrough(layout) and layout.experts:  # transformers (5) stacks them: experts.gate_up_proj [experts, 2 x ffn, hidden]
+        raise LayoutError(f"the fsdp2 form of {layout.name!r} is not written: transformers keeps its experts stacked in "
+                          f"memory (experts.gate_up_proj, experts.down_proj), not under the per-expert names of its files; "
+                          f"export with --dcp-form plain (the files' names) or --format hf")
     out = []
     for unit in layout.units:
         for layer in layout.unit_layers(unit):
             for expert in range(unit.experts) if unit.experts else (None,):
                 for param in unit.params:
-                    fqn = expand(f"{unit.name}.{param.name}", layer, expert)
-                    out.append((renames.get(fqn, fqn), local_param(param, layer, 1, 0, expert)))
-    return out
-
-
-def experts_problems(layout: Layout) -> list[str]:
-    """transformers (5) holds a mixture of experts' experts stacked in memory
-    (``experts.gate_up_proj`` [experts, 2 x ffn, hidden]), not under the per-expert names of its
-    files, so the fsdp2 form of a Hugging Face MoE has other keys than this form writes."""
-    if not layout.experts:
-        return []
-    return [f"the fsdp2 form of {layout.name!r} is not written: transformers keeps its experts stacked in memory "
-            f"(experts.gate_up_proj, experts.down_proj), not under the per-expert names of its files; export "
-            f"with --dcp-form plain (the files' names) or --format hf"]
+                    out.append((expand(f"{unit.name}.{param.name}", layer, expert), local_param(param, layer, 1, 0, expert)))
+    if layout.name in MODULE_NAMES:
+        renames = MODULE_NAMES[layout.name]
+    else:  # a Hugging Face view: its files' names, its modules' but for a few; a tied head is a key of its own
+        renames = module_names(layout.config)
+        by_name = dict(out)
+        out += [(head, by_name[embedding]) for head, embedding in tied_heads(layout.config).items() if embedding in by_name]
+    return [(renames.get(fqn, fqn), spec) for fqn, spec in out]
 
 
 def plan_fsdp2(source: Source, layout: Layout, include_optimizer: bool, out_dtype: str | None) -> Fsdp2Plan:
@@ -120,15 +115,8 @@ def plan_fsdp2(source: Source, layout: Layout, include_optimizer: bool, out_dtyp
     """
     manifest = source.manifest
     params = module_params(layout)
-    tied = manifest.objects.get(TIED)  # a Hugging Face model's tied head is a key of its state dict too
-    if passthrough(layout) and isinstance(tied, dict):
-        by_name = dict(params)
-        params += [(name, by_name[stored]) for name, stored in tied.items() if isinstance(stored, str) and stored in by_name]
-    problems = [] if not passthrough(layout) else experts_problems(layout)
-    if problems:
-        raise LayoutError(problems[0])
     states = {"": "model"} | (MOMENTS if include_optimizer else {})
-    tensors = []
+    tensors, problems = [], []
     for fqn, spec in params:
         for moment, prefix in states.items():
             key = f"{MODEL}.{fqn}" if not moment else f"{OPTIM}.state.{fqn}.{moment}"

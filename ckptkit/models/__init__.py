@@ -10,8 +10,8 @@ that layout for a Hugging Face ``config.json``.
 from __future__ import annotations
 
 from .hf_config import READERS, spec_from_config
-from .hf_view import hf_layout, hf_view, module_names
+from .hf_view import hf_layout, hf_view, module_names, tied_heads
 from .spec import Block, ModelSpec, Rule, Tensor
 from .view import Fuse, View, layout_of
 
-__all__ = ["READERS", "Block", "Fuse", "ModelSpec", "Rule", "Tensor", "View", "hf_layout", "hf_view", "layout_of", "module_names", "spec_from_config"]
+__all__ = ["READERS", "Block", "Fuse", "ModelSpec", "Rule", "Tensor", "View", "hf_layout", "hf_view", "layout_of", "module_names", "spec_from_config", "tied_heads"]

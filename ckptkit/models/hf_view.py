@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..layouts.model import Layout
-from .hf_config import spec_from_config
+from .hf_config import READERS, spec_from_config
 from .spec import ModelSpec
 from .view import Fuse, View, layout_of
 
@@ -68,7 +68,7 @@ def _gpt2(spec: ModelSpec) -> View:
                                                     ("mlp.up", "mlp.c_fc"), ("mlp.down", "mlp.c_proj")) for p in ("weight", "bias")}
     fused = tuple(Fuse(f"attn.c_attn.{p}", tuple(f"attn.{x}.{p}" for x in "qkv")) for p in ("weight", "bias"))
     top = {"embed.weight": "transformer.wte.weight", "pos_embed.weight": "transformer.wpe.weight",
-           "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias"}
+           "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias", "lm_head.weight": "lm_head.weight"}
     return View(name="hf-gpt2", top=top, layer="transformer.h.{layer}", names=names, fused=fused, transposed=True)
 
 
@@ -81,6 +81,20 @@ MODULE_NAMES: dict[str, dict[str, str]] = {"gpt_neox": {"embed_out.weight": "lm_
 def module_names(config: Mapping[str, Any]) -> dict[str, str]:
     """The file names of a Hugging Face model whose modules name them otherwise, with those names."""
     return MODULE_NAMES.get(str(config.get("model_type")), {})
+
+
+def tied_heads(config: Mapping[str, Any]) -> dict[str, str]:
+    """A tied model's head (its Hugging Face name, which ``save_pretrained`` does not store) with
+    the embedding it shares; empty for an untied model or a model type with no canonical model.
+
+    Raises:
+        LayoutError: a config value the model needs is missing or wrong.
+    """
+    if str(config.get("model_type")) not in READERS:
+        return {}
+    spec = spec_from_config(config)
+    view = hf_view(spec)
+    return {view.rename("top", "lm_head.weight"): view.rename("top", "embed.weight")} if spec.tied else {}
 
 
 def hf_view(spec: ModelSpec) -> View:

@@ -86,8 +86,3 @@ class ModelSpec:
         for i, block in enumerate(self.layers):
             out.setdefault(block, []).append(i)
         return [(block, tuple(layers)) for block, layers in out.items()]
-
-    @property
-    def experts(self) -> int:
-        """The experts of each mixture-of-experts layer (0: a dense model)."""
-        return max((b.experts for b in self.layers), default=0)

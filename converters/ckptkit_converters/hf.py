@@ -38,7 +38,7 @@ from ckptkit.errors import CkptkitError, IntegrityError, LayoutError, ManifestEr
 from ckptkit.io.safetensors import Header
 from ckptkit.layouts import Layout
 from ckptkit.manifest import CheckpointInfo, ModelInfo, strictjson
-from ckptkit.models import READERS, hf_layout, hf_view, spec_from_config
+from ckptkit.models import READERS, hf_layout, tied_heads
 from ckptkit.ops.convert import ConvertReport, Progress, TensorSpec, report_of, write_converted
 from ckptkit.state.tree import escape, unescape
 from ckptkit.storage.local import open_regular
@@ -279,16 +279,17 @@ def read_range(fd: int, begin: int, end: int, where: str) -> memoryview:
 
 
 def tied_weights(config: dict[str, JsonValue], keys: set[str]) -> dict[str, str]:
-    """The tied names that are not stored, each with the stored tensor it shares: ``lm_head.weight``
-    when the config ties word embeddings (transformers' default) and the file lacks it; the
-    embedding is the one the model's Hugging Face view names."""
-    if "lm_head.weight" in keys or config.get("tie_word_embeddings", True) is not True:
-        return {}
+    """The tied names that are not stored, each with the stored tensor it shares: the head of a
+    model whose config ties it (`ckptkit.models.tied_heads`; for a model type with no canonical
+    model, ``lm_head.weight`` when the config ties word embeddings, transformers' default)."""
     try:
-        embedding = hf_view(spec_from_config(config)).top["embed.weight"]
-    except LayoutError:
-        embedding = DEFAULT_EMBEDDING
-    return {"lm_head.weight": embedding} if embedding in keys else {}
+        known = str(config.get("model_type")) in READERS
+        tied = tied_heads(config) if known else {}
+    except LayoutError:  # the layout's reading of the config names the problem (or --layout was given)
+        known, tied = False, {}
+    if not known:
+        tied = {"lm_head.weight": DEFAULT_EMBEDDING} if config.get("tie_word_embeddings", True) is True else {}
+    return {head: embedding for head, embedding in tied.items() if head not in keys and embedding in keys}
 
 
 def layout_of(config: dict[str, JsonValue]) -> Layout | None:

@@ -6,6 +6,7 @@ same tensors, bitwise, and transformers' logits of the original model; no layout
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,9 @@ def test_the_derived_layout_places_every_saved_tensor_with_its_shape(name: str, 
             shapes.update({f"model/{k}": tuple(f.get_slice(k).get_shape()) for k in f.keys()})
     assert fit_problems(layout, shapes) == []
     assert set(shapes) == {f"model/{n}" for n in layout.tensors()}
-    assert spec_from_config(config).tied == ("lm_head.weight" not in model.state_dict() or
+    spec = spec_from_config(config)  # its canonical tensors are the saved ones, unfused: as many elements
+    assert sum(math.prod(s) for s in spec.tensors().values()) == sum(math.prod(s) for s in shapes.values())
+    assert spec.tied == ("lm_head.weight" not in model.state_dict() or
                                              model.lm_head.weight is model.get_input_embeddings().weight)
 
 
