@@ -239,7 +239,7 @@ def _semantic_problems(layout: Layout) -> list[str]:
             problems += _param_problems(where, param, in_layers, cover, layout.unit_layers(unit) or (None,))
     for (tensor, _), spans in cover.items():
         problems += _cover_problems(tensor, spans)
-    return sorted(set(problems), key=problems.index)  # a template's problem once, not once per layer
+    return list(dict.fromkeys(problems))  # a template's problem once, not once per layer
     return problems
 
 
