@@ -88,14 +88,20 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from ckptkit.exports.hf import hf_name
+    from ckptkit import read_manifest
+    from ckptkit.exports.hf import hf_runs
+    from ckptkit.layouts import layout_for
+    from ckptkit.models.reference import model_of
 
+    manifest = read_manifest(src)  # the Hugging Face names of the reference Llama's tensors (a rename)
+    spec, view = model_of(layout_for(manifest))
+    hf_name = {rs[0].fqn: name for name, rs in hf_runs(manifest.tensors, spec, view).items()}
     cold = go_cold({"directory": dcp_src})
 
     def consolidate_and_save() -> None:
         state: dict[str, Any] = {}
         _load_state_dict(state, storage_reader=FileSystemReader(dcp_src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-        out = {hf_name(k.removeprefix("model/")): v.to(torch.bfloat16) for k, v in state.items() if k.startswith("model/")}
+        out = {hf_name[k]: v.to(torch.bfloat16) for k, v in state.items() if k.startswith("model/")}
         os.makedirs(p["naive-out"])
         path = os.path.join(p["naive-out"], "model.safetensors")
         save_file(out, path, metadata={"format": "pt"})  # type: ignore[arg-type]

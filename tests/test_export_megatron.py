@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import ckptkit
 from ckptkit.layouts import builtin
 
-from .converters.checks import assert_nothing_written, one_line_error
+from .converters.checks import assert_nothing_written, megatron_common, one_line_error
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     # make test installs it; under CI (CI set) its absence fails the run instead of skipping it
@@ -74,7 +74,7 @@ def test_megatron_core_loads_the_export_with_equal_tensors_and_logits(export_at:
     assert sorted(plain) == sorted(want) and any(k.startswith("optimizer.state.exp_avg.") for k in want)
     for key, value in want.items():
         assert plain[key].dtype == value.dtype and torch.equal(plain[key], value), key
-    common = torch.load(out / "common.pt", weights_only=True)
+    common = megatron_common(out / "common.pt")
     assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
     assert [g["wd_mult"] for g in common["optimizer"]["optimizer"]["param_groups"]] == [1.0, 0.0]
     assert json.loads((out / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
@@ -114,7 +114,7 @@ def test_targets_and_sources_the_format_cannot_take_fail_in_one_line(tmp_path: P
     cases = [
         ((str(converted), "--tp", "4"), "query groups"),  # 2 groups cannot be cut 4 ways
         ((str(converted), "--include-optimizer"), "no optimizer/fp32 tensors"),
-        ((str(deepspeed),), "is 'deepspeed'"),  # no Megatron names for this model
+        ((str(deepspeed),), "layout 'deepspeed' is no tool's view of a canonical model"),  # no Megatron names for this model
     ]
     for args, says in cases:
         proc = run_ckptkit("export", args[0], str(tmp_path / "out"), "--format", "megatron", *args[1:])
@@ -165,14 +165,11 @@ def test_the_reference_trainers_llama_loads_in_megatron_core_with_its_logits(exp
 
 def test_the_llama_in_megatron_files_converts_back_to_every_original_tensor(tmp_path: Path, run_ckptkit: Any) -> None:
     # reference Llama -> Megatron files -> ckptkit convert -> Hugging Face, against the Llama's own
-    # Hugging Face export: every tensor bitwise (q, k, v and gate, up fused and cut again).
-    from ckptkit.exports.megatron import megatron_gpt_of_llama
-    from ckptkit.layouts import layout_for
-
-    out, layout = tmp_path / "megatron", tmp_path / "layout.json"
+    # Hugging Face export: every tensor bitwise (q, k, v and gate, up fused and cut again); the
+    # layout read back from the Megatron-LM arguments the export writes, none named.
+    out = tmp_path / "megatron"
     assert run_ckptkit("export", str(LLAMA), str(out), "--format", "megatron", "--tp", "2").returncode == 0
-    layout.write_text(json.dumps(megatron_gpt_of_llama(layout_for(ckptkit.read_manifest(LLAMA))).to_json()))
-    proc = run_ckptkit("convert", "--from", "megatron", str(out), str(tmp_path / "back"), "--layout", str(layout))
+    proc = run_ckptkit("convert", "--from", "megatron", str(out), str(tmp_path / "back"))
     assert proc.returncode == 0, proc.stderr
     for src, dst in ((tmp_path / "back", tmp_path / "hf-back"), (LLAMA, tmp_path / "hf")):
         assert run_ckptkit("export", str(src), str(dst), "--format", "hf", "--dtype", "fp32").returncode == 0
@@ -236,5 +233,5 @@ def test_the_reference_llamas_optimizer_state_comes_fused_as_its_parameters(expo
         assert plain[key].dtype == torch.float32 and torch.equal(plain[key], value), key
     assert not torch.equal(plain["optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"],
                            plain["optimizer.state.exp_avg_sq.decoder.layers.self_attention.linear_qkv.weight"])
-    groups = torch.load(out / "common.pt", weights_only=True)["optimizer"]["optimizer"]["param_groups"]
+    groups = megatron_common(out / "common.pt")["optimizer"]["optimizer"]["param_groups"]
     assert [g["wd_mult"] for g in groups] == [1.0, 0.0] and groups[0]["step"] == 4.0 and groups[0]["betas"] == (0.9, 0.95)

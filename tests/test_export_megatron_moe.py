@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import ckptkit
 
-from .converters.checks import assert_nothing_written, one_line_error
+from .converters.checks import assert_nothing_written, megatron_common, one_line_error
 from .test_export_megatron import megatron_qkv
 from .trainer.runs import trainer_logits
 
@@ -211,7 +211,7 @@ def test_the_moes_optimizer_state_comes_stacked_as_its_parameters_for_every_expe
                 assert torch.equal(fc2[i, e], state[x + "down.weight"]), (name, i, e)
                 moving += name != "param" and bool(fc2[i, e].abs().sum() > 0)
     assert moving == 2 * c["num_layers"] * c["num_experts"]  # every expert was trained: no moment is trivially zero
-    common = torch.load(out / "common.pt", weights_only=True)["optimizer"]
+    common = megatron_common(out / "common.pt")["optimizer"]
     assert sorted(common) == [0, 1] and all(o["param_state_sharding_type"] == "fully_reshardable" for o in common.values())
     assert [(g["wd_mult"], g["is_expert_parallel"]) for o in common.values() for g in o["optimizer"]["param_groups"]] == \
         [(1.0, False), (0.0, False), (1.0, True)]
@@ -219,18 +219,15 @@ def test_the_moes_optimizer_state_comes_stacked_as_its_parameters_for_every_expe
 
 def test_the_moe_in_megatron_files_converts_back_to_every_trainer_tensor(trained: Path, tmp_path: Path, run_ckptkit: Any) -> None:
     # tiny-moe -> export --format megatron (with the optimizer) -> convert --from megatron: every
-    # parameter, master and moment, each expert's, equal to the trainer's under Megatron's names
-    import json
-
-    from ckptkit.exports.megatron import megatron_gpt_of_llama
+    # parameter, master and moment, each expert's, equal to the trainer's under Megatron's names;
+    # the layout read back from the Megatron-LM arguments the export writes, none named
     from ckptkit.layouts import layout_for
     from ckptkit_converters.megatron import expert_key, layer_key
 
-    out, layout, back = tmp_path / "megatron", tmp_path / "layout.json", tmp_path / "back"
+    out, back = tmp_path / "megatron", tmp_path / "back"
     proc = run_ckptkit("export", str(trained), str(out), "--format", "megatron", "--include-optimizer", "--tp", "2", "--ep", "2")
     assert proc.returncode == 0, proc.stderr
-    layout.write_text(json.dumps(megatron_gpt_of_llama(layout_for(ckptkit.read_manifest(str(trained)))).to_json()))
-    proc = run_ckptkit("convert", "--from", "megatron", str(out), str(back), "--layout", str(layout))
+    proc = run_ckptkit("convert", "--from", "megatron", str(out), str(back))
     assert proc.returncode == 0, proc.stderr
     c = dict(ckptkit.read_manifest(str(trained)).info.model.config)  # type: ignore[union-attr]
     source, got = ckptkit.load(str(trained)), ckptkit.load(str(back))

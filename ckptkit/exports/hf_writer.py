@@ -22,6 +22,8 @@ from ..io.checksum import checksum_of
 from ..io.payload import read_checked
 from ..io.write import write_safetensors
 from ..layouts import Layout, layout_for
+from ..models.compose import Run
+from ..models.reference import model_of
 from ..manifest.dtypes import itemsize
 from ..storage import Storage
 from .source import ExportedFile, ExportedTensor, Source, Writer, Written, exported
@@ -32,26 +34,20 @@ def hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Layo
     the one the checkpoint records."""
     manifest = source.manifest
     layout = layout or layout_for(manifest, where=str(source.loc))
-    generation: dict[str, Any] | None = None
-    if hf.passthrough(layout):
-        config = hf.carried_config(manifest.info, layout, str(source.loc), out_dtype)
-        pieces: dict[str, hf.Piece] = {name: (fqn, None) for fqn, name in hf.passthrough_map(manifest.tensors, list(layout.tensors())).items()}
-        carried = (manifest.info.config or {}).get("generation_config.json")
-        generation = carried if isinstance(carried, dict) else hf.generation_config_json(None)
-        max_len = config.get("max_position_embeddings") or config.get("n_positions") or 2048
-    elif layout.name == "megatron-gpt":
-        pieces = hf.megatron_map(manifest.tensors, layout)
-        config = hf.megatron_config_json(layout, out_dtype)
-        max_len = config["max_position_embeddings"]
-    else:
-        model = hf.llama_config(layout, str(source.loc))
-        names = hf.name_map(manifest.tensors, list(layout.tensors()), hf.RENAMES[layout.name])
-        pieces = {name: (fqn, None) for fqn, name in names.items()}
-        config, max_len = hf.model_config_json(layout.name, model, out_dtype), model["max_seq_len"]
-    shapes = {name: _piece_shape(manifest.tensors[fqn].shape, rows) for name, (fqn, rows) in pieces.items()}
+    carried = manifest.info.config or {}
+    try:
+        found = carried.get("config.json")
+        spec, view = model_of(layout, found if isinstance(found, dict) else None)
+        runs = hf.hf_runs(manifest.tensors, spec, view)
+    except LayoutError as e:
+        raise LayoutError(f"{source.loc}: {e}") from None
+    config = hf.config_json(spec, out_dtype)
+    generation = carried.get("generation_config.json") if hf.passthrough(layout) else None
+    max_len = config.get("max_position_embeddings") or config.get("n_positions") or 2048
+    shapes = {name: _shape(manifest.tensors[rs[0].fqn].shape, rs) for name, rs in runs.items()}
     nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in shapes.items()}
     shards = hf.plan_shards(nbytes, max_shard_bytes)
-    sources = {fqn for fqn, _ in pieces.values()}
+    sources = {r.fqn for rs in runs.values() for r in rs}
     odd = sorted(f"{fqn} ({manifest.tensors[fqn].dtype})" for fqn in sources if (manifest.tensors[fqn].dtype, out_dtype) not in CONVERSIONS
                  and manifest.tensors[fqn].dtype != out_dtype)
     if odd:
@@ -59,14 +55,14 @@ def hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Layo
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
         tensors: list[ExportedTensor] = []
-        feed = _Sources(source, [pieces[n][0] for shard in shards for n in shard.names], out_dtype)
-        files = [_write_shard(source, dst, tmp, shard, pieces, shapes, feed, out_dtype, tensors) for shard in shards]
+        feed = _Sources(source, [r.fqn for shard in shards for n in shard.names for r in runs[n]], out_dtype)
+        files = [_write_shard(source, dst, tmp, shard, runs, shapes, feed, out_dtype, tensors) for shard in shards]
         index = {"metadata": {"total_size": sum(nbytes.values())},
                  "weight_map": {name: shard.file for shard in shards for name in shard.names}}
         extra = {
             "model.safetensors.index.json": index,
             "config.json": config,
-            "generation_config.json": generation if generation is not None else hf.generation_config_json(_eos_id(source)),
+            "generation_config.json": generation if isinstance(generation, dict) else hf.generation_config_json(_eos_id(source)),
         }
         copied, tokenizer_extra = _tokenizer_files(source, dst, tmp, max_len)
         files += copied
@@ -80,8 +76,10 @@ def hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Layo
     return write
 
 
-def _piece_shape(shape: tuple[int, ...], rows: hf.Rows) -> tuple[int, ...]:
-    return shape if rows is None else (sum(n for _, n in rows), *shape[1:])
+def _shape(shape: tuple[int, ...], runs: list[Run]) -> tuple[int, ...]:
+    """The shape of a tensor made of `runs` of rows of tensors of `shape` (all of one, as it is)."""
+    rows = sum(r.count for r in runs)
+    return shape if len(runs) == 1 and rows == (shape[0] if shape else 1) else (rows, *shape[1:])
 
 
 class _Sources:
@@ -110,7 +108,7 @@ class _Sources:
 
 
 def _write_shard(
-    source: Source, dst: Storage, tmp: str, shard: hf.Shard, pieces: dict[str, hf.Piece], shapes: dict[str, tuple[int, ...]],
+    source: Source, dst: Storage, tmp: str, shard: hf.Shard, runs: dict[str, list[Run]], shapes: dict[str, tuple[int, ...]],
     feed: _Sources, out_dtype: str, report: list[ExportedTensor],
 ) -> ExportedFile:
     """Write one safetensors shard from its tensors' sources, each cut to its rows."""
@@ -118,13 +116,16 @@ def _write_shard(
 
     def bodies() -> Iterator[memoryview]:
         for name in shard.names:
-            fqn, rows = pieces[name]
-            data = feed.take(fqn)
-            if rows is not None:  # runs of rows of a fused tensor, in order
-                whole = data.reshape(manifest.tensors[fqn].shape[0], -1)
-                data = np.concatenate([whole[a:a + n] for a, n in rows]).reshape(-1)
-            view = memoryview(data)
-            report.append(exported(source, name, fqn, view, out_dtype, shard.file))
+            parts = []
+            for r in runs[name]:
+                data = feed.take(r.fqn)
+                shape = manifest.tensors[r.fqn].shape
+                if len(runs[name]) > 1 or r.count != (shape[0] if shape else 1):  # runs of rows of fused tensors, in order
+                    data = data.reshape(shape[0], -1)[r.src_row:r.src_row + r.count].reshape(-1)
+                parts.append(data)
+            view = memoryview(parts[0] if len(parts) == 1 else np.concatenate(parts))  # type: ignore[arg-type]
+            fqns = list(dict.fromkeys(r.fqn for r in runs[name]))
+            report.append(exported(source, name, fqns[0], view, out_dtype, shard.file, shapes[name], " + ".join(fqns)))
             yield view
 
     tensors = [(name, out_dtype, shapes[name]) for name in shard.names]

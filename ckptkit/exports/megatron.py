@@ -28,6 +28,7 @@ writer asks for them, so memory stays about one chunk.
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import re
@@ -51,8 +52,11 @@ from ..state.tree import unescape
 from ..storage import Storage
 from .convert import output_dtype
 from .dcp import file_entry, write_dcp
-from .megatron_llama import Run, fused_llama, llama_optimizer, llama_param_groups, megatron_gpt_of_llama
-from .hf import passthrough
+from ..layouts import builtin
+from ..models.compose import Run, compose
+from ..models.megatron_view import megatron_args, megatron_config, megatron_view
+from ..models.reference import model_of
+from .megatron_optimizer import optimizer_sources, param_groups
 from .source import ExportedFile, ExportedTensor, Source, Writer, Written
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
@@ -89,14 +93,14 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
             EP on a model without experts, experts EP does not divide), layers or experts
             missing, or no optimizer state with `include_optimizer` (every problem named).
     """
-    sources, target = megatron_sources(source, layout, include_optimizer)
+    sources, target = megatron_sources(source, layout, include_optimizer, tp)
     problems = topology_problems(target, Topology(world_size=tp * pp * ep, tp=tp, pp=pp, dp=ep, ep=ep, zero_stage=0))
     if problems:
         raise LayoutError(f"cannot export at tp {tp} x pp {pp}{f' x ep {ep}' if ep != 1 else ''}: " + summarize(problems))
-    entries = plan_entries(source, target, sources, tp, out_dtype)
+    entries = plan_entries(source, target, sources, tp, out_dtype, padded=layout.name != "megatron-gpt")
     groups = None if not include_optimizer else \
-        llama_param_groups(source, experts=layout.name == "llama-moe") if layout.name != "megatron-gpt" else _param_groups(source)
-    chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces}
+        param_groups(source, experts=bool(target.experts)) if layout.name != "megatron-gpt" else _param_groups(source)
+    chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces if fqn}
     skipped = sorted(set(source.manifest.tensors) - chosen)
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
@@ -104,7 +108,8 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
         report: dict[tuple[str, tuple[int, ...]], ExportedTensor] = {}
         where = write_dcp({}, _Planner(source, entries, _extra_states(target), report), dst, tmp)
         tensors = [t.model_copy(update={"file": where[at]}) for at, t in report.items()]
-        common: dict[str, Any] = {}
+        # Megatron-LM's arguments, which say the model, for a model from another view (a Megatron save's own are its objects)
+        common: dict[str, Any] = {} if layout.name == "megatron-gpt" else {"args": argparse.Namespace(**megatron_args(target.config))}
         if groups is not None:
             # one state per optimizer; a mixture of experts' is megatron-core's ChainedOptimizer of two (dense, experts)
             states = [{"param_state_sharding_type": "fully_reshardable", "optimizer": {"param_groups": g}} for g in groups]
@@ -123,28 +128,33 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
 Sources = dict[str, dict[str, list[Run]]]  # Megatron state ("" for the model) -> Megatron name per layer -> its rows
 
 
-def megatron_sources(source: Source, layout: Layout, include_optimizer: bool) -> tuple[Sources, Layout]:
+def megatron_sources(source: Source, layout: Layout, include_optimizer: bool, tp: int = 1) -> tuple[Sources, Layout]:
     """Where each Megatron tensor (per layer, per expert) comes from, and the Megatron layout of
-    the target: a Megatron GPT's tensors as they are; the reference trainer's Llama (layout
-    ``llama``) and mixture of experts (``llama-moe``) fused as Megatron fuses them, with their
-    fp32 masters and moments if asked (an expert's state stacked and cut as its parameters).
+    the target: a Megatron GPT's tensors as they are; any other view of a canonical model (the
+    reference trainer's, a converted Hugging Face model's) through the model (``models.compose``
+    to the Megatron view, its vocabulary padded for `tp`), with its fp32 masters and moments if asked.
 
     Raises:
-        LayoutError: a layout of another family, tensors missing.
+        LayoutError: a layout of no tool's view, an architecture megatron-core's GPT cannot
+            hold (what it lacks named), tensors missing.
     """
     tensors = source.manifest.tensors
-    if layout.name in ("llama", "llama-moe"):
-        optimizer = llama_optimizer(source, layout) if include_optimizer else {}
-        return {"": fused_llama(tensors, layout), **optimizer}, megatron_gpt_of_llama(layout)
-    if passthrough(layout):
-        raise LayoutError(f"{source.loc} is a Hugging Face model ({layout.name!r}): the megatron format writes Megatron-Core "
-                          "GPTs from the reference trainer's llama and llama-moe and from converted Megatron-Core saves; "
-                          "from a Hugging Face model's names it is not written yet (export --format hf, dcp or zarr)")
     if layout.name != "megatron-gpt":
-        raise LayoutError(f"the megatron format writes a Megatron-Core GPT (layout megatron-gpt, or the reference trainer's "
-                          f"llama or llama-moe); {source.loc} is {layout.name!r}: give --layout FILE "
-                          "(ckptkit layout builtin megatron-gpt CONFIG)")
-    out: Sources = {}
+        carried = (source.manifest.info.config or {}).get("config.json")
+        try:
+            spec, view = model_of(layout, carried if isinstance(carried, dict) else None)
+            target = builtin("megatron-gpt", megatron_config(spec, tp))
+            mine = megatron_view(spec, int(target.config["vocab_size"]))  # type: ignore[arg-type]
+        except LayoutError as e:
+            raise LayoutError(f"{source.loc}: {e}") from None
+        out: Sources = {"": compose(spec, view, mine, "model/")}
+        if include_optimizer:
+            out |= optimizer_sources(source, spec, view, mine)
+        missing = sorted({r.fqn for names in out.values() for runs in names.values() for r in runs} - set(tensors))
+        if missing:
+            raise LayoutError(f"cannot export to Megatron: {len(missing)} tensor(s) missing: " + summarize(missing))
+        return out, target
+    out = {}
     for prefix in ["model", *(p for p in STATES if p != "model" and include_optimizer)]:
         names = [f for f in tensors if f.startswith(f"{prefix}/")]
         if not names:
@@ -154,8 +164,10 @@ def megatron_sources(source: Source, layout: Layout, include_optimizer: bool) ->
     return out, layout
 
 
-def plan_entries(source: Source, layout: Layout, sources: Sources, tp: int, out_dtype: str | None) -> list[Entry]:
-    """The Megatron keys of `sources`, each cut into TP pieces per layer (and expert) as `layout` cuts them.
+def plan_entries(source: Source, layout: Layout, sources: Sources, tp: int, out_dtype: str | None,
+                 padded: bool = False) -> list[Entry]:
+    """The Megatron keys of `sources`, each cut into TP pieces per layer (and expert) as `layout`
+    cuts them (`padded`: rows past the sources' are padding, zeros).
 
     Raises:
         LayoutError: a stacked tensor missing layers or experts, or unlike its other layers.
@@ -174,7 +186,7 @@ def plan_entries(source: Source, layout: Layout, sources: Sources, tp: int, out_
     problems: list[str] = []
     entries = []
     for key, by_index in sorted(grouped.items()):
-        entry = _entry(key, by_index, layout, params, shapes, tp, tensors, out_dtype, problems)
+        entry = _entry(key, by_index, layout, params, shapes, tp, tensors, out_dtype, problems, padded)
         if entry is not None:
             entries.append(entry)
     if problems:
@@ -195,7 +207,8 @@ def _stacked(name: str) -> tuple[str, tuple[int, ...]]:
 
 
 def _entry(key: str, by_index: dict[tuple[int, ...], tuple[str, list[Run]]], layout: Layout, params: dict[str, Any],
-           shapes: dict[str, tuple[int, ...]], tp: int, tensors: Any, out_dtype: str | None, problems: list[str]) -> Entry | None:
+           shapes: dict[str, tuple[int, ...]], tp: int, tensors: Any, out_dtype: str | None, problems: list[str],
+           padded: bool) -> Entry | None:
     """One key's entry: a whole tensor, or its layers (and experts) stacked, in the target's TP
     pieces (the model in `out_dtype` if given, the optimizer state as saved)."""
     depth = {len(index) for index in by_index}
@@ -219,7 +232,8 @@ def _entry(key: str, by_index: dict[tuple[int, ...], tuple[str, list[Run]]], lay
     chunks = []
     for index in want:
         name, runs = by_index[index]
-        if shapes.get(name, shape) != shape or sum(r.count for r in runs) != (shape[0] if shape else 1):
+        rows, filled = shape[0] if shape else 1, sum(r.count for r in runs)
+        if shapes.get(name, shape) != shape or filled > rows or (filled < rows and not padded):
             problems.append(f"{key}: {name} is not of the shape {list(shape)} the layout gives")
             return None
         for box in _pieces(name, shape, params, tp):
@@ -230,15 +244,21 @@ def _entry(key: str, by_index: dict[tuple[int, ...], tuple[str, list[Run]]], lay
 
 
 def _from_runs(box: Box, runs: list[Run]) -> tuple[tuple[str, Box], ...]:
-    """The source boxes of `box` of a Megatron tensor made of `runs` of rows, in row order."""
+    """The source boxes of `box` of a Megatron tensor made of `runs` of rows, in row order (rows
+    no run fills: padding, ``""``)."""
     if not box.lengths:
         return ((runs[0].fqn, box),)
     lo, hi = box.offsets[0], box.offsets[0] + box.lengths[0]
-    out = []
+    out, at = [], lo
     for r in runs:
         a, b = max(lo, r.row), min(hi, r.row + r.count)
         if a < b:
+            if a > at:
+                out.append(("", Box((at, *box.offsets[1:]), (a - at, *box.lengths[1:]))))
             out.append((r.fqn, Box((r.src_row + a - r.row, *box.offsets[1:]), (b - a, *box.lengths[1:]))))
+            at = b
+    if at < hi:
+        out.append(("", Box((at, *box.offsets[1:]), (hi - at, *box.lengths[1:]))))
     return tuple(out)
 
 
@@ -312,17 +332,16 @@ class _Planner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(_torch_save([None]))  # megatron-core saves a sharded object as the list of its pieces
         entry, chunk = self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
-        saved = self.source.manifest.tensors[chunk.pieces[0][0]].dtype
-        parts = [torch.from_numpy(self.source.read_box(fqn, box)).view(torch_dtype(saved)).reshape(box.lengths)
-                 for fqn, box in chunk.pieces]
-        out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(chunk.at.lengths).to(torch_dtype(entry.dtype)).contiguous()
+        saved = next((self.source.manifest.tensors[fqn].dtype for fqn, _ in chunk.pieces if fqn), entry.dtype)
+        parts = [torch.from_numpy(self.source.read_box(fqn, box)).view(torch_dtype(saved)).reshape(box.lengths).to(torch_dtype(entry.dtype))
+                 if fqn else torch.zeros(box.lengths, dtype=torch_dtype(entry.dtype)) for fqn, box in chunk.pieces]
+        out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(chunk.at.lengths).contiguous()
         name = f"{entry.key}[{', '.join(f'{o}:{o + n}' for o, n in zip(chunk.at.offsets, chunk.at.lengths))}]"
-        source = " + ".join(f"{fqn}[{', '.join(f'{o}:{o + n}' for o, n in zip(box.offsets, box.lengths))}]" for fqn, box in chunk.pieces)
+        source = " + ".join(f"{fqn or 'padding'}[{', '.join(f'{o}:{o + n}' for o, n in zip(box.offsets, box.lengths))}]" for fqn, box in chunk.pieces)
         self.report[(entry.key, chunk.at.offsets)] = ExportedTensor(
             name=name, source=source, shape=list(chunk.at.lengths), source_dtype=saved, dtype=entry.dtype, file="",
             checksum=checksum_of(byte_view(out)))
         return out
 
 
-__all__ = ["BACKEND", "Chunk", "Entry", "Run", "fused_llama", "megatron_gpt_of_llama",
-           "megatron_sources", "megatron_writer", "plan_entries"]
+__all__ = ["BACKEND", "Chunk", "Entry", "Run", "megatron_sources", "megatron_writer", "plan_entries"]

@@ -162,8 +162,10 @@ def report_bytes(report: ExportReport) -> bytes:
     return report.model_dump_json(indent=2).encode()
 
 
-def exported(source: Source, name: str, fqn: str, data: memoryview, dtype: str, file: str) -> ExportedTensor:
-    """The report line of tensor `fqn` exported as `name` (bytes `data` in `dtype`) in `file`."""
+def exported(source: Source, name: str, fqn: str, data: memoryview, dtype: str, file: str,
+             shape: tuple[int, ...] | None = None, described: str | None = None) -> ExportedTensor:
+    """The report line of tensor `fqn` exported as `name` (bytes `data` in `dtype`) in `file`: of
+    `shape` (default: the source's), its source `described` (default: `fqn`) when it is made of more."""
     entry = source.manifest.tensors[fqn]
-    return ExportedTensor(name=name, source=fqn, shape=list(entry.shape), source_dtype=entry.dtype,
-                          dtype=dtype, file=file, checksum=checksum_of(data))
+    return ExportedTensor(name=name, source=described or fqn, shape=list(entry.shape if shape is None else shape),
+                          source_dtype=entry.dtype, dtype=dtype, file=file, checksum=checksum_of(data))

@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import LayoutError
-from ..models.hf_view import hf_layout
 from .names import MEGATRON_LOCAL_EXPERTS
 from .model import DEFAULT_STATES, Constraint, Layout, Param, StateGroup, TensorPart, TPCut, Unit
 
@@ -127,6 +126,8 @@ def gpt2(config: Mapping[str, Any]) -> Layout:
 def hf(config: Mapping[str, Any]) -> Layout:
     """The model a Hugging Face ``config.json`` describes (any ``model_type`` with a canonical
     model, ``ckptkit.models``) under its Hugging Face names."""
+    from ..models.hf_view import hf_layout  # models build layouts: imported when first asked, not with this package
+
     return hf_layout(config)
 
 
@@ -134,7 +135,7 @@ MEGATRON_GPT_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hi
 
 
 def megatron_gpt(config: Mapping[str, Any]) -> Layout:
-    """A Megatron-Core ``GPTModel`` (local or TransformerEngine layer spec, no biases) under
+    """A Megatron-Core ``GPTModel`` (local or TransformerEngine layer spec, no biases but q, k, v's) under
     Megatron's names, layers split per layer (``decoder.layers.<i>.…``, as the ``megatron``
     converter writes them): ``linear_qkv`` fused and interleaved per query group (so a TP rank
     holds a run of whole groups: a dim-0 cut), ``linear_fc1`` of a gated MLP ``[gate; up]`` (each
@@ -144,6 +145,9 @@ def megatron_gpt(config: Mapping[str, Any]) -> Layout:
     Config: Megatron's names (``num_layers``, ``hidden_size``, ``num_attention_heads``,
     ``ffn_hidden_size``, ``vocab_size``; optional ``num_query_groups``, ``kv_channels``,
     ``gated_linear_unit`` (default true), ``share_embeddings_and_output_weights`` (default false),
+    ``add_qkv_bias`` (``linear_qkv.bias``, interleaved as its weight), ``qk_layernorm`` (per-head
+    ``q_layernorm``, ``k_layernorm``), ``unpadded_vocab_size`` (the model's vocabulary, when
+    ``vocab_size`` holds padding rows),
     ``num_moe_experts`` with ``moe_ffn_hidden_size`` (default ``ffn_hidden_size``) for a mixture
     of experts, and for export ``max_sequence_length``, ``layernorm_epsilon``, ``rotary_base``,
     ``moe_router_topk``).
@@ -162,9 +166,14 @@ def megatron_gpt(config: Mapping[str, Any]) -> Layout:
     hd = c.get("kv_channels") or h // heads
     gated = c.get("gated_linear_unit", True) is not False
     p = f"decoder.layers.{L}."
+    qkv = (heads + 2 * groups) * hd
     layer = Unit(name=f"decoder.layers.{L}", place="layers", params=(
         _param("self_attention.linear_qkv.layer_norm_weight", [(p + "self_attention.linear_qkv.layer_norm_weight", (h,))]),
-        _param("self_attention.linear_qkv.weight", [(p + "self_attention.linear_qkv.weight", ((heads + 2 * groups) * hd, h))], 0),
+        _param("self_attention.linear_qkv.weight", [(p + "self_attention.linear_qkv.weight", (qkv, h))], 0),
+        *((_param("self_attention.linear_qkv.bias", [(p + "self_attention.linear_qkv.bias", (qkv,))], 0),)
+          if c.get("add_qkv_bias") else ()),
+        *(_param(f"self_attention.{x}_layernorm.weight", [(f"{p}self_attention.{x}_layernorm.weight", (hd,))])
+          for x in ("q", "k") if c.get("qk_layernorm")),
         _param("self_attention.linear_proj.weight", [(p + "self_attention.linear_proj.weight", (h, heads * hd))], 1),
         _param("mlp.linear_fc1.layer_norm_weight", [(p + "mlp.linear_fc1.layer_norm_weight", (h,))]),
         *(_megatron_mlp("mlp.", p + "mlp.", h, f, gated) if experts is None else

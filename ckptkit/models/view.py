@@ -43,7 +43,14 @@ class View:
     experts: str = "mlp.experts"  # the experts' module, relative to the layer
     expert_names: Mapping[str, str] = field(default_factory=dict)  # canonical name in an expert -> the tool's
     fused: tuple[Fuse, ...] = ()
+    expert_fused: tuple[Fuse, ...] = ()  # fusions within an expert (names relative to it)
     transposed: bool = False  # the layers' matrices are stored [in, out]
+    vocab_rows: int = 0  # the rows the tool stores a vocabulary in, padded (0: the model's)
+
+    def padded_rows(self, tensor: Tensor) -> int:
+        """The rows the tool stores `tensor` in: its own, or a vocabulary's padded ones."""
+        rows = tensor.shape[0] if tensor.shape else 1
+        return max(self.vocab_rows, rows) if tensor.cut == "vocab" else rows
 
     def rename(self, scope: str, name: str) -> str:
         """The tool's name of canonical `name` in `scope` (``top``, ``layer`` or ``expert``).
@@ -57,11 +64,11 @@ class View:
         return table[name]
 
 
-def _cut(tensor: Tensor, transposed: bool) -> TPCut | None:
+def _cut(tensor: Tensor, transposed: bool, padded: bool = False) -> TPCut | None:
     if tensor.cut is None:
         return None
-    if tensor.cut == "vocab":
-        return TPCut(dim=0, pad_multiple=1)
+    if tensor.cut == "vocab":  # padded to a multiple of tp here, unless the tool stores it padded
+        return TPCut(dim=0) if padded else TPCut(dim=0, pad_multiple=1)
     dim = 0 if tensor.cut == "column" else 1
     return TPCut(dim=1 - dim if transposed and len(tensor.shape) == 2 else dim)
 
@@ -70,8 +77,14 @@ def _stored(shape: tuple[int, ...], transposed: bool) -> tuple[int, ...]:
     return shape[::-1] if transposed and len(shape) == 2 else shape
 
 
-def _param(tensor: Tensor, name: str, full: str, transposed: bool = False) -> Param:
-    return Param(name=name, parts=(TensorPart(tensor=full, shape=_stored(tensor.shape, transposed)),), tp=_cut(tensor, transposed))
+def _param(tensor: Tensor, name: str, full: str, view: View, transposed: bool = False) -> Param:
+    rows = view.padded_rows(tensor)
+    shape = _stored((rows, *tensor.shape[1:]) if tensor.shape else (), transposed)
+    return Param(name=name, parts=(TensorPart(tensor=full, shape=shape),), tp=_cut(tensor, transposed, rows != _rows(tensor)))
+
+
+def _rows(tensor: Tensor) -> int:
+    return tensor.shape[0] if tensor.shape else 1
 
 
 def _fused(fuse: Fuse, tensors: Mapping[str, Tensor], full: str, transposed: bool) -> Param:
@@ -89,19 +102,23 @@ def _fused(fuse: Fuse, tensors: Mapping[str, Tensor], full: str, transposed: boo
                  tp=TPCut(dim=dim))
 
 
-def _layer_params(block: Block, view: View) -> tuple[Param, ...]:
-    by_name = {t.name: t for t in block.tensors}
-    fused = {p: f for f in view.fused if all(q in by_name for q in f.parts) for p in f.parts}
+def _scope_params(tensors: tuple[Tensor, ...], fusions: tuple[Fuse, ...], scope: str, module: str, local: str,
+                  view: View) -> tuple[Param, ...]:
+    """The parameters of one scope (a layer: `local` ""; an expert: ``{expert}.``), fused as the
+    view fuses them, their tensors under `module` (the scope's module) and `local`."""
+    by_name = {t.name: t for t in tensors}
+    fused = {p: f for f in fusions if all(q in by_name for q in f.parts) for p in f.parts}
     out, done = [], set()
-    for tensor in block.tensors:
+    for tensor in tensors:
         fuse = fused.get(tensor.name)
         if fuse is not None:
             if fuse.name not in done:
                 done.add(fuse.name)
-                out.append(_fused(fuse, by_name, f"{view.layer}.{fuse.name}", view.transposed))
+                param = _fused(fuse, by_name, f"{module}.{local}{fuse.name}", view.transposed)
+                out.append(Param(name=local + param.name, parts=param.parts, tp=param.tp))
             continue
-        name = view.rename("layer", tensor.name)
-        out.append(_param(tensor, name, f"{view.layer}.{name}", view.transposed))
+        name = local + view.rename(scope, tensor.name)
+        out.append(_param(tensor, name, f"{module}.{name}", view, view.transposed))
     return tuple(out)
 
 
@@ -111,7 +128,7 @@ def _top_units(tensors: tuple[Tensor, ...], view: View, place: str) -> list[Unit
     for tensor in tensors:
         full = view.rename("top", tensor.name)
         module, _, name = full.rpartition(".")
-        by_module.setdefault(module, []).append(_param(tensor, name, full))
+        by_module.setdefault(module, []).append(_param(tensor, name, full, view))
     return [Unit(name=module, place=place, params=tuple(params)) for module, params in by_module.items()]  # type: ignore[arg-type]
 
 
@@ -125,11 +142,11 @@ def layout_of(spec: ModelSpec, view: View) -> Layout:
     kinds = spec.kinds()
     for block, layers in kinds:
         on = None if len(kinds) == 1 else layers
-        units.append(Unit(name=view.layer, place="layers", layers=on, params=_layer_params(block, view)))
+        units.append(Unit(name=view.layer, place="layers", layers=on,
+                          params=_scope_params(block.tensors, view.fused, "layer", view.layer, "", view)))
         if block.experts:
             module = f"{view.layer}.{view.experts}"
-            params = tuple(_param(t, f"{EXPERT}.{n}", f"{module}.{EXPERT}.{n}", view.transposed)
-                           for t in block.expert_tensors for n in (view.rename("expert", t.name),))
+            params = _scope_params(block.expert_tensors, view.expert_fused, "expert", module, f"{EXPERT}.", view)
             units.append(Unit(name=module, place="layers", layers=on, experts=block.experts, params=params))
     units += _top_units(spec.last, view, "last")
     constraints = tuple(Constraint(axis=r.axis, divides=r.divides, at_most=r.at_most, what=r.what) for r in spec.rules)

@@ -3,9 +3,10 @@
 A checkpoint's parameters may be named by another layout than the model loading them: a
 Hugging Face Llama converted by ``ckptkit convert`` (layout ``hf-llama``) holds
 ``model/model.layers.0.self_attn.q_proj.weight`` where the reference trainer (layout ``llama``)
-has ``model/layers.0.attn.q.weight``. The names are mapped through the one Hugging Face name
-map (``layouts.names.hf_name``), read the other way; the bytes are then read by the ordinary load,
-each rank reading only its own boxes.
+has ``model/layers.0.attn.q.weight``. The names are mapped through the canonical model both
+layouts are views of (``models.compose``), where each of the loading model's tensors is one of
+the checkpoint's, renamed; the bytes are then read by the ordinary load, each rank reading only
+its own boxes.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any
 import torch
 
 from ..errors import LayoutError, summarize
-from ..layouts.names import hf_name
 from ..layouts import Layout, layout_for
+from ..models.compose import compose, placed
+from ..models.reference import model_of
 from ..manifest import Manifest
 from ..state.sharded import ShardedTensor
 from ..state.torch_io import leaf_shards, torch_dtype
@@ -30,29 +32,30 @@ from .load import Checkpoint, open
 # (once a tensor takes it past, the ones gathered so far are loaded and cast).
 STAGED_BYTES = 1 << 30
 
-# The source layouts each target layout can take parameters from under other names: target
-# name -> source name (both without the ``model/`` prefix; None: the target name has none).
-RENAMES = {("hf-llama", "llama"): hf_name}
-
-
 def weight_names(source: Layout, target: Layout) -> dict[str, str]:
-    """Map every tensor of the `target` layout to its name in the `source` layout (pure).
+    """Map every tensor of the `target` layout to its name in the `source` layout (pure): the
+    same name in the same layout; else, both being views of the target's canonical model, the
+    source tensor each target tensor is, renamed.
 
     Raises:
-        LayoutError: no name map leads from the source's layout to the target's, or a target
-            tensor has no name in the source's.
+        LayoutError: a layout that is no tool's view of a canonical model, or a target tensor
+            that is not one whole source tensor (the views fuse it otherwise).
     """
     if source.name == target.name:
         return {name: name for name in target.tensors()}
-    rename = RENAMES.get((source.name, target.name))
-    if rename is None:
-        known = ", ".join(f"{a} -> {b}" for a, b in RENAMES)
-        raise LayoutError(f"no name map from the layout {source.name!r} to {target.name!r} (known: the same layout, {known})")
-    names = {name: rename(name) for name in target.tensors()}
-    unnamed = sorted(name for name, src in names.items() if src is None)
-    if unnamed:
-        raise LayoutError(f"{len(unnamed)} tensor(s) of the layout {target.name!r} have no name in {source.name!r}: " + summarize(unnamed))
-    return {name: src for name, src in names.items() if src is not None}
+    try:
+        spec, mine = model_of(target)
+        _, theirs = model_of(source)
+        runs = compose(spec, theirs, mine)
+        rows = placed(spec, theirs).shapes
+    except LayoutError as e:
+        raise LayoutError(f"no name map from the layout {source.name!r} to {target.name!r}: {e}") from None
+    fused = sorted(name for name, rs in runs.items()
+                   if len(rs) != 1 or rs[0].src_row or rs[0].count != (rows[rs[0].fqn] or (1,))[0])
+    if fused:
+        raise LayoutError(f"no name map from the layout {source.name!r} to {target.name!r}: {len(fused)} tensor(s) are fused or "
+                          "cut otherwise there, which a weights-only start does not do: " + summarize(fused))
+    return {name: rs[0].fqn for name, rs in runs.items()}
 
 
 def load_weights(

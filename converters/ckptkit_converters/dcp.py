@@ -130,6 +130,20 @@ class Naming:
         return fqn_of(key)
 
 
+class LayoutNaming(Naming):
+    """A naming that knows the names a layout gives: a DCP key that is one of them (with ``.``
+    for each ``/``: ``model.decoder.layers.0.mlp.linear_fc1.weight``) becomes that name
+    (``model/decoder.layers.0.mlp.linear_fc1.weight``), every other key is split at every ``.``."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.known = {dcp_key(f"{state.prefix}/{escape(name)}"): f"{state.prefix}/{escape(name)}"
+                      for state in layout.states for name in layout.tensors()}
+
+    def tensors(self, key: str, meta: TensorMeta) -> list[Named]:
+        return [Named(self.known.get(key, fqn_of(key)), kind_of(key, self.optimizers), meta.shape,
+                      Box((0,) * len(meta.shape), meta.shape))]
+
+
 @dataclass(frozen=True, slots=True)
 class Planned:
     """A tensor of the plan: what is written (`spec`), from the `region` of DCP entry `key`."""
@@ -191,7 +205,8 @@ class DcpConverter:
     def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
                 layout: Layout | None = None) -> ConvertReport:
         """Convert the DCP directory `src` into the committed ckptkit checkpoint `dst` (recording
-        `layout`, if given: DCP records none).
+        `layout`, if given: DCP records none; the DCP keys of its tensors, whose names hold
+        ``.``, become those names).
 
         Raises:
             ManifestError: ``.metadata`` refused (a class outside the allowlist, named) or
@@ -204,7 +219,8 @@ class DcpConverter:
         if not os.path.isdir(src):
             raise IntegrityError(f"{src}: no such directory")
         md = _metadata_of(src)
-        return write_plan(NAME, src, dst, md, plan_conversion(src, md), allow_skip=allow_skip, progress=progress,
+        naming = LayoutNaming(layout) if layout is not None else None
+        return write_plan(NAME, src, dst, md, plan_conversion(src, md, naming), allow_skip=allow_skip, progress=progress,
                           started=started, layout=layout)
 
 

@@ -60,6 +60,7 @@ from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit.manifest import CheckpointInfo
 from ckptkit.layouts import Layout, builtin, fit_problems
 from ckptkit.layouts.names import MEGATRON_EXPERTS, MEGATRON_LOCAL_EXPERTS
+from ckptkit.models.megatron_view import ARGS  # Megatron-LM's names, one table with the export's
 from ckptkit.manifest.model import ModelInfo, OptimizerInfo, ParamGroup
 from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry
 from ckptkit.state.tree import escape, json_problems
@@ -280,12 +281,6 @@ class MegatronConverter:
                           info=info, layout=layout)
 
 
-# Megatron-LM's argument -> the megatron-gpt layout's config key (Megatron-Core's name).
-ARGS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
-        "ffn_hidden_size": "ffn_hidden_size", "padded_vocab_size": "vocab_size", "kv_channels": "kv_channels",
-        "max_position_embeddings": "max_sequence_length", "norm_epsilon": "layernorm_epsilon", "rotary_base": "rotary_base"}
-
-
 def model_config(args: Any) -> dict[str, JsonValue] | None:
     """The ``megatron-gpt`` layout's config from Megatron-LM's arguments (as a dict), or None
     when they do not describe a GPT of that form (no arguments, biases, learned positions)."""
@@ -295,18 +290,19 @@ def model_config(args: Any) -> dict[str, JsonValue] | None:
         return None
     if args.get("add_bias_linear") or args.get("position_embedding_type", "rope") != "rope":
         return None
-    config: dict[str, JsonValue] = {mine: args[theirs] for theirs, mine in ARGS.items() if args.get(theirs) is not None}
+    config: dict[str, JsonValue] = {mine: args[theirs] for theirs, mine in ARGS.items() if args.get(theirs) is not None
+                                    and theirs not in ("num_query_groups", "vocab_size", "num_experts")}
     if args.get("group_query_attention") and isinstance(args.get("num_query_groups"), int):
         config["num_query_groups"] = args["num_query_groups"]
+    vocab = args.get("vocab_size")  # the tokenizer's, when given: the rows past it are padding
+    if isinstance(vocab, int) and 0 < vocab < args["padded_vocab_size"]:
+        config["unpadded_vocab_size"] = vocab
     config["gated_linear_unit"] = bool(args.get("swiglu"))
     experts = args.get("num_experts")
     if isinstance(experts, int) and experts > 0:
         if args.get("moe_grouped_gemm"):
             return None  # grouped experts (TEGroupedMLP) are saved in another form than SequentialMLP's
         config["num_moe_experts"] = experts
-        for name in ("moe_ffn_hidden_size", "moe_router_topk"):
-            if isinstance(args.get(name), int):
-                config[name] = args[name]
     config["share_embeddings_and_output_weights"] = not args.get("untie_embeddings_and_output_weights", False)
     return config
 

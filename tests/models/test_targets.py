@@ -15,6 +15,7 @@ import torch
 import ckptkit
 
 from .test_hf_architectures import CONFIGS, _saved
+from .test_megatron_views import HELD
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,3 +97,4 @@ def test_the_published_matrix_is_what_the_code_gives_and_leaves_no_cell_unexplai
     assert matrix.page(table) == published, "regenerate: python -m tests.models.matrix > docs/MATRIX.md"
     assert "written, not checked" not in published
     assert all(row["hf"] == "ok" and row["dcp plain"] == "ok" and row["zarr"] == "ok" for row in table.values())
+    assert sorted(name for name, row in table.items() if row["megatron"] == "ok") == sorted(HELD)  # each loaded by megatron-core

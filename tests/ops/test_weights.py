@@ -9,7 +9,7 @@ import torch
 
 import ckptkit
 from ckptkit import LayoutError, ShardedTensor
-from ckptkit.layouts import hf_llama, reference_llama
+from ckptkit.layouts import builtin, hf_llama, reference_llama
 from ckptkit.ops.weights import weight_names
 
 LLAMA = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -31,8 +31,13 @@ def test_hf_names_map_onto_the_reference_llamas() -> None:
     assert names["layers.0.mlp_norm.weight"] == "model.layers.0.post_attention_layernorm.weight"
     assert names["embed.weight"] == "model.embed_tokens.weight" and len(names) == 21
     assert weight_names(reference_llama(LLAMA), reference_llama(LLAMA))["embed.weight"] == "embed.weight"
-    with pytest.raises(LayoutError, match="no name map from the layout 'llama' to 'hf-llama'"):
-        weight_names(reference_llama(LLAMA), hf_llama(HF))
+    assert weight_names(reference_llama(LLAMA), hf_llama(HF))["model.layers.1.self_attn.q_proj.weight"] == "layers.1.attn.q.weight"
+    megatron = builtin("megatron-gpt", dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2,
+                                            ffn_hidden_size=24, vocab_size=40))
+    with pytest.raises(LayoutError, match=r"no name map from the layout 'llama' to 'megatron-gpt': 4 tensor\(s\) are fused"):
+        weight_names(reference_llama(LLAMA), megatron)  # q, k, v and gate, up fused in each of 2 layers
+    with pytest.raises(LayoutError, match="no name map from the layout 'deepspeed' to 'llama'"):
+        weight_names(reference_llama(LLAMA).model_copy(update={"name": "deepspeed"}), reference_llama(LLAMA))
 
 
 def test_a_box_of_a_bf16_hf_weight_is_cast_into_an_fp32_target(tmp_path: Path) -> None:

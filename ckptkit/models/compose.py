@@ -1,0 +1,165 @@
+"""Conversion from one view of a canonical model to another (pure): where each of the target
+tool's tensors comes from, as runs of rows of the source tool's tensors.
+
+A view places every canonical tensor in one of its tool's tensors (`placed`): whole, as a
+block of rows of a fused tensor (Phi-3's ``qkv_proj``, Megatron's ``[gate; up]``), or as one run
+of rows per group of an interleaved one (Megatron's ``linear_qkv``, GPT-NeoX's
+``query_key_value``). `compose` joins two placements through the canonical names: each target
+tensor's rows, in order, are runs of rows of source tensors (`Run`), rows no canonical tensor
+fills being padding (Megatron's vocabulary, padded to a multiple of its TP). So converting any
+view to any other is one function, and adding a tool is one view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..errors import LayoutError, summarize
+from .spec import ModelSpec, Tensor
+from .view import EXPERT, LAYER, Fuse, View
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Rows [row, row + count) of a target tensor are rows [src_row, src_row + count) of `fqn`."""
+
+    row: int
+    count: int
+    fqn: str
+    src_row: int
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Rows [row, row + count) of the tool's tensor `stored` are rows [at, at + count) of canonical tensor `canonical`."""
+
+    stored: str
+    row: int
+    canonical: str
+    at: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A model under a view: each tool tensor's shape, and the spans that fill it, in row order."""
+
+    shapes: dict[str, tuple[int, ...]]
+    spans: dict[str, tuple[Span, ...]]
+
+    def of_canonical(self) -> dict[str, list[Span]]:
+        """The spans of each canonical tensor, in its row order."""
+        out: dict[str, list[Span]] = {}
+        for spans in self.spans.values():
+            for s in spans:
+                out.setdefault(s.canonical, []).append(s)
+        return {name: sorted(spans, key=lambda s: s.at) for name, spans in out.items()}
+
+
+def _rows(t: Tensor) -> int:
+    return t.shape[0] if t.shape else 1
+
+
+def _stored_shape(t: Tensor, view: View, top: bool, rows: int | None = None) -> tuple[int, ...]:
+    shape = (rows if rows is not None else view.padded_rows(t), *t.shape[1:]) if t.shape else ()
+    return shape[::-1] if view.transposed and not top and len(shape) == 2 else shape  # the layers' matrices only
+
+
+def _group(prefix: str, canonical: str, tensors: tuple[Tensor, ...], names: str, fused: tuple[Fuse, ...],
+           view: View) -> Iterator[tuple[str, tuple[int, ...], tuple[Span, ...]]]:
+    """The tool tensors of one scope (a layer, an expert): `prefix` the tool's, `canonical` the
+    canonical prefix of its tensors; `names` the view's table for the scope."""
+    by_name = {t.name: t for t in tensors}
+    fusing = {p: f for f in fused if all(q in by_name for q in f.parts) for p in f.parts}
+    done: set[str] = set()
+    for t in tensors:
+        fuse = fusing.get(t.name)
+        if fuse is None:
+            stored = prefix + view.rename(names, t.name)
+            yield stored, _stored_shape(t, view, names == "top"), (Span(stored, 0, canonical + t.name, 0, _rows(t)),)
+            continue
+        if fuse.name in done:
+            continue
+        done.add(fuse.name)
+        parts = [by_name[p] for p in fuse.parts]
+        stored, rows = prefix + fuse.name, [_rows(p) for p in parts]
+        groups = fuse.groups or 1
+        if any(r % groups for r in rows):
+            raise LayoutError(f"{stored}: fuses {', '.join(fuse.parts)} in {groups} groups, which do not divide their rows {rows}")
+        spans, row = [], 0
+        for g in range(groups):
+            for p, r in zip(parts, rows):
+                spans.append(Span(stored, row, canonical + p.name, g * r // groups, r // groups))
+                row += r // groups
+        yield stored, _stored_shape(parts[0], view, names == "top", sum(rows)), tuple(spans)
+
+
+def placed(spec: ModelSpec, view: View) -> Placement:
+    """Every tool tensor of `spec` under `view`, with its shape and the canonical rows it holds.
+
+    Raises:
+        LayoutError: the view has no name for a tensor of the model, or a fusion that does not
+            divide its parts' rows.
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    spans: dict[str, tuple[Span, ...]] = {}
+
+    def add(found: Iterator[tuple[str, tuple[int, ...], tuple[Span, ...]]]) -> None:
+        for stored, shape, s in found:
+            shapes[stored], spans[stored] = shape, s
+
+    add(_group("", "", spec.first, "top", (), view))
+    for i, block in enumerate(spec.layers):
+        layer = view.layer.replace(LAYER, str(i)) + "."
+        add(_group(layer, f"layers.{i}.", block.tensors, "layer", view.fused, view))
+        for e in range(block.experts):
+            add(_group(f"{layer}{view.experts}.{e}.", f"layers.{i}.mlp.experts.{e}.", block.expert_tensors, "expert",
+                       view.expert_fused, view))
+    add(_group("", "", spec.last, "top", (), view))
+    return Placement(shapes, spans)
+
+
+def compose(spec: ModelSpec, source: View, target: View, prefix: str = "") -> dict[str, list[Run]]:
+    """Where each of `target`'s tensors comes from in a checkpoint of `spec` saved under
+    `source`'s names (each name prefixed with `prefix`, a state's: ``model/``): runs of rows of
+    source tensors, in the target tensor's row order (rows no run covers are padding).
+
+    Raises:
+        LayoutError: either view lacks a name for a tensor of the model, or one of them stores
+            matrices transposed and the other not (a conversion not written yet).
+    """
+    if source == target:  # the same names: each tensor is itself
+        return {name: [Run(0, shape[0] if shape else 1, prefix + name, 0)] for name, shape in placed(spec, source).shapes.items()}
+    if source.transposed != target.transposed:
+        raise LayoutError(f"converting {source.name} to {target.name} would transpose its matrices, which is not written yet")
+    src = placed(spec, source).of_canonical()
+    out: dict[str, list[Run]] = {}
+    missing: list[str] = []
+    for stored, spans in placed(spec, target).spans.items():
+        runs = out.setdefault(stored, [])
+        for s in spans:
+            for have in src.get(s.canonical, ()):
+                lo, hi = max(s.at, have.at), min(s.at + s.count, have.at + have.count)
+                if lo < hi:
+                    runs.append(Run(s.row + lo - s.at, hi - lo, prefix + have.stored, have.row + lo - have.at))
+            if s.canonical not in src:
+                missing.append(s.canonical)
+    if missing:
+        raise LayoutError(f"the {source.name} view places no {summarize(missing)}")
+    return {name: _merged(runs) for name, runs in out.items()}
+
+
+def _merged(runs: list[Run]) -> list[Run]:
+    """Adjacent runs of one source's consecutive rows as one."""
+    out: list[Run] = []
+    for r in runs:
+        last = out[-1] if out else None
+        if last and last.fqn == r.fqn and last.row + last.count == r.row and last.src_row + last.count == r.src_row:
+            out[-1] = Run(last.row, last.count + r.count, r.fqn, last.src_row)
+        else:
+            out.append(r)
+    return out
+
+
+__all__ = ["Placement", "Run", "Span", "compose", "placed"]

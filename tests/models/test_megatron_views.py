@@ -1,0 +1,151 @@
+"""Hugging Face models into Megatron-Core and back, through the canonical model: every architecture
+megatron-core's GPTModel holds (Llama, tied or not, Mistral, Qwen2's q, k, v biases, Qwen3's q/k
+norms, Phi-3's fused tensors, Mixtral, Qwen3-MoE), made by transformers (tiny, non-square, an
+odd vocabulary), each converted, resharded to tp 2 x pp 2 (a tied head pp 1; experts x ep 2),
+exported to Megatron-Core at that
+topology, loaded by megatron-core at tp 2 with logits equal to transformers' (<= 1e-4), then
+converted back with no layout named (the Megatron-LM arguments the export writes say it) and
+exported to Hugging Face: every tensor the original saved, bitwise. Architectures megatron-core
+has no module for, or whose Megatron names are not written yet, are refused, naming what they
+need. And a Megatron-Core GPT goes out to Hugging Face or DCP and comes back bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ckptkit
+from ckptkit.errors import LayoutError
+from ckptkit.manifest import Topology
+from ckptkit.models import spec_from_config
+from ckptkit.models.megatron_view import megatron_config
+
+from ..converters.checks import assert_nothing_written, megatron_common, one_line_error
+from .test_hf_architectures import _saved
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.multiprocess
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+HELD = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("name", HELD)
+def test_a_hugging_face_model_runs_in_megatron_core_and_comes_back_bitwise(name: str, tmp_path: Path, run_ckptkit: Any) -> None:
+    from ..ranks import run_ranks
+    from .megatron_gpt_job import job
+
+    src, model = _saved(name, torch.float32, tmp_path)
+    converted, resharded, out, back = (tmp_path / n for n in ("converted", "resharded", "megatron", "back"))
+    ep, pp = 2 if "moe" in name or name == "mixtral" else 1, 1 if "tied" in name else 2
+    ckptkit.convert(src, converted)
+    ckptkit.reshard(converted, resharded, Topology(world_size=2 * pp * ep, tp=2, pp=pp, dp=ep, ep=ep, zero_stage=0), update_latest=False)
+    proc = run_ckptkit("export", str(resharded), str(out), "--format", "megatron", "--tp", "2", "--pp", str(pp), "--ep", str(ep))
+    assert proc.returncode == 0, proc.stderr
+
+    config = megatron_config(spec_from_config(json.loads((src / "config.json").read_text())), 2)
+    args = vars(megatron_common(out / "common.pt")["args"])  # what a Megatron-LM job resumes with
+    assert args["padded_vocab_size"] == config["vocab_size"] == 102 and args["vocab_size"] == 101
+    assert args.get("add_qkv_bias", False) == (name == "qwen2") and args.get("num_experts") == (4 if ep == 2 else None)
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(1))
+    save_file({"ids": ids}, str(tmp_path / "ids.safetensors"))
+    loaded = tmp_path / "loaded"
+    loaded.mkdir()
+    run_ranks(job, (2, str(out), str(tmp_path / "ids.safetensors"), str(loaded), 29300 + os.getpid() % 500, config), 2)
+    logits = load_file(str(loaded / "logits.safetensors"))["logits"]
+    with torch.no_grad():
+        want = model(ids).logits
+    assert logits.shape == (2, 9, 102)  # the padded vocabulary: its row of zeros gives logits of 0
+    assert (logits[..., :101] - want).abs().max().item() <= 1e-4 and torch.all(logits[..., 101:] == 0)
+
+    proc = run_ckptkit("convert", "--from", "megatron", str(out), str(back))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_ckptkit("export", str(back), str(tmp_path / "hf"), "--format", "hf", "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr
+    got, original = _tensors(tmp_path / "hf"), _tensors(src)
+    if name == "phi3":  # it comes back a Llama (Megatron's arguments say no more): Phi-3's fused tensors cut apart
+        assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
+        original = _unfused_phi3(original, model.config)
+    assert sorted(got) == sorted(original)
+    assert [k for k, v in original.items() if got[k].dtype != v.dtype or not torch.equal(got[k], v)] == []
+
+
+def _unfused_phi3(tensors: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """Phi-3's ``qkv_proj`` and ``gate_up_proj`` as a Llama's q, k, v and gate, up."""
+    hd = config.hidden_size // config.num_attention_heads
+    q, kv, f = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.intermediate_size
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith("self_attn.qkv_proj.weight"):
+            p = key.removesuffix("qkv_proj.weight")
+            out |= {f"{p}q_proj.weight": value[:q], f"{p}k_proj.weight": value[q:q + kv], f"{p}v_proj.weight": value[q + kv:]}
+        elif key.endswith("mlp.gate_up_proj.weight"):
+            p = key.removesuffix("gate_up_proj.weight")
+            out |= {f"{p}gate_proj.weight": value[:f], f"{p}up_proj.weight": value[f:]}
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    ("gemma", "megatron-core's GPTModel has no module for a model of type gemma: it needs embeddings scaled by sqrt(hidden)"),
+    ("gpt_neox", "megatron-core's GPTModel has no module for a model of type gpt_neox: it needs attention and MLP in parallel"),
+    ("qwen2_moe", "the Megatron-Core view of a model of type qwen2_moe is not written yet: its gated shared expert"),
+    ("deepseek_v3", "the Megatron-Core view of a model of type deepseek_v3 is not written yet: multi-head latent attention"),
+])
+def test_an_architecture_megatron_core_has_no_module_for_is_refused_in_one_line(name: str, says: str, tmp_path: Path,
+                                                                                  run_ckptkit: Any) -> None:
+    src, _ = _saved(name, torch.float32, tmp_path)
+    ckptkit.convert(src, tmp_path / "converted")
+    proc = run_ckptkit("export", str(tmp_path / "converted"), str(tmp_path / "out"), "--format", "megatron")
+    assert proc.returncode == 1 and says in one_line_error(proc.stderr), proc.stderr
+    assert_nothing_written(tmp_path, tmp_path / "out")
+    with pytest.raises(LayoutError, match=f"type {name}"):
+        megatron_config(spec_from_config(json.loads((src / "config.json").read_text())), 1)
+
+
+MEGATRON = Path(__file__).resolve().parents[2] / "fixtures" / "megatron"
+
+
+@pytest.mark.parametrize("via", ["hf", "dcp"])
+def test_a_megatron_core_gpt_goes_out_and_comes_back_bitwise(via: str, tmp_path: Path, run_ckptkit: Any) -> None:
+    # megatron-core's own save -> convert -> export to Hugging Face (or DCP) -> convert -> export
+    # to Megatron-Core: megatron-core's load_plain_tensors reads every model tensor of its save
+    from ckptkit.layouts import builtin
+
+    from ..megatron_moe_job import plain_job
+    from ..ranks import run_ranks
+
+    oracle = MEGATRON / "gpt-tp2-dp2.oracle"
+    config = json.loads((oracle / "config.json").read_text())
+    keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
+    layout = tmp_path / "layout.json"  # megatron-core's save (no Megatron-LM arguments) does not say its model
+    layout.write_text(json.dumps(builtin("megatron-gpt", {k: config[k] for k in keys}).to_json()))
+    converted, out, back, megatron = (tmp_path / n for n in ("converted", "out", "back", "megatron"))
+    assert run_ckptkit("convert", str(MEGATRON / "gpt-tp2-dp2"), str(converted), "--layout", str(layout)).returncode == 0
+    form = ("--format", "hf", "--dtype", "fp32") if via == "hf" else ("--format", "dcp", "--dcp-form", "plain")
+    proc = run_ckptkit("export", str(converted), str(out), *form)
+    assert proc.returncode == 0, proc.stderr
+    again = () if via == "hf" else ("--layout", str(layout))  # a Hugging Face directory says its model, DCP's files do not
+    proc = run_ckptkit("convert", "--from", via, str(out), str(back), *again)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_ckptkit("export", str(back), str(megatron), "--format", "megatron", "--tp", "2")
+    assert proc.returncode == 0, proc.stderr
+    read = tmp_path / "read"
+    read.mkdir()
+    run_ranks(plain_job, (1, str(megatron), str(read), 29900 + os.getpid() % 90), 1)
+    got = load_file(str(read / "plain.safetensors"))
+    want = {k: v for k, v in load_file(str(oracle / "plain.safetensors")).items() if not k.startswith("optimizer.")}
+    assert sorted(got) == sorted(want)
+    assert [k for k, v in want.items() if got[k].dtype != v.dtype or not torch.equal(got[k], v)] == []
