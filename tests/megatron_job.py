@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+from .megatron_session import FIXTURES, logits, megatron_ranks
 
 
 def _model(tp: int, dtype: torch.dtype, c: dict[str, int]) -> Any:
@@ -42,33 +40,16 @@ def _model(tp: int, dtype: torch.dtype, c: dict[str, int]) -> Any:
 def job(rank: int, tp: int, path: str, ids_file: str, out: str, port: int, dtype_name: str, config: dict[str, int] | None = None) -> None:
     """Load `path` into a GPTModel of `config` (default: the fixtures' model) at TP `tp` (this
     process being rank `rank`); see the module."""
-    import torch.distributed as dist
-
-    warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
-    try:
+    with megatron_ranks(rank, tp, port, tp=tp):
         sys.path.insert(0, str(FIXTURES))
         import make_megatron
-
-        make_megatron._cpu_patches()
-        from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+        from megatron.core import dist_checkpointing
         from safetensors.torch import load_file, save_file
 
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None  # type: ignore[assignment]
         gpt = _model(tp, getattr(torch, dtype_name), config or make_megatron.CONFIG)
         gpt.load_state_dict(dist_checkpointing.load({"model": gpt.sharded_state_dict()}, path)["model"])  # as Megatron-LM nests it
-        ids = load_file(ids_file)["ids"]
-        positions = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
-        mask = torch.triu(torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)
-        with torch.no_grad():
-            logits = gather_from_tensor_model_parallel_region(gpt.eval()(ids, positions, mask))
+        out_logits = logits(gpt, load_file(ids_file)["ids"])
         plain = dist_checkpointing.load_plain_tensors(path)
         if rank == 0:
-            save_file({"logits": logits.contiguous()}, os.path.join(out, "logits.safetensors"))
+            save_file({"logits": out_logits.contiguous()}, os.path.join(out, "logits.safetensors"))
             save_file({k: v.contiguous() for k, v in plain.items() if isinstance(v, torch.Tensor)}, os.path.join(out, "plain.safetensors"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

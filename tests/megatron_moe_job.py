@@ -7,24 +7,20 @@ TP) and megatron-core's ``load_plain_tensors`` of the checkpoint and of its own 
 ``tests/test_export_megatron_moe.py``; needs megatron-core (and the fixtures' CPU patches from
 ``fixtures/make_megatron.py``).
 
-Two more stand-ins than the dense job, both for megatron-core 0.16.1 without TransformerEngine
-on a CPU torch: its MoE router reads ``te_general_gemm``, a name only bound when
-TransformerEngine imports (``NameError`` otherwise; set to None it takes its torch path), and
-its ``alltoall`` token dispatcher makes a ``torch.cuda.Stream()`` when built (``RuntimeError:
-torch.cuda.Stream requires CUDA support``), so the job uses the ``allgather`` dispatcher.
+One more stand-in than ``tests/megatron_session.py``'s, for megatron-core 0.16.1 without
+TransformerEngine on a CPU torch: its ``alltoall`` token dispatcher makes a ``torch.cuda.Stream()``
+when built (``RuntimeError: torch.cuda.Stream requires CUDA support``), so the job uses the
+``allgather`` dispatcher.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+from .megatron_session import logits, megatron_ranks
 
 
 def _model(tp: int, ep: int, c: dict[str, Any]) -> Any:
@@ -50,67 +46,38 @@ def _model(tp: int, ep: int, c: dict[str, Any]) -> Any:
 def job(rank: int, world: int, tp: int, ep: int, path: str, ids_file: str, out: str, port: int, config: dict[str, Any]) -> None:
     """Load `path` into the MoE GPTModel of the reference `config` at TP `tp` and EP `ep` over
     `world` ranks (this process being rank `rank`); see the module."""
-    import torch.distributed as dist
-
-    warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        sys.path.insert(0, str(FIXTURES))
-        import make_megatron
-
-        make_megatron._cpu_patches()
-        import megatron.core.transformer.moe.moe_utils as moe_utils
-        from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    with megatron_ranks(rank, world, port, tp=tp, ep=ep):
+        from megatron.core import dist_checkpointing, parallel_state
         from safetensors.torch import load_file, save_file
 
-        moe_utils.te_general_gemm = None  # see the module: unbound without TransformerEngine
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-        tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None  # type: ignore[assignment]
         gpt = _model(tp, ep, config)
         gpt.load_state_dict(dist_checkpointing.load({"model": gpt.sharded_state_dict()}, path)["model"])
         ranks = {"tp": parallel_state.get_tensor_model_parallel_rank(), "ep": parallel_state.get_expert_model_parallel_rank(),
                  "etp": parallel_state.get_expert_tensor_parallel_rank()}
         save_file({k: v.contiguous() for k, v in gpt.state_dict().items() if isinstance(v, torch.Tensor)},
                   os.path.join(out, f"rank{rank}.safetensors"), metadata={k: str(v) for k, v in ranks.items()})
-        ids = load_file(ids_file)["ids"]
-        positions = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
-        mask = torch.triu(torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)
-        with torch.no_grad():
-            logits = gather_from_tensor_model_parallel_region(gpt.eval()(ids, positions, mask))
+        out_logits = logits(gpt, load_file(ids_file)["ids"])
         resaved = os.path.join(out, "resaved")
         if rank == 0:
             os.mkdir(resaved)
-        dist.barrier()
+        torch.distributed.barrier()
         dist_checkpointing.save({"model": gpt.sharded_state_dict()}, resaved)
         if rank == 0:
-            save_file({"logits": logits.contiguous()}, os.path.join(out, "logits.safetensors"))
+            save_file({"logits": out_logits.contiguous()}, os.path.join(out, "logits.safetensors"))
         for name, where in (("plain", path), ("resaved-plain", resaved)):
             plain = dist_checkpointing.load_plain_tensors(where)  # collective: every rank reads
             if rank == 0:
                 save_file({k: v.contiguous() for k, v in plain.items() if isinstance(v, torch.Tensor)},
                           os.path.join(out, f"{name}.safetensors"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def plain_job(rank: int, world: int, path: str, out: str, port: int) -> None:
     """Read `path` with megatron-core's ``load_plain_tensors`` on every one of `world` ranks (it
     is collective); rank 0 writes every tensor, model and optimizer state, to ``plain.safetensors``."""
-    import torch.distributed as dist
-
-    warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with megatron_ranks(rank, world, port):
         from megatron.core import dist_checkpointing
         from safetensors.torch import save_file
 
         plain = dist_checkpointing.load_plain_tensors(path)
         if rank == 0:
             save_file({k: v.contiguous() for k, v in plain.items() if isinstance(v, torch.Tensor)}, os.path.join(out, "plain.safetensors"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

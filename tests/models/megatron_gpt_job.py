@@ -2,21 +2,18 @@
 config describes (local spec: dense or mixture of experts with ``SequentialMLP`` experts, q, k, v
 biases, per-head q/k norms), loads a ``torch_dist`` checkpoint into it at a given TP with
 ``dist_checkpointing.load``, and has rank 0 write its logits on the given ids (gathered over TP)
-to ``logits.safetensors``. Used by ``tests/models/test_megatron_views.py``; needs megatron-core
-and the stand-ins of ``tests/megatron_moe_job.py`` (the fixtures' CPU patches, the router's
-``te_general_gemm``, the ``allgather`` dispatcher).
+to a safetensors file; one job (one start of megatron-core) does it for many checkpoints. Used
+by ``tests/models/test_megatron_views.py``; needs megatron-core (and ``tests/megatron_session.py``'s
+stand-ins; MoE layers take the ``allgather`` dispatcher, as ``tests/megatron_moe_job.py`` explains).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from typing import Any
 
 import torch
 
-from ..megatron_moe_job import FIXTURES
+from ..megatron_session import logits, megatron_ranks
 
 
 def _model(tp: int, c: dict[str, Any]) -> Any:
@@ -43,35 +40,17 @@ def _model(tp: int, c: dict[str, Any]) -> Any:
                     share_embeddings_and_output_weights=bool(c["share_embeddings_and_output_weights"]))
 
 
-def job(rank: int, tp: int, path: str, ids_file: str, out: str, port: int, config: dict[str, Any]) -> None:
-    """Load `path` into the GPTModel of `config` at TP `tp` (this process being rank `rank`); see the module."""
-    import torch.distributed as dist
-
-    warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
-    try:
-        sys.path.insert(0, str(FIXTURES))
-        import make_megatron
-
-        make_megatron._cpu_patches()
-        import megatron.core.transformer.moe.moe_utils as moe_utils
-        from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+def job(rank: int, tp: int, loads: list[tuple[str, dict[str, Any], str]], ids_file: str, port: int) -> None:
+    """Load each ``(path, config, out)`` of `loads` into the GPTModel of `config` at TP `tp` (this
+    process being rank `rank`), its logits on the ids of `ids_file` written to `out`; see the module."""
+    with megatron_ranks(rank, tp, port, tp=tp):
+        from megatron.core import dist_checkpointing
         from safetensors.torch import load_file, save_file
 
-        moe_utils.te_general_gemm = None  # unbound without TransformerEngine (see tests/megatron_moe_job.py)
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None  # type: ignore[assignment]
-        gpt = _model(tp, config)
-        gpt.load_state_dict(dist_checkpointing.load({"model": gpt.sharded_state_dict()}, path)["model"])
         ids = load_file(ids_file)["ids"]
-        positions = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
-        mask = torch.triu(torch.ones(1, 1, ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)
-        with torch.no_grad():
-            logits = gather_from_tensor_model_parallel_region(gpt.eval()(ids, positions, mask))
-        if rank == 0:
-            save_file({"logits": logits.contiguous()}, os.path.join(out, "logits.safetensors"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        for path, config, out in loads:
+            gpt = _model(tp, config)
+            gpt.load_state_dict(dist_checkpointing.load({"model": gpt.sharded_state_dict()}, path)["model"])
+            found = logits(gpt, ids)
+            if rank == 0:
+                save_file({"logits": found.contiguous()}, out)
