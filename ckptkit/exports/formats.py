@@ -134,10 +134,9 @@ def _default_form(manifest: Manifest, where: str) -> str:
     """The dcp form a checkpoint exports to by default: ``fsdp2`` for the reference trainer's
     model (the module names that form knows), ``plain`` for any other."""
     from ..layouts import layout_for
-    from .fsdp2 import MODULE_NAMES
 
     try:
-        return "fsdp2" if layout_for(manifest, where=where).name in MODULE_NAMES else "plain"
+        return "fsdp2" if layout_for(manifest, where=where).name == "llama" else "plain"
     except LayoutError:
         return "plain"
 

@@ -3,7 +3,8 @@
 An FSDP2 job builds the reference trainer's model as one plain module (``ckptkit.trainer.model.Stage``
 at TP 1 and one stage), or the transformers model of a converted Hugging Face checkpoint (its
 layout a Hugging Face view: each key is the module's own name, fused tensors such as Phi-3's
-``qkv_proj`` whole), wraps it with ``fully_shard`` at any world size, and loads the export with
+``qkv_proj`` whole, a mixture of experts' experts stacked as transformers keeps them in memory),
+wraps it with ``fully_shard`` at any world size, and loads the export with
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -40,9 +41,9 @@ from ..boxes import Box
 from ..errors import LayoutError, summarize
 from ..io.checksum import checksum_of
 from ..layouts import Layout
-from ..layouts.model import expand
-from ..layouts.placement import local_param
-from ..models import module_names, tied_heads
+from ..models import ModelSpec, View, compose, model_of, module_names, placed, tied_heads
+from ..models.hf_view import module_view
+from ..models.reference import REFERENCE_MODULES
 from ..state.torch_io import byte_view, torch_dtype
 from ..storage import Storage
 from .convert import output_dtype
@@ -53,8 +54,6 @@ from .source import ExportedTensor, Source, Writer, Written
 MODEL = "model"
 OPTIM = "optim"
 MOMENTS = {"exp_avg": "optimizer/exp_avg", "exp_avg_sq": "optimizer/exp_avg_sq"}  # torch's name -> the checkpoint's prefix
-# The module fqn of each layout parameter (``<unit>.<param>``) where the model's module differs.
-MODULE_NAMES: dict[str, dict[str, str]] = {"llama": {"lm_head.weight": "head.weight"}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,70 +76,74 @@ class Fsdp2Plan:
     skipped: list[str]
 
 
-def module_params(layout: Layout) -> list[tuple[str, Any]]:
-    """(module fqn, ParamSpec at TP 1) of every parameter of the layout's model, in module order.
+def module_model(layout: Layout) -> tuple[ModelSpec, View, View]:
+    """The canonical model of the layout's checkpoint, the view it is saved in, and the view of
+    the modules an FSDP2 job builds: the reference trainer's Llama, or transformers' model of a
+    converted Hugging Face checkpoint.
 
     Raises:
-        LayoutError: a layout whose module names this form does not know.
+        LayoutError: a layout whose modules this form does not know.
     """
-    if layout.name not in MODULE_NAMES and not passthrough(layout):
-        raise LayoutError(f"the fsdp2 form names parameters as the reference trainer's model (layout llama) or a "
-                          f"Hugging Face model (layout hf-<model_type>) does, not {layout.name!r}; export with "
-                          f"--dcp-form plain (the checkpoint's own names)")
-    if passthrough(layout) and layout.experts:  # transformers (5) stacks them: experts.gate_up_proj [experts, 2 x ffn, hidden]
-        raise LayoutError(f"the fsdp2 form of {layout.name!r} is not written: transformers keeps its experts stacked in "
-                          f"memory (experts.gate_up_proj, experts.down_proj), not under the per-expert names of its files; "
-                          f"export with --dcp-form plain (the files' names) or --format hf")
-    out = []
-    for unit in layout.units:
-        for layer in layout.unit_layers(unit):
-            for expert in range(unit.experts) if unit.experts else (None,):
-                for param in unit.params:
-                    out.append((expand(f"{unit.name}.{param.name}", layer, expert), local_param(param, layer, 1, 0, expert)))
-    if layout.name in MODULE_NAMES:
-        renames = MODULE_NAMES[layout.name]
-    else:  # a Hugging Face view: its files' names, its modules' but for a few; a tied head is a key of its own
-        renames = module_names(layout.config)
-        by_name = dict(out)
-        out += [(head, by_name[embedding]) for head, embedding in tied_heads(layout.config).items() if embedding in by_name]
-    return [(renames.get(fqn, fqn), spec) for fqn, spec in out]
+    if layout.name == "llama":
+        spec, view = model_of(layout)
+        return spec, view, REFERENCE_MODULES
+    if passthrough(layout):
+        spec, view = model_of(layout)
+        return spec, view, module_view(spec)
+    raise LayoutError(f"the fsdp2 form names parameters as the reference trainer's model (layout llama) or a "
+                      f"Hugging Face model (layout hf-<model_type>) does, not {layout.name!r}; export with "
+                      f"--dcp-form plain (the checkpoint's own names)")
 
 
 def plan_fsdp2(source: Source, layout: Layout, include_optimizer: bool, out_dtype: str | None) -> Fsdp2Plan:
-    """Map the checkpoint's logical tensors onto the FSDP2 keys (see the module docstring).
+    """Map the checkpoint's logical tensors onto the FSDP2 keys (see the module docstring): each
+    module parameter runs of rows of the checkpoint's tensors (``models.compose``), a tied head
+    the embedding's again under its own key.
 
     Raises:
         LayoutError: an unknown layout, tensors missing, or (with `include_optimizer`) no AdamW
             step and hyper-parameters recorded; every problem named.
     """
     manifest = source.manifest
-    params = module_params(layout)
-    states = {"": "model"} | (MOMENTS if include_optimizer else {})
+    try:
+        spec, view, modules = module_model(layout)
+    except LayoutError as e:
+        raise LayoutError(f"{source.loc}: {e}") from None
+    shapes = placed(spec, modules).shapes
+    renamed = module_names(spec.config) if modules is not REFERENCE_MODULES else {}
+    heads = {renamed.get(h, h): renamed.get(e, e) for h, e in tied_heads(spec.config).items()} if passthrough(layout) else {}
+    shapes |= {head: shapes[embedding] for head, embedding in heads.items() if embedding in shapes}
+    states = {"": "model/"} | ({m: f"{p}/" for m, p in MOMENTS.items()} if include_optimizer else {})
     tensors, problems = [], []
-    for fqn, spec in params:
-        for moment, prefix in states.items():
+    for moment, prefix in states.items():
+        runs = compose(spec, view, modules, prefix)
+        runs |= {head: runs[embedding] for head, embedding in heads.items() if embedding in runs}
+        for fqn, rs in runs.items():
             key = f"{MODEL}.{fqn}" if not moment else f"{OPTIM}.state.{fqn}.{moment}"
-            pieces = tuple((f"{prefix}/{p.name}", Box(p.offsets, p.lengths)) for p in spec.parts)
-            missing = [name for name, _ in pieces if name not in manifest.tensors]
+            missing = [r.fqn for r in rs if r.fqn not in manifest.tensors]
             problems += missing
             if missing:
                 continue
-            dims = {p.dim for p in spec.parts}
-            dim = dims.pop()
-            dtypes = {manifest.tensors[name].dtype for name, _ in pieces}
-            if dims or len(dtypes) != 1 or sum(b.lengths[dim] for _, b in pieces) != spec.shape[dim]:
-                problems.append(f"{key}: its parts do not stack into {list(spec.shape)}")
+            pieces = tuple((r.fqn, _rows(manifest.tensors[r.fqn].shape, r.src_row, r.count)) for r in rs)
+            dtypes = {manifest.tensors[r.fqn].dtype for r in rs}
+            if len(dtypes) != 1 or sum(r.count for r in rs) != math.prod(shapes[fqn]) // math.prod(pieces[0][1].lengths[1:]):
+                problems.append(f"{key}: its parts do not stack into {list(shapes[fqn])}")
                 continue
-            tensors.append(Stacked(key, spec.shape, output_dtype(dtypes.pop(), out_dtype), dim, pieces))
+            tensors.append(Stacked(key, shapes[fqn], output_dtype(dtypes.pop(), out_dtype), 0, pieces))
     if problems:
         raise LayoutError(f"cannot export the fsdp2 form: {len(problems)} tensor(s) missing or unlike the model: "
                           + summarize(sorted(problems)))
-    values = optimizer_values(source, params) if include_optimizer else {}
+    values = optimizer_values(source, list(shapes.items())) if include_optimizer else {}
     chosen = {name for t in tensors for name, _ in t.pieces}
     return Fsdp2Plan(tuple(tensors), values, sorted(set(manifest.tensors) - chosen))
 
 
-def optimizer_values(source: Source, params: list[tuple[str, Any]]) -> dict[str, Any]:
+def _rows(shape: tuple[int, ...], row: int, count: int) -> Box:
+    """Rows [row, row + count) of a tensor of `shape`, whole along its other dims."""
+    return Box((row, *(0 for _ in shape[1:])), (count, *shape[1:]))
+
+
+def optimizer_values(source: Source, params: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
     """Each parameter's AdamW step and the parameter groups, under their DCP keys.
 
     Raises:
@@ -160,7 +163,7 @@ def optimizer_values(source: Source, params: list[tuple[str, Any]]) -> dict[str,
     del options["params"]
     options.update(lr=next_lr(source.manifest.info.scheduler, info.step + 1, base), initial_lr=base)
     values: dict[str, Any] = {f"{OPTIM}.state.{fqn}.step": torch.tensor(float(info.step)) for fqn, _ in params}
-    decayed = [fqn for fqn, spec in params if len(spec.shape) >= 2]
+    decayed = [fqn for fqn, shape in params if len(shape) >= 2]
     groups = [(decayed, options["weight_decay"]), ([fqn for fqn, _ in params if fqn not in decayed], 0.0)]
     for i, (names, decay) in enumerate(g for g in groups if g[0]):
         for option, value in (options | {"weight_decay": decay, "params": names}).items():
@@ -218,11 +221,11 @@ class _StackingPlanner(DefaultSavePlanner):
         parts = [torch.from_numpy(self.source.read_box(name, box)).view(torch_dtype(saved)).reshape(box.lengths)
                  for name, box in stacked.pieces]
         whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=stacked.dim)
-        out = whole.to(torch_dtype(stacked.dtype)).contiguous()  # torch's own rounding, any float dtype
+        out = whole.reshape(stacked.shape).to(torch_dtype(stacked.dtype)).contiguous()  # torch's own rounding, any float dtype
         self.report.append(ExportedTensor(
             name=stacked.key, source=" + ".join(name for name, _ in stacked.pieces), shape=list(stacked.shape),
             source_dtype=saved, dtype=stacked.dtype, file="", checksum=checksum_of(byte_view(out))))
         return out
 
 
-__all__ = ["MODULE_NAMES", "Fsdp2Plan", "Stacked", "fsdp2_writer", "module_params", "next_lr", "plan_fsdp2"]
+__all__ = ["Fsdp2Plan", "Stacked", "fsdp2_writer", "module_model", "next_lr", "plan_fsdp2"]

@@ -6,17 +6,20 @@ block of rows of a fused tensor (Phi-3's ``qkv_proj``, Megatron's ``[gate; up]``
 of rows per group of an interleaved one (Megatron's ``linear_qkv``, GPT-NeoX's
 ``query_key_value``). `compose` joins two placements through the canonical names: each target
 tensor's rows, in order, are runs of rows of source tensors (`Run`), rows no canonical tensor
-fills being padding (Megatron's vocabulary, padded to a multiple of its TP). So converting any
+fills being padding (Megatron's vocabulary, padded to a multiple of its TP); a tensor stacking
+experts on a leading axis (transformers' in-memory ``experts.gate_up_proj``) counts its rows
+across both axes. So converting any
 view to any other is one function, and adding a tool is one view.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import LayoutError, summarize
-from .spec import ModelSpec, Tensor
+from .spec import Block, ModelSpec, Tensor
 from .view import EXPERT, LAYER, Fuse, View
 
 
@@ -47,6 +50,12 @@ class Placement:
 
     shapes: dict[str, tuple[int, ...]]
     spans: dict[str, tuple[Span, ...]]
+    stacked: frozenset[str] = frozenset()  # the tensors stacking experts on a leading axis
+
+    def rows(self, name: str) -> int:
+        """The rows of tool tensor `name` (of a stacked one, across its expert and row axes)."""
+        shape = self.shapes[name]
+        return math.prod(shape[:2]) if name in self.stacked else shape[0] if shape else 1
 
     def of_canonical(self) -> dict[str, list[Span]]:
         """The spans of each canonical tensor, in its row order."""
@@ -95,6 +104,24 @@ def _group(prefix: str, canonical: str, tensors: tuple[Tensor, ...], names: str,
         yield stored, _stored_shape(parts[0], view, names == "top", sum(rows)), tuple(spans)
 
 
+def _stacks(prefix: str, canonical: str, block: Block, view: View) -> Iterator[tuple[str, tuple[int, ...], tuple[Span, ...]]]:
+    """A layer's experts stacked as `view` stacks them: each tool tensor [experts, rows, ...]
+    holds every expert's parts one after another; its rows are counted across the two axes."""
+    by_name = {t.name: t for t in block.expert_tensors}
+    for stack in view.expert_stacks:
+        missing = [p for p in stack.parts if p not in by_name]
+        if missing:
+            raise LayoutError(f"{prefix}{stack.name}: stacks {', '.join(missing)}, which the model's experts do not have")
+        parts = [by_name[p] for p in stack.parts]
+        rows = sum(_rows(p) for p in parts)
+        spans, row = [], 0
+        for e in range(block.experts):
+            for p in parts:
+                spans.append(Span(prefix + stack.name, row, f"{canonical}{e}.{p.name}", 0, _rows(p)))
+                row += _rows(p)
+        yield prefix + stack.name, (block.experts, rows, *parts[0].shape[1:]), tuple(spans)
+
+
 def placed(spec: ModelSpec, view: View) -> Placement:
     """Every tool tensor of `spec` under `view`, with its shape and the canonical rows it holds.
 
@@ -104,6 +131,7 @@ def placed(spec: ModelSpec, view: View) -> Placement:
     """
     shapes: dict[str, tuple[int, ...]] = {}
     spans: dict[str, tuple[Span, ...]] = {}
+    stacked: set[str] = set()
 
     def add(found: Iterator[tuple[str, tuple[int, ...], tuple[Span, ...]]]) -> None:
         for stored, shape, s in found:
@@ -113,11 +141,15 @@ def placed(spec: ModelSpec, view: View) -> Placement:
     for i, block in enumerate(spec.layers):
         layer = view.layer.replace(LAYER, str(i)) + "."
         add(_group(layer, f"layers.{i}.", block.tensors, "layer", view.fused, view))
+        if block.experts and view.expert_stacks:
+            stacked.update(f"{layer}{stack.name}" for stack in view.expert_stacks)
+            add(_stacks(layer, f"layers.{i}.mlp.experts.", block, view))
+            continue
         for e in range(block.experts):
             add(_group(f"{layer}{view.experts}.{e}.", f"layers.{i}.mlp.experts.{e}.", block.expert_tensors, "expert",
                        view.expert_fused, view))
     add(_group("", "", spec.last, "top", (), view))
-    return Placement(shapes, spans)
+    return Placement(shapes, spans, frozenset(stacked))
 
 
 def compose(spec: ModelSpec, source: View, target: View, prefix: str = "") -> dict[str, list[Run]]:
@@ -127,12 +159,13 @@ def compose(spec: ModelSpec, source: View, target: View, prefix: str = "") -> di
 
     Raises:
         LayoutError: either view lacks a name for a tensor of the model, or one of them stores
-            matrices transposed and the other not (a conversion not written yet).
+            matrices transposed (GPT-2's: a conversion not written yet, but to itself).
     """
     if source == target:  # the same names: each tensor is itself
-        return {name: [Run(0, shape[0] if shape else 1, prefix + name, 0)] for name, shape in placed(spec, source).shapes.items()}
-    if source.transposed != target.transposed:
-        raise LayoutError(f"converting {source.name} to {target.name} would transpose its matrices, which is not written yet")
+        same = placed(spec, source)
+        return {name: [Run(0, same.rows(name), prefix + name, 0)] for name in same.shapes}
+    if source.transposed or target.transposed:  # the rows of a matrix stored [in, out] are its columns
+        raise LayoutError(f"converting {source.name} to {target.name} would cut matrices stored transposed, which is not written yet")
     src = placed(spec, source).of_canonical()
     out: dict[str, list[Run]] = {}
     missing: list[str] = []

@@ -5,12 +5,14 @@ mixture-of-experts names, Phi-3's fused ``qkv_proj`` and ``gate_up_proj``), and 
 GPT-NeoX (per-head ``query_key_value``) and GPT-2 (``Conv1D`` matrices stored [in, out],
 ``c_attn`` fusing q, k, v). `hf_layout(config)` is the layout of a ``config.json``'s model under
 these names: what ``convert --from hf`` records, so that the checkpoint reshards and exports
-with no layout named.
+with no layout named. `module_view` is the names transformers' modules hold in memory (what an
+FSDP2 job's state dict holds), where they are not the files'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ..layouts.model import Layout
@@ -73,14 +75,30 @@ def _gpt2(spec: ModelSpec) -> View:
 
 
 # Where transformers' modules name a tensor otherwise than its files do (it renames them as it
-# loads and saves): their in-memory names are what an FSDP2 job's state dict holds. A mixture of
-# experts' experts are stacked in memory (``experts.gate_up_proj``): no per-tensor rename.
+# loads and saves): their in-memory names are what an FSDP2 job's state dict holds.
 MODULE_NAMES: dict[str, dict[str, str]] = {"gpt_neox": {"embed_out.weight": "lm_head.weight"}}
+# A mixture of experts in memory (transformers 5): each layer's experts stacked, ``[gate; up]`` of
+# every expert in ``experts.gate_up_proj`` [experts, 2 x ffn, hidden], ``experts.down_proj``
+# [experts, hidden, ffn]; Mixtral's sparse block is its ``mlp``.
+STACKED_EXPERTS = (Fuse("gate_up_proj", ("gate.weight", "up.weight")), Fuse("down_proj", ("down.weight",)))
 
 
 def module_names(config: Mapping[str, Any]) -> dict[str, str]:
     """The file names of a Hugging Face model whose modules name them otherwise, with those names."""
     return MODULE_NAMES.get(str(config.get("model_type")), {})
+
+
+def module_view(spec: ModelSpec) -> View:
+    """The names of `spec`'s tensors in transformers' modules (``model.state_dict()``), where they
+    are not its files' (``hf_view``): a renamed head, a mixture of experts' stacked experts."""
+    files = hf_view(spec)
+    renames = module_names(spec.config)
+    top = {name: renames.get(full, full) for name, full in files.top.items()}
+    if not any(block.experts for block in spec.layers):
+        return files if top == files.top else replace(files, name=f"{files.name}-modules", top=top)
+    names = {k: v.replace("block_sparse_moe.", "mlp.") for k, v in files.names.items()}
+    stacks = tuple(Fuse(f"mlp.experts.{f.name}", f.parts) for f in STACKED_EXPERTS)
+    return replace(files, name=f"{files.name}-modules", top=top, names=names, expert_stacks=stacks)
 
 
 def tied_heads(config: Mapping[str, Any]) -> dict[str, str]:

@@ -19,7 +19,7 @@ from .hf_config import spec_from_config
 from .hf_view import hf_view
 from .megatron_view import megatron_model
 from .spec import ModelSpec
-from .view import View
+from .view import Fuse, View
 
 
 class _Same(dict[str, str]):
@@ -33,6 +33,13 @@ class _Same(dict[str, str]):
 
 
 REFERENCE = View(name="reference", top=_Same(), layer="layers.{layer}", names=_Same(), expert_names=_Same())
+# The reference Llama's modules (``trainer.model.Stage`` at TP 1): q, k, v in one ``attn.qkv``, gate
+# and up in one ``mlp.gate_up``, the head ``head``; what an FSDP2 job of the model holds.
+REFERENCE_MODULES = View(name="reference-modules", top={"embed.weight": "embed.weight", "norm.weight": "norm.weight",
+                                                        "lm_head.weight": "head.weight"},
+                         layer="layers.{layer}", names=_Same(),
+                         fused=(Fuse("attn.qkv.weight", ("attn.q.weight", "attn.k.weight", "attn.v.weight")),
+                                Fuse("mlp.gate_up.weight", ("mlp.gate.weight", "mlp.up.weight"))))
 KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
 # The config keys each reference family's model needs; the others default as the trainer's model config does.
 FAMILY_KEYS = {"llama": KEYS, "llama-moe": (*KEYS, "num_experts")}
@@ -100,4 +107,4 @@ def model_of(layout: Layout, carried: Mapping[str, Any] | None = None) -> tuple[
                       "megatron-gpt, hf-<model_type>)")
 
 
-__all__ = ["FAMILY_KEYS", "REFERENCE", "model_of", "reference_hf_config"]
+__all__ = ["FAMILY_KEYS", "REFERENCE", "REFERENCE_MODULES", "model_of", "reference_hf_config"]

@@ -44,6 +44,8 @@ class View:
     expert_names: Mapping[str, str] = field(default_factory=dict)  # canonical name in an expert -> the tool's
     fused: tuple[Fuse, ...] = ()
     expert_fused: tuple[Fuse, ...] = ()  # fusions within an expert (names relative to it)
+    # tensors of a layer (names relative to it) stacking every expert's parts (fused along dim 0) on a leading expert axis
+    expert_stacks: tuple[Fuse, ...] = ()
     transposed: bool = False  # the layers' matrices are stored [in, out]
     vocab_rows: int = 0  # the rows the tool stores a vocabulary in, padded (0: the model's)
 
@@ -136,8 +138,11 @@ def layout_of(spec: ModelSpec, view: View) -> Layout:
     """The layout that cuts `spec`'s tensors under `view`'s names.
 
     Raises:
-        LayoutError: the view has no name for a tensor of the model.
+        LayoutError: the view has no name for a tensor of the model, or stacks its experts
+            (a module's form, which no layout cuts by expert).
     """
+    if view.expert_stacks:
+        raise LayoutError(f"the {view.name} view stacks each layer's experts in one tensor: no layout cuts it by expert")
     units = _top_units(spec.first, view, "first")
     kinds = spec.kinds()
     for block, layers in kinds:

@@ -49,7 +49,7 @@ def test_the_reference_llama_is_its_canonical_names() -> None:
 
 def test_views_that_cannot_be_converted_are_refused_in_one_line() -> None:
     gpt2 = spec_from_config(dict(model_type="gpt2", vocab_size=101, n_embd=48, n_layer=2, n_head=4, n_positions=64))
-    with pytest.raises(LayoutError, match="converting hf-gpt2 to reference would transpose its matrices, which is not written yet"):
+    with pytest.raises(LayoutError, match="converting hf-gpt2 to reference would cut matrices stored transposed, which is not written yet"):
         compose(gpt2, hf_view(gpt2), REFERENCE)
     llama = spec_from_config(dict(PHI3, model_type="llama"))
     with pytest.raises(LayoutError, match=r"megatron-core's GPTModel has no module for a model of type gemma"):

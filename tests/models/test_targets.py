@@ -1,7 +1,7 @@
 """The other targets a converted Hugging Face checkpoint of every architecture exports to, each
 read back by its own consumer: an FSDP2 job of transformers' model loads the DCP ``fsdp2`` form
-(and computes the original's logits; a mixture of experts is refused, transformers stacking its
-experts in memory), torch DCP loads the ``plain`` form, zarr-python reads the zarr form; every
+and computes the original's logits (a mixture of experts' experts stacked as transformers keeps
+them in memory), torch DCP loads the ``plain`` form, zarr-python reads the zarr form; every
 tensor equals the original model's, bitwise."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from .test_megatron_views import HELD
 transformers = pytest.importorskip("transformers")
 
 NAMES = sorted(CONFIGS)
-MOE = ("deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +64,13 @@ def test_an_fsdp2_job_of_transformers_models_loads_the_fsdp2_form_with_the_origi
 
     from .hf_fsdp2_job import job
 
-    jobs, dense = [], {}
+    jobs = []
     for name, (src, path, want) in converted.items():
-        if name in MOE:  # transformers stacks the experts in memory: refused, naming what works
-            with pytest.raises(ckptkit.LayoutError, match=r"experts stacked in memory .* --dcp-form plain"):
-                ckptkit.export(path, tmp_path / name, format="dcp", dcp_form="fsdp2")
-            assert not (tmp_path / name).exists()
-            continue
         report = ckptkit.export(path, tmp_path / name, format="dcp", dcp_form="fsdp2")
         assert report.form == "fsdp2"
         jobs.append((str(tmp_path / name), str(src), str(tmp_path / f"{name}.safetensors")))
-        dense[name] = (src, path, want)
     run_ranks(job, 2, jobs)
-    for name, (src, _, want) in dense.items():
+    for name, (src, _, want) in converted.items():
         got = load_file(str(tmp_path / f"{name}.safetensors"))
         logits = got.pop("__logits__")
         assert sorted(got) == sorted(want) and [k for k in want if not torch.equal(got[k], want[k])] == [], name
