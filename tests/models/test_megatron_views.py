@@ -171,3 +171,32 @@ def test_a_megatron_core_gpt_goes_out_and_comes_back_bitwise(via: str, tmp_path:
     want = {k: v for k, v in load_file(str(oracle / "plain.safetensors")).items() if not k.startswith("optimizer.")}
     assert sorted(got) == sorted(want)
     assert [k for k, v in want.items() if got[k].dtype != v.dtype or not torch.equal(got[k], v)] == []
+
+
+def test_a_megatron_core_mixture_of_experts_exports_to_hugging_face_with_megatron_cores_logits(tmp_path: Path) -> None:
+    # megatron-core's own MoE save (bf16, EP 2, SequentialMLP experts) -> convert -> export hf: the
+    # Mixtral transformers builds from it gives megatron-core's logits on that save (both in fp32)
+    from ckptkit.layouts import builtin
+    from ckptkit.models import model_of
+
+    from ..ranks import run_ranks
+    from .megatron_gpt_job import job
+
+    fixtures = MEGATRON.parent / "megatron-moe"
+    config = json.loads((fixtures / "gpt-moe-tp1-ep2.oracle" / "config.json").read_text())
+    keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
+            "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk")
+    layout = builtin("megatron-gpt", {k: config[k] for k in keys})
+    ckptkit.convert(fixtures / "gpt-moe-tp1-ep2", tmp_path / "converted", layout=layout)
+    ckptkit.export(tmp_path / "converted", tmp_path / "hf", format="hf", dtype="fp32")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert model.config.model_type == "mixtral" and model.config.num_local_experts == 4 and model.config.intermediate_size == 8
+    ids = IDS % 40
+    save_file({"ids": ids}, str(tmp_path / "ids.safetensors"))
+    full = megatron_config(model_of(layout)[0], 1)
+    run_ranks(job, (1, [(str(fixtures / "gpt-moe-tp1-ep2"), full, str(tmp_path / "logits.safetensors"))],
+                    str(tmp_path / "ids.safetensors"), 29800 + os.getpid() % 90), 1)
+    theirs = load_file(str(tmp_path / "logits.safetensors"))["logits"]
+    with torch.no_grad():
+        ours = model(ids).logits
+    assert theirs.shape == ours.shape and ours.std().item() > 0.01 and (theirs - ours).abs().max().item() <= 1e-4
