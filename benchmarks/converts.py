@@ -64,7 +64,7 @@ LIMITS = {
     ("dcp", "ckptkit"): "disk limit", ("dcp", "dcp_to_torch_save"): "disk limit",
     ("deepspeed", "ckptkit"): "disk limit, ckptkit's bytes", ("deepspeed", "zero_to_fp32"): "disk limit, zero_to_fp32's bytes",
 }
-CONVERTER_MODULES = {"dcp": "ckptkit_converters.dcp", "deepspeed": "ckptkit_converters.deepspeed"}
+CONVERTER_MODULES = {"dcp": "ckptkit_adapters.dcp.reader", "deepspeed": "ckptkit_adapters.deepspeed.reader"}
 
 DS_RANKS = 2
 DS_LAYERS = 4

@@ -89,7 +89,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from ckptkit import read_manifest
-    from ckptkit.exports.hf import hf_runs
+    from ckptkit_adapters.hf.mapping import hf_runs
     from ckptkit.layouts import layout_for
     from ckptkit.models.reference import model_of
 

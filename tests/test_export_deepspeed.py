@@ -191,7 +191,7 @@ def test_dtype_is_bad_usage(tmp_path: Path) -> None:
 
 def test_every_missing_or_odd_state_is_listed_before_anything_is_written(tmp_path: Path) -> None:
     from ckptkit.errors import LayoutError
-    from ckptkit.exports.deepspeed import plan_universal
+    from ckptkit_adapters.deepspeed.writer import plan_universal
 
     converted = tmp_path / "converted"
     assert _run("convert", str(SOURCE), str(converted)).returncode == 0

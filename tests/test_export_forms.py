@@ -16,7 +16,7 @@ from ckptkit.exports.run import REPORT_NAME, export
 from ckptkit.manifest import BoxShard, BoxShards, TensorEntry
 from ckptkit.state.sharded import ShardedTensor
 from ckptkit.storage import MemoryStorage
-from ckptkit.exports.zarr_form import plan_arrays, zarr_metadata
+from ckptkit_adapters.zarr.writer import plan_arrays, zarr_metadata
 
 zarr = pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")
@@ -174,7 +174,7 @@ def test_dcp_export_loads_with_torch_dcp_bitwise(source: Path, tmp_path: Path) -
 def test_export_refusals_write_nothing(source: Path, tmp_path: Path, run_ckptkit: Any) -> None:
     with pytest.raises(LayoutError, match="saved dtype"):
         export(source, tmp_path / "z", format="zarr", dtype="bf16")
-    with pytest.raises(LayoutError, match="available: hf, dcp, zarr"):
+    with pytest.raises(LayoutError, match="available: dcp, deepspeed, hf, megatron, zarr"):
         export(source, tmp_path / "z", format="onnx")
     with pytest.raises(StorageError, match="local directory"):
         export(source, "z", format="zarr", dst_storage=MemoryStorage())

@@ -222,7 +222,7 @@ def test_the_moe_in_megatron_files_converts_back_to_every_trainer_tensor(trained
     # parameter, master and moment, each expert's, equal to the trainer's under Megatron's names;
     # the layout read back from the Megatron-LM arguments the export writes, none named
     from ckptkit.layouts import layout_for
-    from ckptkit_converters.megatron import expert_key, layer_key
+    from ckptkit_adapters.megatron.reader import expert_key, layer_key
 
     out, back = tmp_path / "megatron", tmp_path / "back"
     proc = run_ckptkit("export", str(trained), str(out), "--format", "megatron", "--include-optimizer", "--tp", "2", "--ep", "2")

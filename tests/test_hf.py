@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from ckptkit.exports import hf
+from ckptkit_adapters.hf import mapping as hf
 from ckptkit.errors import LayoutError
 from ckptkit.cli import parse_size
 from ckptkit.models import spec_from_config

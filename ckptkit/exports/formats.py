@@ -3,24 +3,23 @@
 ``EXPORT_FORMATS`` is the one table that ``export`` and the ``ckptkit export`` command both read:
 the names and help the command offers, and `ExportFormat.options_problem`, which says which asked
 option a format does not take (``export`` raises it as a LayoutError, the command prints it as bad
-usage). Each format's writer comes from its own module (``hf_writer``, ``dcp`` and ``fsdp2``,
-``zarr_form``, ``megatron``, ``deepspeed``), imported only when an export runs.
+usage). Its entries come from the tools' adapters (``ckptkit.adapters``: each adapter declares
+the formats it writes, each format's writer imported from the adapter only when an export runs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from ..errors import LayoutError
 
 if TYPE_CHECKING:  # the command reads this table: importing it loads neither layouts nor numpy
     from ..layouts import Layout
-    from ..manifest import Manifest
     from .source import Source, Writer
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> the dtype written
+CHUNK_BYTES = 64 << 20  # the zarr form's chunk size by default
 
 
 @dataclass(frozen=True)
@@ -103,71 +102,22 @@ def _listed(takes: Callable[[ExportFormat], bool], last: str = "and") -> str:
     return f" {last} ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
 
 
-def _hf(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
-    from .hf_writer import hf_writer
+class _Formats(Mapping[str, ExportFormat]):
+    """The adapters' export formats by name, read from them on first use."""
 
-    assert options.dtype is not None  # the hf format has a default dtype
-    return hf_writer(source, options.dtype, options.max_shard_bytes, options.layout), None
+    def _table(self) -> dict[str, ExportFormat]:
+        from ..adapters import export_formats
 
+        return export_formats()
 
-def _dcp(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
-    from ..layouts import layout_for
+    def __getitem__(self, name: str) -> ExportFormat:
+        return self._table()[name]
 
-    where = str(source.loc)
-    form = options.form or _default_form(source.manifest, where)
-    if form == "plain":
-        from .dcp import dcp_writer
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
 
-        return dcp_writer(source, options.dtype, options.include_optimizer), form
-    from .fsdp2 import fsdp2_writer
-
-    try:
-        model = layout_for(source.manifest, where=where)
-    except LayoutError:
-        raise LayoutError(f"{where}: the fsdp2 form names the parameters as the reference trainer's model (layout llama) "
-                          "or a Hugging Face model does, and the checkpoint names no model; export with --dcp-form plain "
-                          "(the checkpoint's own names)") from None
-    return fsdp2_writer(source, model, options.dtype, options.include_optimizer), form
+    def __len__(self) -> int:
+        return len(self._table())
 
 
-def _default_form(manifest: Manifest, where: str) -> str:
-    """The dcp form a checkpoint exports to by default: ``fsdp2`` for the reference trainer's
-    model (the module names that form knows), ``plain`` for any other."""
-    from ..layouts import layout_for
-
-    try:
-        return "fsdp2" if layout_for(manifest, where=where).name == "llama" else "plain"
-    except LayoutError:
-        return "plain"
-
-
-def _zarr(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
-    from .zarr_form import zarr_writer
-
-    return zarr_writer(source, options.chunk_bytes), None
-
-
-def _megatron(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
-    from ..layouts import layout_for
-    from .megatron import megatron_writer
-
-    layout = options.layout or layout_for(source.manifest, where=str(source.loc))
-    return megatron_writer(source, options.dtype, options.include_optimizer, layout, options.tp, options.pp, options.ep), None
-
-
-def _deepspeed(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
-    from .deepspeed import deepspeed_writer
-
-    return deepspeed_writer(source), None
-
-
-EXPORT_FORMATS = {f.name: f for f in (
-    ExportFormat("hf", "Hugging Face model directory", _hf, default_dtype="bf16", optimizer="never", layout=True),
-    ExportFormat("dcp", "torch.distributed.checkpoint", _dcp, forms=("fsdp2", "plain")),
-    ExportFormat("zarr", "the topology-free form", _zarr, dtypes=(), optimizer="always",
-                 saved_dtype="the zarr form keeps every tensor in its saved dtype"),
-    ExportFormat("megatron", "a Megatron-Core dist_checkpointing (torch_dist) directory", _megatron, layout=True, pieces=True),
-    ExportFormat("deepspeed", "a DeepSpeed universal checkpoint (load_universal), from a checkpoint converted from DeepSpeed",
-                 _deepspeed, dtypes=(), optimizer="always",
-                 saved_dtype="the deepspeed format keeps the fp32 masters and moments, and the module in its saved dtype"),
-)}
+EXPORT_FORMATS: Mapping[str, ExportFormat] = _Formats()

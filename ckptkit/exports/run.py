@@ -19,13 +19,12 @@ from ..io.catalog import locate, refuse_nesting, still_committed
 from ..io.commit import REPORT_NAME, commit, discard, staging
 from ..io.checksum import checksum_of
 from ..errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError
-from .formats import EXPORT_FORMATS, ExportFormat, ExportOptions
+from .formats import CHUNK_BYTES, EXPORT_FORMATS, ExportFormat, ExportOptions
 from .source import ExportedFile, ExportReport, Source, report_bytes
 from ..layouts import Layout
 from ..io.payload import open_checkpoint
 from ..ops.convert import Progress
 from ..storage import Storage
-from .zarr_form import CHUNK_BYTES
 
 __all__ = ["REPORT_NAME", "ExportReport", "export"]
 
@@ -69,24 +68,24 @@ def export(
       FSDP2, as ``{"model": ..., "optim": ...}`` (module fqns, fused q/k/v and gate/up; with
       `include_optimizer` each parameter's moments and step and the AdamW parameter groups),
       which an FSDP2 job at any world size loads with ``dcp.load`` + ``set_state_dict`` (see
-      ``ckptkit.exports.fsdp2``); layout ``llama`` only. ``plain``: any checkpoint's tensors
+      ``ckptkit_adapters.dcp.fsdp2``); layout ``llama`` only. ``plain``: any checkpoint's tensors
       under its own names (``model.<name>`` and, with `include_optimizer`,
       ``optimizer.exp_avg.<name>``, ...), for ``dcp.load`` into a plain state dict.
     - ``megatron``: a Megatron-Core ``dist_checkpointing`` directory (``torch_dist``) that
-      megatron-core loads into a ``GPTModel`` at any TP/PP (see ``ckptkit.exports.megatron``):
+      megatron-core loads into a ``GPTModel`` at any TP/PP (see ``ckptkit_adapters.megatron.writer``):
       layers stacked, each chunk a TP rank's piece as megatron-core at `tp` x `pp` writes it
       (a target the layout must allow, `ep` too for a mixture of experts), with
       `include_optimizer` the distributed optimizer's ``fully_reshardable`` state; the layout
       is ``megatron-gpt`` (recorded, or `layout`), or the reference trainer's ``llama`` (with
       its optimizer state if asked) or ``llama-moe`` (model only: megatron-core's MoE layer,
       ``SequentialMLP`` experts).
-    - ``deepspeed``: a DeepSpeed universal checkpoint (see ``ckptkit.exports.deepspeed``): each
+    - ``deepspeed``: a DeepSpeed universal checkpoint (see ``ckptkit_adapters.deepspeed.writer``): each
       parameter's fp32 master, ``exp_avg`` and ``exp_avg_sq`` whole under ``<tag>/zero/<name>/``,
       the model-states file and ``latest_universal``, which an engine with ``"checkpoint":
       {"load_universal": true}`` loads at ZeRO 1 or 2 and any data-parallel size; the source
       must be a checkpoint converted from DeepSpeed; the optimizer state always comes along,
       `dtype` must be None.
-    - ``zarr``: the topology-free form (see ``ckptkit.exports.zarr_form``): every tensor as a zarr v3
+    - ``zarr``: the topology-free form (see ``ckptkit_adapters.zarr.writer``): every tensor as a zarr v3
       array with the manifest beside it, bit for bit; `dtype` must be None.
 
     Every format writes ``export_report.json`` (each tensor's source, dtypes and checksum, each

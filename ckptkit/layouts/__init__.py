@@ -13,14 +13,14 @@ import os
 
 from ..errors import LayoutError
 from ..manifest import Manifest
-from .builtin import FAMILIES, builtin, gpt2, hf_llama, reference_llama, reference_llama_moe
+from .builtin import builtin, families, reference_llama, reference_llama_moe
 from .model import Constraint, Layout, Param, StateGroup, TensorPart, TPCut, Unit, Zero, layout_json_schema, layout_problems, parse_layout
 from .parts import ParamSpec, Part, column_parts, norm_parts, part_ranges, partition, replicated_parts, row_parts, unit_offsets, vocab_parts, vocab_rows
 from .placement import Holders, fit_problems, holders, placed_tensors, rank_boxes, stage_units, topology_problems
 
 __all__ = [
-    "FAMILIES", "Constraint", "Holders", "Layout", "Param", "ParamSpec", "Part", "StateGroup", "TPCut", "TensorPart",
-    "Unit", "Zero", "builtin", "column_parts", "gpt2", "hf_llama", "holders", "layout_for",
+    "Constraint", "Holders", "Layout", "Param", "ParamSpec", "Part", "StateGroup", "TPCut", "TensorPart",
+    "Unit", "Zero", "builtin", "column_parts", "families", "holders", "layout_for",
     "fit_problems", "layout_json_schema", "layout_problems", "load_layout", "norm_parts", "parse_layout", "part_ranges", "partition", "placed_tensors",
     "rank_boxes", "reference_llama", "reference_llama_moe", "replicated_parts", "row_parts", "stage_units", "topology_problems", "unit_offsets", "vocab_parts",
     "vocab_rows",
@@ -56,7 +56,7 @@ def layout_for(manifest: Manifest, *, where: str = "checkpoint") -> Layout:
     if model is None:
         raise LayoutError(
             f"{where}: the checkpoint records no layout and names no model (info.model), so its tensors cannot be "
-            f"placed on a new topology; give one with --layout FILE (built in: {', '.join(sorted(FAMILIES))})"
+            f"placed on a new topology; give one with --layout FILE (built in: {', '.join(families())})"
         )
     try:
         return builtin(model.family, dict(model.config))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import LayoutError, summarize
 from .spec import Block, ModelSpec, Tensor
@@ -152,6 +152,12 @@ def placed(spec: ModelSpec, view: View) -> Placement:
     return Placement(shapes, spans, frozenset(stacked))
 
 
+def _names(view: View) -> View:
+    """What of a view names and cuts the model's tensors (not what it is called, nor the tied
+    names it holds beside them)."""
+    return replace(view, name="", tied={})
+
+
 def compose(spec: ModelSpec, source: View, target: View, prefix: str = "") -> dict[str, list[Run]]:
     """Where each of `target`'s tensors comes from in a checkpoint of `spec` saved under
     `source`'s names (each name prefixed with `prefix`, a state's: ``model/``): runs of rows of
@@ -161,7 +167,7 @@ def compose(spec: ModelSpec, source: View, target: View, prefix: str = "") -> di
         LayoutError: either view lacks a name for a tensor of the model, or one of them stores
             matrices transposed (GPT-2's: a conversion not written yet, but to itself).
     """
-    if source == target:  # the same names: each tensor is itself
+    if _names(source) == _names(target):  # the same names: each tensor is itself
         same = placed(spec, source)
         return {name: [Run(0, same.rows(name), prefix + name, 0)] for name in same.shapes}
     if source.transposed or target.transposed:  # the rows of a matrix stored [in, out] are its columns

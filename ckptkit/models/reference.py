@@ -1,5 +1,6 @@
 """The reference trainer's view of a canonical model (pure), its config as a Hugging Face one,
-and the canonical model and view of any checkpoint's layout (`model_of`).
+and the canonical model and view of any checkpoint's layout (`model_of`, the tools' through
+their adapters), with the names its modules hold (`modules_of`).
 
 The reference trainer saves the canonical tensors under their canonical names (``model/`` +
 ``layers.3.attn.q.weight``): its view renames nothing and fuses nothing. Its Llama (layout
@@ -13,11 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..adapters import model_family
 from ..errors import LayoutError
 from ..layouts.model import Layout
 from .hf_config import spec_from_config
-from .hf_view import hf_view
-from .megatron_view import megatron_model
 from .spec import ModelSpec
 from .view import Fuse, View
 
@@ -84,27 +84,37 @@ def reference_hf_config(family: str, config: Mapping[str, Any]) -> dict[str, Any
 
 def model_of(layout: Layout, carried: Mapping[str, Any] | None = None) -> tuple[ModelSpec, View]:
     """The canonical model of a checkpoint's layout and the view its tensors are saved in: the
-    reference trainer's (``llama``, ``llama-moe``), Megatron-Core's (``megatron-gpt``), or a
-    Hugging Face view (``hf-<model_type>``, ``gpt2``: read from the `carried` ``config.json``).
+    reference trainer's (``llama``, ``llama-moe``), or the view of the adapter whose family the
+    layout is (`ckptkit.adapters.model_family`: Megatron-Core's ``megatron-gpt``, a Hugging Face
+    ``hf-<model_type>`` or ``gpt2``, read from the `carried` ``config.json``, ...).
 
     Raises:
-        LayoutError: a layout of no known tool, a Hugging Face one without its config, or a
-            config the model cannot be read from (the value named).
+        LayoutError: a layout of no known tool, or a config the model cannot be read from (the
+            value named).
     """
     if layout.name in FAMILY_KEYS:
         return spec_from_config(reference_hf_config(layout.name, layout.config)), REFERENCE
-    if layout.name == "megatron-gpt":
-        return megatron_model(layout.config)
-    if layout.name.startswith("hf-") or layout.name == "gpt2":
-        # its config is the config.json (as hf_layout makes it); a layout written by hand may say less than the carried one
-        config = layout.config if "model_type" in layout.config else carried
-        if not isinstance(config, Mapping):
-            raise LayoutError(f"the layout {layout.name!r} is a Hugging Face model's, read from its config.json, and neither "
-                              "the layout's config nor the checkpoint (info.config) holds one")
-        spec = spec_from_config(config)
-        return spec, hf_view(spec)
-    raise LayoutError(f"the layout {layout.name!r} is no tool's view of a canonical model (known: llama, llama-moe, "
-                      "megatron-gpt, hf-<model_type>)")
+    family = model_family(layout.name)
+    if family is None or family.model is None:
+        raise LayoutError(f"the layout {layout.name!r} is no tool's view of a canonical model (known: llama, llama-moe, "
+                          "megatron-gpt, hf-<model_type>)")
+    return family.model(layout, carried)
 
 
-__all__ = ["FAMILY_KEYS", "REFERENCE", "REFERENCE_MODULES", "model_of", "reference_hf_config"]
+def modules_of(layout: Layout, carried: Mapping[str, Any] | None = None) -> tuple[ModelSpec, View, View] | None:
+    """The canonical model of a checkpoint's layout, the view its tensors are saved in, and the
+    view of the names a job of the model holds in its modules (the keys an FSDP2 job's state dict
+    gives): the reference trainer's ``Stage`` (`REFERENCE_MODULES`), or the adapter's; None where
+    no one declares the modules.
+
+    Raises:
+        LayoutError: as `model_of`.
+    """
+    spec, view = model_of(layout, carried)
+    if layout.name in FAMILY_KEYS:
+        return spec, view, REFERENCE_MODULES
+    family = model_family(layout.name)
+    return (spec, view, family.modules(spec)) if family is not None and family.modules is not None else None
+
+
+__all__ = ["FAMILY_KEYS", "REFERENCE", "REFERENCE_MODULES", "model_of", "modules_of", "reference_hf_config"]

@@ -48,6 +48,8 @@ class View:
     expert_stacks: tuple[Fuse, ...] = ()
     transposed: bool = False  # the layers' matrices are stored [in, out]
     vocab_rows: int = 0  # the rows the tool stores a vocabulary in, padded (0: the model's)
+    # a tied model's tensors the tool also holds under their own name (the head) -> the name of the one they share
+    tied: Mapping[str, str] = field(default_factory=dict)
 
     def padded_rows(self, tensor: Tensor) -> int:
         """The rows the tool stores `tensor` in: its own, or a vocabulary's padded ones."""

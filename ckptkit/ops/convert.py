@@ -1,9 +1,10 @@
 """Bring another tool's checkpoint in: the converter contract, finding converters, and the one
 writer every converter commits through (no torch).
 
-Converters live outside the core (the ``ckptkit_converters`` package, or any distribution):
-each registers an object satisfying `Converter` in the ``ckptkit.converters`` entry-point
-group, and the core finds it through importlib.metadata, never importing it by name.
+Converters live outside the core, each the reader of a tool's adapter (``ckptkit.adapters``:
+the ``ckptkit_adapters`` package, or any distribution registering one in the
+``ckptkit.adapters`` entry-point group); the core finds them through the registry, never
+importing one by name.
 
 Call order: `detect_format` (for ``--from auto``) or a name from `list_converters`; then
 `convert`, which hands the work to the converter. A converter reads its source's metadata and
@@ -24,7 +25,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, JsonValue
@@ -40,7 +40,6 @@ from ..manifest import CheckpointInfo, Manifest, Producer, TokenizerInfo, Topolo
 from ..plan.save import ItemDesc, plan_files, tensor_entries
 from ..storage import Storage
 
-ENTRY_POINT_GROUP = "ckptkit.converters"
 # Payload files are cut at this size (a converted checkpoint is one rank's files).
 MAX_FILE_BYTES = 4 << 30
 
@@ -94,7 +93,7 @@ class ConvertReport(_Report):
 
 @runtime_checkable
 class Converter(Protocol):
-    """What a converter registers in the ``ckptkit.converters`` entry-point group.
+    """What a tool's adapter gives as its reader (``ckptkit.adapters.Adapter.converter``).
 
     ``detect`` must be cheap (file names, a few small reads) and never raise for a path that
     is not its format; ``convert`` commits ``dst`` through `write_converted` or raises a
@@ -111,33 +110,30 @@ class Converter(Protocol):
                 layout: Layout | None = None) -> ConvertReport: ...
 
 
-def _entry_points() -> dict[str, metadata.EntryPoint]:
-    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
-
-
 def load_converter(name: str) -> Converter:
-    """Return the converter registered as `name`.
+    """Return the converter of the tool `name` (its adapter's reader).
 
     Raises:
         ManifestError: no converter of that name, or it cannot be imported (its framework
-            dependency missing: the message says which extra to install).
+            dependency missing: the message says which extra to install), or what the adapter
+            gives is not a converter of that name.
     """
-    eps = _entry_points()
-    if name not in eps:
-        raise ManifestError(f"no converter for {name!r}; available: {', '.join(sorted(eps)) or 'none (install ckptkit)'}")
-    try:
-        found = eps[name].load()
-    except ImportError as exc:
-        raise ManifestError(f"the {name} converter cannot be loaded ({exc}); install ckptkit[{name}]") from exc
+    from ..adapters import converter_of
+
+    found = converter_of(name)
     if not isinstance(found, Converter) or found.name != name:
-        raise ManifestError(f"entry point {name!r} of {ENTRY_POINT_GROUP} is not a converter ({eps[name].value})")
+        raise ManifestError(f"the {name} adapter's reader is not a converter named {name!r}")
     return found
 
 
 def list_converters() -> dict[str, str]:
     """Return the name and description of every converter that loads."""
+    from ..adapters import adapters
+
     out = {}
-    for name in sorted(_entry_points()):
+    for name, adapter in adapters().items():
+        if adapter.converter is None:
+            continue
         try:
             out[name] = load_converter(name).description
         except ManifestError:

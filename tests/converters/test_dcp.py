@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import ckptkit
 from ckptkit.errors import IntegrityError
 from ckptkit.state.tree import split
-from ckptkit_converters.dcp import CONVERTER as DCP
-from ckptkit_converters.dcp import dcp_key, fqn_of, kind_of, optimizer_prefixes
+from ckptkit_adapters.dcp.reader import CONVERTER as DCP
+from ckptkit_adapters.common.dcp_read import dcp_key, fqn_of, kind_of, optimizer_prefixes
 
 from .checks import assert_nothing_written, one_line_error
 
@@ -315,7 +315,7 @@ def test_a_huggingface_storage_writer_save_equals_torchs_reader(name: str, tmp_p
 def test_a_huggingface_storage_writer_save_missing_a_middle_chunk_is_refused(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from ckptkit_converters.files import safetensors_header
+    from ckptkit_adapters.common.files import safetensors_header
 
     src = _copy("dcp-hf-fsdp2", tmp_path)
     first = src / "shard-00001-model-00001-of-00001.safetensors"

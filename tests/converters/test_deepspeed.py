@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit.errors import IntegrityError, ManifestError
-from ckptkit_converters.deepspeed import CONVERTER, cast_float32, tag_directory
+from ckptkit_adapters.deepspeed.reader import CONVERTER, cast_float32, tag_directory
 
 from .checks import assert_nothing_written, one_line_error
 
@@ -278,7 +278,7 @@ def test_the_cast_from_fp32_rounds_as_torch_does(dtype: torch.dtype, name: str) 
 
 
 def test_more_rank_files_than_may_be_open_at_once_convert_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptkit_converters import deepspeed
+    from ckptkit_adapters.deepspeed import reader as deepspeed
 
     monkeypatch.setattr(deepspeed._Files, "MAX_OPEN", 2)  # 6 files: each reopened as its turn comes
     dst = tmp_path / "out"

@@ -19,7 +19,7 @@ import ckptkit
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit.layouts import Layout
 from ckptkit.layouts.model import LAYER, Constraint, Param, StateGroup, TensorPart, TPCut, Unit, Zero
-from ckptkit_converters.deepspeed import CONVERTER
+from ckptkit_adapters.deepspeed.reader import CONVERTER
 
 from .checks import assert_nothing_written, one_line_error
 

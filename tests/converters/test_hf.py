@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit_converters.hf import CONVERTER, fqn_of, hf_key
+from ckptkit_adapters.hf.reader import CONVERTER, fqn_of, hf_key
 
 from .checks import assert_nothing_written
 
@@ -119,13 +119,6 @@ def test_a_tied_head_is_recorded_not_invented(tmp_path: Path) -> None:
     assert "model/lm_head.weight" not in manifest.tensors
     assert manifest.objects["hf/tied_weights"] == {"lm_head.weight": "transformer.wte.weight"}
     assert [(o.name, o.source) for o in report.objects] == [("hf/tied_weights", "config.json:tie_word_embeddings")]
-
-
-def test_the_hf_converter_is_declared_as_an_entry_point() -> None:
-    import tomllib
-
-    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"]["ckptkit.converters"]["hf"] == "ckptkit_converters.hf:CONVERTER"
 
 
 def test_detect_wants_a_config_and_weights(tmp_path: Path) -> None:

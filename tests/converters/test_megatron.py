@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit.errors import IntegrityError, ManifestError
-from ckptkit_converters.megatron import CONVERTER, checkpoint_directory, layer_key
+from ckptkit_adapters.megatron.reader import CONVERTER, checkpoint_directory, layer_key
 
 from .checks import assert_nothing_written, one_line_error
 
@@ -201,7 +201,7 @@ def test_a_bf16_checkpoint_exports_its_bf16_weights(tmp_path: Path, run_ckptkit:
 
 
 def test_megatron_lm_arguments_give_the_layout() -> None:
-    from ckptkit_converters.megatron import model_config
+    from ckptkit_adapters.megatron.reader import model_config
 
     args = {"num_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 24, "padded_vocab_size": 40,
             "group_query_attention": True, "num_query_groups": 2, "swiglu": True, "untie_embeddings_and_output_weights": True,

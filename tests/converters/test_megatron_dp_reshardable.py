@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 import ckptkit
 from ckptkit.errors import IntegrityError
 from ckptkit.layouts import builtin
-from ckptkit_converters import megatron_buckets
-from ckptkit_converters.dcp_metadata import read_metadata
-from ckptkit_converters.megatron import CONVERTER, METADATA_ALLOWED, layer_key
-from ckptkit_converters.megatron_buckets import bucket_places, buckets_of
+from ckptkit_adapters.megatron import buckets as megatron_buckets
+from ckptkit_adapters.common.dcp_metadata import read_metadata
+from ckptkit_adapters.megatron.reader import CONVERTER, METADATA_ALLOWED, layer_key
+from ckptkit_adapters.megatron.buckets import bucket_places, buckets_of
 
 from .checks import assert_nothing_written, one_line_error
 

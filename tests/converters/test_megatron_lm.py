@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit.errors import IntegrityError, ManifestError
-from ckptkit_converters.megatron import CONVERTER
-from ckptkit_converters.megatron_legacy_files import parse
-from ckptkit_converters.megatron_legacy_optim import Local, buffer_ranges, plain_ids
-from ckptkit_converters.megatron_legacy_plan import KEYS_MAP, local_params
-from ckptkit_converters.megatron_legacy_values import refuse_unsupported
+from ckptkit_adapters.megatron.reader import CONVERTER
+from ckptkit_adapters.megatron.legacy_files import parse
+from ckptkit_adapters.megatron.legacy_optim import Local, buffer_ranges, plain_ids
+from ckptkit_adapters.megatron.legacy_plan import KEYS_MAP, local_params
+from ckptkit_adapters.megatron.legacy_values import refuse_unsupported
 
 from .checks import assert_nothing_written, one_line_error
 

@@ -22,7 +22,7 @@ from ckptkit.manifest import Topology
 from ckptkit.manifest.shards import iter_shards
 from ckptkit.ops.diff import diff
 from ckptkit.ops.reshard import reshard
-from ckptkit_converters.megatron import CONVERTER, expert_key, layer_key, model_config
+from ckptkit_adapters.megatron.reader import CONVERTER, expert_key, layer_key, model_config
 
 from .checks import assert_nothing_written, one_line_error
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from ckptkit.boxes import Box, tiling_problems
-from ckptkit.layouts import builtin, gpt2, hf_llama, holders, rank_boxes, stage_units, topology_problems
+from ckptkit.layouts import builtin, holders, rank_boxes, stage_units, topology_problems
 from ckptkit.manifest import Topology
 
 GPT2 = dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4, n_positions=64)
@@ -26,7 +26,7 @@ def _state_dict_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 def test_gpt2_layout_has_the_tensors_of_a_real_gpt2_model() -> None:
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
     shapes = _state_dict_shapes(model)
-    tensors = gpt2(GPT2).tensors()
+    tensors = builtin("gpt2", GPT2).tensors()
     assert {k: v for k, v in shapes.items() if k in tensors} == tensors
     assert set(shapes) - set(tensors) == {"lm_head.weight"}  # tied to transformer.wte.weight
 
@@ -36,7 +36,7 @@ def test_hf_llama_layout_has_the_tensors_of_real_llama_and_qwen2_models(architec
     config_class = transformers.LlamaConfig if architecture == "LlamaForCausalLM" else transformers.Qwen2Config
     model = getattr(transformers, architecture)(config_class(**LLAMA))
     shapes = _state_dict_shapes(model)
-    layout = hf_llama(dict(LLAMA, model_type=config_class.model_type))
+    layout = builtin("hf-llama", dict(LLAMA, model_type=config_class.model_type))
     assert layout.tensors() == {k: v for k, v in shapes.items() if "rotary" not in k}
     assert any(name.endswith("q_proj.bias") for name in layout.tensors()) == bias
 
@@ -67,7 +67,7 @@ def test_the_ranks_of_every_topology_tile_every_tensor(family: str, config: dict
 
 
 def test_gpt2_c_attn_is_cut_per_q_k_v_partition_along_dim_1() -> None:
-    layout = gpt2(GPT2)
+    layout = builtin("gpt2", GPT2)
     (spec,) = [s for unit in stage_units(layout, 2, 1, 1, 0) for s in unit if s.name == "attn.c_attn.weight"][:1]
     assert spec.shape == (32, 48)  # [in, 3 x 32 / tp]
     assert [(p.offsets, p.lengths, p.row0) for p in spec.parts] == [((0, 16), (32, 16), 0), ((0, 48), (32, 16), 16),

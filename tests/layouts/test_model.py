@@ -8,13 +8,13 @@ import jsonschema
 import pytest
 
 from ckptkit.errors import LayoutError
-from ckptkit.layouts import gpt2, layout_json_schema, layout_problems, parse_layout, reference_llama
+from ckptkit.layouts import builtin, layout_json_schema, layout_problems, parse_layout, reference_llama
 
 LLAMA = dict(vocab_size=98, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=4)
 
 
 def test_a_layout_round_trips_through_json_and_matches_the_published_schema() -> None:
-    for layout in (reference_llama(LLAMA), gpt2(dict(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=8))):
+    for layout in (reference_llama(LLAMA), builtin("gpt2", dict(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=8))):
         doc = layout.to_json()
         jsonschema.validate(doc, layout_json_schema())
         assert parse_layout(json.dumps(doc)) == layout and layout_problems(doc) == []

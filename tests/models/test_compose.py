@@ -6,7 +6,9 @@ import pytest
 
 from ckptkit.errors import LayoutError
 from ckptkit.layouts import builtin
-from ckptkit.models import REFERENCE, Run, compose, hf_view, megatron_config, megatron_view, model_of, placed, spec_from_config
+from ckptkit.models import REFERENCE, Run, compose, model_of, placed, spec_from_config
+from ckptkit_adapters.hf.view import hf_view
+from ckptkit_adapters.megatron.view import megatron_config, megatron_view
 
 # Phi-3: 4 heads of 14 over 2 key/value heads, q, k, v fused one after another in qkv_proj
 PHI3 = dict(model_type="phi3", vocab_size=101, hidden_size=56, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,

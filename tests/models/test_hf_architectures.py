@@ -17,7 +17,8 @@ from safetensors import safe_open
 import ckptkit
 from ckptkit.layouts import fit_problems, parse_layout, topology_problems
 from ckptkit.manifest import Topology
-from ckptkit.models import READERS, hf_layout, spec_from_config
+from ckptkit.models import READERS, spec_from_config
+from ckptkit_adapters.hf.view import hf_layout
 
 transformers = pytest.importorskip("transformers")
 

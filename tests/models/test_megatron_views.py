@@ -26,7 +26,7 @@ from ckptkit.errors import LayoutError
 from ckptkit.layouts import parse_layout
 from ckptkit.manifest import Topology
 from ckptkit.models import spec_from_config
-from ckptkit.models.megatron_view import megatron_config
+from ckptkit_adapters.megatron.view import megatron_config
 
 from ..converters.checks import assert_nothing_written, megatron_common, one_line_error
 from .test_hf_architectures import _saved

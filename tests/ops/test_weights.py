@@ -9,7 +9,7 @@ import torch
 
 import ckptkit
 from ckptkit import LayoutError, ShardedTensor
-from ckptkit.layouts import builtin, hf_llama, reference_llama
+from ckptkit.layouts import builtin, reference_llama
 from ckptkit.ops.weights import weight_names
 
 LLAMA = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -18,7 +18,7 @@ HF = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers
 
 def _hf_checkpoint(path: Path, dtype: torch.dtype = torch.bfloat16, **config: int) -> dict[str, torch.Tensor]:
     """A checkpoint holding a Hugging Face Llama under its own names (as convert writes it)."""
-    layout = hf_llama({**HF, **config})
+    layout = builtin("hf-llama", {**HF, **config})
     gen = torch.Generator().manual_seed(0)
     tensors = {name: torch.randn(shape, generator=gen).to(dtype) for name, shape in layout.tensors().items()}
     ckptkit.save({"model": tensors}, path, step=7, layout=layout)
@@ -26,12 +26,12 @@ def _hf_checkpoint(path: Path, dtype: torch.dtype = torch.bfloat16, **config: in
 
 
 def test_hf_names_map_onto_the_reference_llamas() -> None:
-    names = weight_names(hf_llama(HF), reference_llama(LLAMA))
+    names = weight_names(builtin("hf-llama", HF), reference_llama(LLAMA))
     assert names["layers.1.attn.q.weight"] == "model.layers.1.self_attn.q_proj.weight"
     assert names["layers.0.mlp_norm.weight"] == "model.layers.0.post_attention_layernorm.weight"
     assert names["embed.weight"] == "model.embed_tokens.weight" and len(names) == 21
     assert weight_names(reference_llama(LLAMA), reference_llama(LLAMA))["embed.weight"] == "embed.weight"
-    assert weight_names(reference_llama(LLAMA), hf_llama(HF))["model.layers.1.self_attn.q_proj.weight"] == "layers.1.attn.q.weight"
+    assert weight_names(reference_llama(LLAMA), builtin("hf-llama", HF))["model.layers.1.self_attn.q_proj.weight"] == "layers.1.attn.q.weight"
     megatron = builtin("megatron-gpt", dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2,
                                             ffn_hidden_size=24, vocab_size=40))
     with pytest.raises(LayoutError, match=r"no name map from the layout 'llama' to 'megatron-gpt': 4 tensor\(s\) are fused"):

@@ -1,0 +1,1 @@
+"""What several adapters read and write through (see the package's docstring)."""

@@ -1,0 +1,224 @@
+"""The FSDP2 form of the DCP export: the state dict an FSDP2 job resumes from.
+
+An FSDP2 job builds the reference trainer's model as one plain module (``ckptkit.trainer.model.Stage``
+at TP 1 and one stage), or the transformers model of a converted Hugging Face checkpoint (its
+layout a Hugging Face view: each key is the module's own name, fused tensors such as Phi-3's
+``qkv_proj`` whole, a mixture of experts' experts stacked as transformers keeps them in memory),
+wraps it with ``fully_shard`` at any world size, and loads the export with
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=DST)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+Keys are those DCP gives that state (checked against torch's own ``get_state_dict``):
+
+- ``model.<fqn>``: each parameter under its module fqn: q, k and v stacked into
+  ``layers.<i>.attn.qkv.weight``, gate and up into ``layers.<i>.mlp.gate_up.weight``,
+  ``lm_head.weight`` as ``head.weight``, the rest as the checkpoint names them (the model has no
+  persistent buffers: its rotary tables are computed);
+- ``optim.state.<fqn>.exp_avg`` and ``.exp_avg_sq`` (stacked as the parameter) and ``.step`` (a
+  float32 scalar, as torch's AdamW keeps it);
+- ``optim.param_groups.<i>.<option>`` for every option of the installed torch's AdamW, and
+  ``.params`` listing the fqns: group 0 the parameters of two or more dims (decayed), group 1 the
+  rest (weight decay 0), as the trainer decays; ``lr`` is the learning rate of the next step under
+  the checkpoint's schedule, ``initial_lr`` its base (what an LR scheduler adds).
+
+Planned before anything is written; each tensor is read (its parts, one after the other) only
+when the DCP writer asks for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from ckptkit.boxes import Box
+from ckptkit.errors import LayoutError, summarize
+from ckptkit.exports.convert import output_dtype
+from ckptkit.exports.source import ExportedTensor, Source, Writer, Written
+from ckptkit.io.checksum import checksum_of
+from ckptkit.layouts import Layout
+from ckptkit.models import ModelSpec, View, compose, modules_of, placed
+from ckptkit.state.torch_io import byte_view, torch_dtype
+from ckptkit.storage import Storage
+from ckptkit_adapters.common.dcp_write import save_dcp
+
+MODEL = "model"
+OPTIM = "optim"
+MOMENTS = {"exp_avg": "optimizer/exp_avg", "exp_avg_sq": "optimizer/exp_avg_sq"}  # torch's name -> the checkpoint's prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Stacked:
+    """A DCP tensor made of boxes of source tensors stacked along `dim`, in order."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    dim: int
+    pieces: tuple[tuple[str, Box], ...]
+
+
+@dataclass(frozen=True)
+class Fsdp2Plan:
+    """Every key of the export: the stacked tensors, and the values (steps, parameter groups)."""
+
+    tensors: tuple[Stacked, ...]
+    values: dict[str, Any]
+    skipped: list[str]
+
+
+def module_model(layout: Layout) -> tuple[ModelSpec, View, View]:
+    """The canonical model of the layout's checkpoint, the view it is saved in, and the view of
+    the modules an FSDP2 job builds (``models.modules_of``: the reference trainer's Llama, or
+    transformers' model of a converted Hugging Face checkpoint).
+
+    Raises:
+        LayoutError: a layout whose modules no one declares.
+    """
+    found = modules_of(layout)
+    if found is None:
+        raise LayoutError(f"the fsdp2 form names parameters as the reference trainer's model (layout llama) or a "
+                          f"Hugging Face model (layout hf-<model_type>) does, not {layout.name!r}; export with "
+                          f"--dcp-form plain (the checkpoint's own names)")
+    return found
+
+
+def plan_fsdp2(source: Source, layout: Layout, include_optimizer: bool, out_dtype: str | None) -> Fsdp2Plan:
+    """Map the checkpoint's logical tensors onto the FSDP2 keys (see the module docstring): each
+    module parameter runs of rows of the checkpoint's tensors (``models.compose``), a tied head
+    the embedding's again under its own key.
+
+    Raises:
+        LayoutError: an unknown layout, tensors missing, or (with `include_optimizer`) no AdamW
+            step and hyper-parameters recorded; every problem named.
+    """
+    manifest = source.manifest
+    try:
+        spec, view, modules = module_model(layout)
+    except LayoutError as e:
+        raise LayoutError(f"{source.loc}: {e}") from None
+    shapes = placed(spec, modules).shapes
+    heads = dict(modules.tied)
+    shapes |= {head: shapes[embedding] for head, embedding in heads.items() if embedding in shapes}
+    states = {"": "model/"} | ({m: f"{p}/" for m, p in MOMENTS.items()} if include_optimizer else {})
+    tensors, problems = [], []
+    for moment, prefix in states.items():
+        runs = compose(spec, view, modules, prefix)
+        runs |= {head: runs[embedding] for head, embedding in heads.items() if embedding in runs}
+        for fqn, rs in runs.items():
+            key = f"{MODEL}.{fqn}" if not moment else f"{OPTIM}.state.{fqn}.{moment}"
+            missing = [r.fqn for r in rs if r.fqn not in manifest.tensors]
+            problems += missing
+            if missing:
+                continue
+            pieces = tuple((r.fqn, _rows(manifest.tensors[r.fqn].shape, r.src_row, r.count)) for r in rs)
+            dtypes = {manifest.tensors[r.fqn].dtype for r in rs}
+            if len(dtypes) != 1 or sum(r.count for r in rs) != math.prod(shapes[fqn]) // math.prod(pieces[0][1].lengths[1:]):
+                problems.append(f"{key}: its parts do not stack into {list(shapes[fqn])}")
+                continue
+            tensors.append(Stacked(key, shapes[fqn], output_dtype(dtypes.pop(), out_dtype), 0, pieces))
+    if problems:
+        raise LayoutError(f"cannot export the fsdp2 form: {len(problems)} tensor(s) missing or unlike the model: "
+                          + summarize(sorted(problems)))
+    values = optimizer_values(source, list(shapes.items())) if include_optimizer else {}
+    chosen = {name for t in tensors for name, _ in t.pieces}
+    return Fsdp2Plan(tuple(tensors), values, sorted(set(manifest.tensors) - chosen))
+
+
+def _rows(shape: tuple[int, ...], row: int, count: int) -> Box:
+    """Rows [row, row + count) of a tensor of `shape`, whole along its other dims."""
+    return Box((row, *(0 for _ in shape[1:])), (count, *shape[1:]))
+
+
+def optimizer_values(source: Source, params: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
+    """Each parameter's AdamW step and the parameter groups, under their DCP keys.
+
+    Raises:
+        LayoutError: the checkpoint records no AdamW with its step and hyper-parameters.
+    """
+    info = source.manifest.info.optimizer
+    hyper: dict[str, Any] = dict(info.hyperparameters) if info is not None else {}
+    needed = ("lr", "betas", "eps", "weight_decay")
+    if info is None or info.type != "adamw" or info.step is None or any(k not in hyper for k in needed):
+        raise LayoutError(f"{source.loc}: the fsdp2 form's optimizer state needs an AdamW with its step and "
+                          f"{', '.join(needed)} in info.optimizer; export without --include-optimizer")
+    base = float(hyper["lr"])
+    dummy = torch.nn.Parameter(torch.zeros(1))
+    betas = (float(hyper["betas"][0]), float(hyper["betas"][1]))
+    options = dict(torch.optim.AdamW([dummy], lr=base, betas=betas, eps=float(hyper["eps"]),
+                                     weight_decay=float(hyper["weight_decay"])).param_groups[0])
+    del options["params"]
+    options.update(lr=next_lr(source.manifest.info.scheduler, info.step + 1, base), initial_lr=base)
+    values: dict[str, Any] = {f"{OPTIM}.state.{fqn}.step": torch.tensor(float(info.step)) for fqn, _ in params}
+    decayed = [fqn for fqn, shape in params if len(shape) >= 2]
+    groups = [(decayed, options["weight_decay"]), ([fqn for fqn, _ in params if fqn not in decayed], 0.0)]
+    for i, (names, decay) in enumerate(g for g in groups if g[0]):
+        for option, value in (options | {"weight_decay": decay, "params": names}).items():
+            values[f"{OPTIM}.param_groups.{i}.{option}"] = value
+    return values
+
+
+def next_lr(scheduler: dict[str, Any] | None, step: int, base: float) -> float:
+    """The learning rate of optimizer step `step` under the checkpoint's schedule: the reference
+    trainer's ``warmup-cosine`` (linear warmup to ``lr``, cosine decay to ``min_lr`` at
+    ``total_steps``), else `base`."""
+    if not scheduler or scheduler.get("type") != "warmup-cosine":
+        return base
+    lr, low = float(scheduler["lr"]), float(scheduler["min_lr"])
+    warmup, total = int(scheduler["warmup_steps"]), int(scheduler["total_steps"])
+    if step <= warmup:
+        return lr * step / max(warmup, 1)
+    progress = min(1.0, (step - warmup) / max(total - warmup, 1))
+    return low + 0.5 * (lr - low) * (1 + math.cos(math.pi * progress))
+
+
+def fsdp2_writer(source: Source, layout: Layout, out_dtype: str | None, include_optimizer: bool) -> Writer:
+    """Plan the FSDP2 form (failing before any write) and return its writer.
+
+    Raises:
+        LayoutError: see `plan_fsdp2`.
+    """
+    plan = plan_fsdp2(source, layout, include_optimizer, out_dtype)
+
+    def write(source: Source, dst: Storage, tmp: str) -> Written:
+        report: list[ExportedTensor] = []
+        state: dict[str, Any] = {t.key: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta") for t in plan.tensors}
+        state.update(plan.values)
+        source.expect(name for t in plan.tensors for name, _ in t.pieces)
+        return save_dcp(state, _StackingPlanner(source, plan.tensors, report), report, dst, tmp, plan.skipped)
+
+    return write
+
+
+class _StackingPlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that each stacked tensor is read from the checkpoint
+    (its pieces, converted) only when the writer resolves it."""
+
+    def __init__(self, source: Source, tensors: tuple[Stacked, ...], report: list[ExportedTensor]) -> None:
+        super().__init__()
+        self.source = source
+        self.tensors = {t.key: t for t in tensors}
+        self.report = report
+
+    def resolve_data(self, write_item: Any) -> Any:
+        stacked = self.tensors.get(write_item.index.fqn)
+        if stacked is None:  # a step or a parameter group's value
+            return super().resolve_data(write_item)
+        saved = self.source.manifest.tensors[stacked.pieces[0][0]].dtype
+        parts = [torch.from_numpy(self.source.read_box(name, box)).view(torch_dtype(saved)).reshape(box.lengths)
+                 for name, box in stacked.pieces]
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=stacked.dim)
+        out = whole.reshape(stacked.shape).to(torch_dtype(stacked.dtype)).contiguous()  # torch's own rounding, any float dtype
+        self.report.append(ExportedTensor(
+            name=stacked.key, source=" + ".join(name for name, _ in stacked.pieces), shape=list(stacked.shape),
+            source_dtype=saved, dtype=stacked.dtype, file="", checksum=checksum_of(byte_view(out))))
+        return out
+
+
+__all__ = ["Fsdp2Plan", "Stacked", "fsdp2_writer", "module_model", "next_lr", "plan_fsdp2"]

@@ -1,0 +1,33 @@
+"""The DeepSpeed adapter: ZeRO saves read (``reader``, with ``tp``: model-parallel ranks joined through
+a layout) and the universal checkpoint written (``writer``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ckptkit.adapters import Adapter
+from ckptkit.exports.formats import ExportFormat, ExportOptions
+
+if TYPE_CHECKING:
+    from ckptkit.exports.source import Source, Writer
+    from ckptkit.ops.convert import Converter
+
+
+def _converter() -> Converter:
+    from ckptkit_adapters.deepspeed.reader import CONVERTER
+
+    return CONVERTER
+
+
+def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
+    from ckptkit_adapters.deepspeed.writer import deepspeed_writer
+
+    return deepspeed_writer(source), None
+
+
+ADAPTER = Adapter(
+    name="deepspeed", description="DeepSpeed ZeRO checkpoints and universal checkpoints", converter=_converter,
+    formats=(ExportFormat("deepspeed", "a DeepSpeed universal checkpoint (load_universal), from a checkpoint converted from DeepSpeed",
+                          _writer, dtypes=(), optimizer="always",
+                          saved_dtype="the deepspeed format keeps the fp32 masters and moments, and the module in its saved dtype"),),
+)

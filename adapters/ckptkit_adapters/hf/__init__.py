@@ -1,0 +1,73 @@
+"""The Hugging Face adapter: ``save_pretrained`` folders read (``reader``), written (``writer``, with
+``mapping``: each file tensor runs of rows of the checkpoint's, the ``config.json``), and the
+Hugging Face view of each canonical model (``view``), in the files and in transformers' modules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.adapters import Adapter, Family
+from ckptkit.exports.formats import ExportFormat, ExportOptions
+
+if TYPE_CHECKING:
+    from ckptkit.exports.source import Source, Writer
+    from ckptkit.layouts.model import Layout
+    from ckptkit.models.spec import ModelSpec
+    from ckptkit.models.view import View
+    from ckptkit.ops.convert import Converter
+
+
+def _converter() -> Converter:
+    from ckptkit_adapters.hf.reader import CONVERTER
+
+    return CONVERTER
+
+
+def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
+    from ckptkit_adapters.hf.writer import hf_writer
+
+    assert options.dtype is not None  # the hf format has a default dtype
+    return hf_writer(source, options.dtype, options.max_shard_bytes, options.layout), None
+
+
+def _hf(config: Mapping[str, Any]) -> Layout:
+    from ckptkit_adapters.hf.view import hf_layout
+
+    return hf_layout(config)
+
+
+def _hf_llama(config: Mapping[str, Any]) -> Layout:
+    from ckptkit_adapters.hf.view import hf_llama
+
+    return hf_llama(config)
+
+
+def _gpt2(config: Mapping[str, Any]) -> Layout:
+    from ckptkit_adapters.hf.view import gpt2
+
+    return gpt2(config)
+
+
+def _model(layout: Layout, carried: Mapping[str, Any] | None) -> tuple[ModelSpec, View]:
+    from ckptkit_adapters.hf.view import hf_model
+
+    return hf_model(layout, carried)
+
+
+def _modules(spec: ModelSpec) -> View:
+    from ckptkit_adapters.hf.view import module_view
+
+    return module_view(spec)
+
+
+ADAPTER = Adapter(
+    name="hf", description="Hugging Face transformers (save_pretrained folders)", converter=_converter,
+    formats=(ExportFormat("hf", "Hugging Face model directory", _writer, default_dtype="bf16", optimizer="never", layout=True),),
+    families=(
+        Family("hf", "a Hugging Face config.json (any model_type with a canonical model)", layout=_hf),
+        Family("hf-llama", "a Hugging Face Llama config.json", layout=_hf_llama),
+        Family("gpt2", "a Hugging Face GPT-2 config.json", layout=_gpt2, model=_model, modules=_modules),
+        Family("hf-", model=_model, modules=_modules),
+    ),
+)

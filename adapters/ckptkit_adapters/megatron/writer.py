@@ -1,0 +1,352 @@
+"""Export to a Megatron-Core ``dist_checkpointing`` directory (``torch_dist``) that megatron-core loads into a ``GPTModel``.
+
+The files are what megatron-core writes: DCP's ``.metadata`` and ``__0_<k>.distcp`` (written by
+torch's own DCP writer), ``common.pt`` (the state that is not sharded) and ``metadata.json``
+naming the backend. Keys follow Megatron-Core (layout ``megatron-gpt``):
+
+- each transformer layer's tensors stacked on a leading layer axis under one key without a
+  layer number (``model/decoder.layers.1.self_attention.linear_qkv.weight`` is layer 1 of
+  ``decoder.layers.self_attention.linear_qkv.weight``), every other parameter under its name;
+- a mixture of experts (the reference trainer's ``llama-moe``, as megatron-core's MoE layer
+  with ``SequentialMLP`` experts saves it): the router ``decoder.layers.mlp.router.weight``
+  stacked by layer, each expert's ``linear_fc1`` ``[gate; up]`` and ``linear_fc2`` stacked on
+  a (layer, global expert) axis pair under ``decoder.layers.mlp.experts.experts.<linear>``, one
+  chunk per expert and TP piece, so the files are the same at every EP (`ep` is checked
+  against the experts, as a Megatron job's would be);
+- with the optimizer, the distributed optimizer's ``fully_reshardable`` form: each parameter's
+  fp32 master as ``optimizer.state.param.<key>`` and its moments as
+  ``optimizer.state.exp_avg.<key>``, ``optimizer.state.exp_avg_sq.<key>``, the parameter groups
+  in ``common.pt``;
+- each linear module's extra state (``<module>._extra_state/shard_<layer>_<layers>``: ``None``
+  in the local layer spec) as megatron-core asks for it.
+
+Each chunk is one TP rank's piece of one layer (and expert), as megatron-core at the target TP would write
+it (the layout says the pieces; the target must be one the layout allows): a reader of the
+format loads it at any TP/PP. Only the chunk's bytes are read from the source when the DCP
+writer asks for them, so memory stays about one chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from ckptkit.boxes import Box
+from ckptkit.errors import LayoutError, summarize
+from ckptkit.exports.convert import output_dtype
+from ckptkit.exports.source import ExportedFile, ExportedTensor, Source, Writer, Written
+from ckptkit.io.checksum import checksum_of
+from ckptkit.layouts import Layout, builtin
+from ckptkit.layouts.placement import local_param, topology_problems
+from ckptkit.manifest import Topology
+from ckptkit.models.compose import Run, compose
+from ckptkit.models.reference import model_of
+from ckptkit.state.torch_io import byte_view, torch_dtype
+from ckptkit.state.tree import unescape
+from ckptkit.storage import Storage
+from ckptkit_adapters.common.dcp_write import file_entry, write_dcp
+from ckptkit_adapters.megatron.names import (
+    MEGATRON_EXPERT_EXTRA_STATE,
+    MEGATRON_EXPERTS,
+    MEGATRON_EXTRA_STATE,
+    MEGATRON_LOCAL_EXPERTS,
+    MEGATRON_MOE_EXTRA_STATE,
+)
+from ckptkit_adapters.megatron.view import megatron_args, megatron_config, megatron_view
+from ckptkit_adapters.megatron.writer_optimizer import optimizer_sources, param_groups
+
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+EXPERT = re.compile(rf"^decoder\.layers\.(\d+)\.{re.escape(MEGATRON_LOCAL_EXPERTS)}\.(\d+)\.(.+)$")
+STATES = {"model": "", "optimizer/fp32": "param", "optimizer/exp_avg": "exp_avg", "optimizer/exp_avg_sq": "exp_avg_sq"}
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One chunk of a Megatron key: its box in the key's global tensor, and the boxes of source
+    tensors it is made of, in order along its first dim (after a stacked key's layer, expert axes)."""
+
+    at: Box
+    pieces: tuple[tuple[str, Box], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One Megatron key: its global shape and dtype, and its chunks."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: tuple[Chunk, ...]
+
+
+def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bool, layout: Layout, tp: int, pp: int,
+                    ep: int = 1) -> Writer:
+    """Plan the Megatron export (failing before any write) and return its writer.
+
+    Raises:
+        LayoutError: a layout with no Megatron names, a target TP/PP/EP the layout forbids (an
+            EP on a model without experts, experts EP does not divide), layers or experts
+            missing, or no optimizer state with `include_optimizer` (every problem named).
+    """
+    sources, target = megatron_sources(source, layout, include_optimizer, tp)
+    problems = topology_problems(target, Topology(world_size=tp * pp * ep, tp=tp, pp=pp, dp=ep, ep=ep, zero_stage=0))
+    if problems:
+        raise LayoutError(f"cannot export at tp {tp} x pp {pp}{f' x ep {ep}' if ep != 1 else ''}: " + summarize(problems))
+    entries = plan_entries(source, target, sources, tp, out_dtype, padded=layout.name != "megatron-gpt")
+    groups = None if not include_optimizer else \
+        param_groups(source, experts=bool(target.experts)) if layout.name != "megatron-gpt" else _param_groups(source)
+    chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces if fqn}
+    skipped = sorted(set(source.manifest.tensors) - chosen)
+
+    def write(source: Source, dst: Storage, tmp: str) -> Written:
+        source.expect(sorted(chosen))
+        report: dict[tuple[str, tuple[int, ...]], ExportedTensor] = {}
+        where = write_dcp({}, _Planner(source, entries, _extra_states(target), report), dst, tmp)
+        tensors = [t.model_copy(update={"file": where[at]}) for at, t in report.items()]
+        # Megatron-LM's arguments, which say the model, for a model from another view (a Megatron save's own are its objects)
+        common: dict[str, Any] = {} if layout.name == "megatron-gpt" else {"args": argparse.Namespace(**megatron_args(target.config))}
+        if groups is not None:
+            # one state per optimizer; a mixture of experts' is megatron-core's ChainedOptimizer of two (dense, experts)
+            states = [{"param_state_sharding_type": "fully_reshardable", "optimizer": {"param_groups": g}} for g in groups]
+            common["optimizer"] = states[0] if len(states) == 1 else dict(enumerate(states))
+        extra = {"common.pt": _torch_save(common), "metadata.json": json.dumps(BACKEND).encode()}
+        files = []
+        for name, data in extra.items():
+            dst.write(f"{tmp}/{name}", [data])
+            files.append(ExportedFile(path=name, size=len(data), checksum=checksum_of(data)))
+        files += [file_entry(dst, tmp, key) for key in sorted(dst.list(tmp)) if key.rpartition("/")[2] not in extra]
+        return Written(sorted(tensors, key=lambda t: t.name), files, skipped)
+
+    return write
+
+
+Sources = dict[str, dict[str, list[Run]]]  # Megatron state ("" for the model) -> Megatron name per layer -> its rows
+
+
+def megatron_sources(source: Source, layout: Layout, include_optimizer: bool, tp: int = 1) -> tuple[Sources, Layout]:
+    """Where each Megatron tensor (per layer, per expert) comes from, and the Megatron layout of
+    the target: a Megatron GPT's tensors as they are; any other view of a canonical model (the
+    reference trainer's, a converted Hugging Face model's) through the model (``models.compose``
+    to the Megatron view, its vocabulary padded for `tp`), with its fp32 masters and moments if asked.
+
+    Raises:
+        LayoutError: a layout of no tool's view, an architecture megatron-core's GPT cannot
+            hold (what it lacks named), tensors missing.
+    """
+    tensors = source.manifest.tensors
+    if layout.name != "megatron-gpt":
+        carried = (source.manifest.info.config or {}).get("config.json")
+        try:
+            spec, view = model_of(layout, carried if isinstance(carried, dict) else None)
+            target = builtin("megatron-gpt", megatron_config(spec, tp))
+            mine = megatron_view(spec, int(target.config["vocab_size"]))  # type: ignore[arg-type]
+        except LayoutError as e:
+            raise LayoutError(f"{source.loc}: {e}") from None
+        out: Sources = {"": compose(spec, view, mine, "model/")}
+        if include_optimizer:
+            out |= optimizer_sources(source, spec, view, mine)
+        missing = sorted({r.fqn for names in out.values() for runs in names.values() for r in runs} - set(tensors))
+        if missing:
+            raise LayoutError(f"cannot export to Megatron: {len(missing)} tensor(s) missing: " + summarize(missing))
+        return out, target
+    out = {}
+    for prefix in ["model", *(p for p in STATES if p != "model" and include_optimizer)]:
+        names = [f for f in tensors if f.startswith(f"{prefix}/")]
+        if not names:
+            raise LayoutError(f"{source.loc}: no {prefix} tensors in the checkpoint, which the export needs")
+        out[STATES[prefix]] = {unescape(f[len(prefix) + 1:]): [Run(0, tensors[f].shape[0] if tensors[f].shape else 1, f, 0)]
+                               for f in names}
+    return out, layout
+
+
+def plan_entries(source: Source, layout: Layout, sources: Sources, tp: int, out_dtype: str | None,
+                 padded: bool = False) -> list[Entry]:
+    """The Megatron keys of `sources`, each cut into TP pieces per layer (and expert) as `layout`
+    cuts them (`padded`: rows past the sources' are padding, zeros).
+
+    Raises:
+        LayoutError: a stacked tensor missing layers or experts, or unlike its other layers.
+    """
+    tensors = source.manifest.tensors
+    params = {part.name: (param, layer, expert) for unit in layout.units
+              for layer in layout.unit_layers(unit)
+              for expert in (range(unit.experts) if unit.experts else (None,))
+              for param in unit.params for part in local_param(param, layer, 1, 0, expert).parts}
+    shapes = layout.tensors()
+    grouped: dict[str, dict[tuple[int, ...], tuple[str, list[Run]]]] = {}
+    for state, names in sources.items():
+        for name, runs in names.items():
+            key, index = _stacked(name)
+            grouped.setdefault(f"optimizer.state.{state}.{key}" if state else key, {})[index] = (name, runs)
+    problems: list[str] = []
+    entries = []
+    for key, by_index in sorted(grouped.items()):
+        entry = _entry(key, by_index, layout, params, shapes, tp, tensors, out_dtype, problems, padded)
+        if entry is not None:
+            entries.append(entry)
+    if problems:
+        raise LayoutError("cannot export to Megatron: " + summarize(problems))
+    return entries
+
+
+def _stacked(name: str) -> tuple[str, tuple[int, ...]]:
+    """The key megatron-core stacks a tensor under, and its index on the stacked axes: (layer,
+    global expert) for an expert's, (layer,) for a layer's, () for any other."""
+    found = EXPERT.match(name)
+    if found:
+        return f"decoder.layers.{MEGATRON_EXPERTS}.{found.group(3)}", (int(found.group(1)), int(found.group(2)))
+    found = LAYER.match(name)
+    if found:
+        return f"decoder.layers.{found.group(2)}", (int(found.group(1)),)
+    return name, ()
+
+
+def _entry(key: str, by_index: dict[tuple[int, ...], tuple[str, list[Run]]], layout: Layout, params: dict[str, Any],
+           shapes: dict[str, tuple[int, ...]], tp: int, tensors: Any, out_dtype: str | None, problems: list[str],
+           padded: bool) -> Entry | None:
+    """One key's entry: a whole tensor, or its layers (and experts) stacked, in the target's TP
+    pieces (the model in `out_dtype` if given, the optimizer state as saved)."""
+    depth = {len(index) for index in by_index}
+    if len(depth) > 1:
+        problems.append(f"{key}: both stacked and whole")
+        return None
+    axes = (layout.num_layers, layout.experts)[: depth.pop()]
+    want = [()] if not axes else [(i,) for i in range(axes[0])] if len(axes) == 1 else \
+        [(i, e) for i in range(axes[0]) for e in range(axes[1])]
+    if sorted(by_index) != want:
+        what = "layers" if len(axes) == 1 else "(layer, expert) pairs"
+        problems.append(f"{key}: {len(by_index)} {what} saved, the layout has {len(want)}")
+        return None
+    name, runs = by_index[want[0]]
+    first = tensors[runs[0].fqn]
+    shape = shapes.get(name, first.shape)
+    dtypes = {tensors[r.fqn].dtype for _, rs in by_index.values() for r in rs}
+    if len(dtypes) != 1:
+        problems.append(f"{key}: its source tensors have dtypes {sorted(dtypes)}")
+        return None
+    chunks = []
+    for index in want:
+        name, runs = by_index[index]
+        rows, filled = shape[0] if shape else 1, sum(r.count for r in runs)
+        if shapes.get(name, shape) != shape or filled > rows or (filled < rows and not padded):
+            problems.append(f"{key}: {name} is not of the shape {list(shape)} the layout gives")
+            return None
+        for box in _pieces(name, shape, params, tp):
+            at = Box((*index, *box.offsets), (*(1 for _ in index), *box.lengths))
+            chunks.append(Chunk(at, _from_runs(box, runs)))
+    dtype = first.dtype if key.startswith("optimizer.") else output_dtype(first.dtype, out_dtype)
+    return Entry(key, (*axes, *shape), dtype, tuple(chunks))
+
+
+def _from_runs(box: Box, runs: list[Run]) -> tuple[tuple[str, Box], ...]:
+    """The source boxes of `box` of a Megatron tensor made of `runs` of rows, in row order (rows
+    no run fills: padding, ``""``)."""
+    if not box.lengths:
+        return ((runs[0].fqn, box),)
+    lo, hi = box.offsets[0], box.offsets[0] + box.lengths[0]
+    out, at = [], lo
+    for r in runs:
+        a, b = max(lo, r.row), min(hi, r.row + r.count)
+        if a < b:
+            if a > at:
+                out.append(("", Box((at, *box.offsets[1:]), (a - at, *box.lengths[1:]))))
+            out.append((r.fqn, Box((r.src_row + a - r.row, *box.offsets[1:]), (b - a, *box.lengths[1:]))))
+            at = b
+    if at < hi:
+        out.append(("", Box((at, *box.offsets[1:]), (hi - at, *box.lengths[1:]))))
+    return tuple(out)
+
+
+def _pieces(name: str, shape: tuple[int, ...], params: dict[str, Any], tp: int) -> list[Box]:
+    """The boxes of logical tensor `name` that TP ranks 0..tp-1 hold (a replicated one once)."""
+    if name not in params:
+        return [Box((0,) * len(shape), shape)]
+    param, layer, expert = params[name]
+    out: list[Box] = []
+    for r in range(tp):
+        for part in local_param(param, layer, tp, r, expert).parts:
+            if part.name == name and not (part.replicated and r):
+                out.append(Box(part.offsets, part.lengths))
+    return out
+
+
+def _extra_states(layout: Layout) -> list[str]:
+    """The sharded-object keys of every layer's (and expert's) linear modules' extra state."""
+    n, experts = layout.num_layers, layout.experts
+    if not experts:
+        return [f"decoder.layers.{module}._extra_state/shard_{i}_{n}" for i in range(n) for module in MEGATRON_EXTRA_STATE]
+    return [*(f"decoder.layers.{module}._extra_state/shard_{i}_{n}" for i in range(n) for module in MEGATRON_MOE_EXTRA_STATE),
+            *(f"decoder.layers.{module}._extra_state/shard_{i}.{e}_{n}.{experts}" for i in range(n) for e in range(experts)
+              for module in MEGATRON_EXPERT_EXTRA_STATE)]
+
+
+def _param_groups(source: Source) -> list[list[dict[str, Any]]]:
+    """The optimizers' parameter groups for ``common.pt``, from the checkpoint's info: one
+    optimizer's, or (groups of expert-parallel parameters among them) the dense and the experts'
+    optimizers' of megatron-core's ``ChainedOptimizer``.
+
+    Raises:
+        LayoutError: none recorded.
+    """
+    info = source.manifest.info.optimizer
+    if info is None or not info.param_groups:
+        raise LayoutError(f"{source.loc}: no optimizer parameter groups recorded, which Megatron's optimizer state needs")
+    groups = [{k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in g.options.items()} for g in info.param_groups]
+    experts = [g for g in groups if g.get("is_expert_parallel") is True]
+    return [[g for g in groups if g not in experts], experts] if experts and len(experts) < len(groups) else [groups]
+
+
+def _torch_save(value: Any) -> bytes:
+    out = io.BytesIO()
+    torch.save(value, out)
+    return out.getvalue()
+
+
+class _Planner(DefaultSavePlanner):
+    """Write items for every chunk and extra state; each chunk read from the source (its box
+    only) when the writer resolves it."""
+
+    def __init__(self, source: Source, entries: list[Entry], objects: list[str],
+                 report: dict[tuple[str, tuple[int, ...]], ExportedTensor]) -> None:
+        super().__init__()
+        self.source, self.report = source, report
+        self.chunks = {(e.key, c.at.offsets): (e, c) for e in entries for c in e.chunks}
+        self.objects = objects
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(e.key, c.at.offsets), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(c.at.offsets), torch.Size(c.at.lengths)),
+                                                       properties=TensorProperties(dtype=torch_dtype(e.dtype)),
+                                                       size=torch.Size(e.shape)))
+                 for e, c in self.chunks.values()]
+        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self.objects]
+        self.plan = SavePlan(items, planner_data={})
+        return self.plan
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(_torch_save([None]))  # megatron-core saves a sharded object as the list of its pieces
+        entry, chunk = self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        saved = next((self.source.manifest.tensors[fqn].dtype for fqn, _ in chunk.pieces if fqn), entry.dtype)
+        parts = [torch.from_numpy(self.source.read_box(fqn, box)).view(torch_dtype(saved)).reshape(box.lengths).to(torch_dtype(entry.dtype))
+                 if fqn else torch.zeros(box.lengths, dtype=torch_dtype(entry.dtype)) for fqn, box in chunk.pieces]
+        out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(chunk.at.lengths).contiguous()
+        name = f"{entry.key}[{', '.join(f'{o}:{o + n}' for o, n in zip(chunk.at.offsets, chunk.at.lengths))}]"
+        source = " + ".join(f"{fqn or 'padding'}[{', '.join(f'{o}:{o + n}' for o, n in zip(box.offsets, box.lengths))}]" for fqn, box in chunk.pieces)
+        self.report[(entry.key, chunk.at.offsets)] = ExportedTensor(
+            name=name, source=source, shape=list(chunk.at.lengths), source_dtype=saved, dtype=entry.dtype, file="",
+            checksum=checksum_of(byte_view(out)))
+        return out
+
+
+__all__ = ["BACKEND", "Chunk", "Entry", "Run", "megatron_sources", "megatron_writer", "plan_entries"]
