@@ -42,12 +42,9 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 13, (GLOBAL_BATCH, 5), generator=gen), torch.randn(GLOBAL_BATCH, 5, 3, generator=gen)
 
 
-def job(rank: int, world: int, path: str, stage: int, universal: bool, out: str, port: int) -> None:
-    """Load `path` at ZeRO `stage` over `world` ranks, train one step; see the module."""
+def start(rank: int, world: int, port: int) -> None:
+    """Join this rank to DeepSpeed's gloo process group of `world` ranks on `port`."""
     import deepspeed
-    import torch.distributed as dist
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    from safetensors.torch import save_file
 
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -59,6 +56,29 @@ def job(rank: int, world: int, path: str, stage: int, universal: bool, out: str,
     # what is tested here (the checkpoint load and the step after it) does not depend on which.
     ds_comm.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
+
+
+def loaded_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own view of every parameter of `model` right after a load: the module's value,
+    the fp32 master and both Adam moments, whole."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    loaded: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        loaded[f"model/{name}"] = p.data.detach().clone()
+        loaded[f"fp32/{name}"] = safe_get_full_fp32_param(p).detach().clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            loaded[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).detach().clone()
+    return loaded
+
+
+def job(rank: int, world: int, path: str, stage: int, universal: bool, out: str, port: int) -> None:
+    """Load `path` at ZeRO `stage` over `world` ranks, train one step; see the module."""
+    import deepspeed
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    start(rank, world, port)
     try:
         fx = fixture_module()
         cfg = fx.config(stage, "fp32")
@@ -76,12 +96,7 @@ def job(rank: int, world: int, path: str, stage: int, universal: bool, out: str,
         # then reads what the optimizer will step from.
         engine.optimizer._hp_optimizer_states_linked = False
         engine.optimizer._lazy_init_hp_params_optimizer_state()
-        loaded: dict[str, torch.Tensor] = {}
-        for name, p in model.named_parameters():
-            loaded[f"model/{name}"] = p.data.detach().clone()
-            loaded[f"fp32/{name}"] = safe_get_full_fp32_param(p).detach().clone()
-            for key in ("exp_avg", "exp_avg_sq"):
-                loaded[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).detach().clone()
+        loaded = loaded_state(model)
         ids, target = batch()
         rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
         ids, target = ids[rows], target[rows]

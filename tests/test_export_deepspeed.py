@@ -152,6 +152,60 @@ def test_the_files_hold_what_deepspeeds_ds_to_universal_writes(name: str, deepsp
         _assert_same(ours, want, path)
 
 
+# --- a model DeepSpeed did not save: the reference trainer's, resumed by a DeepSpeed job of it ---------------
+
+STEPS, RESUMED = 7, 4
+
+
+@pytest.fixture(scope="module")
+def trainer_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[int, dict[str, Any]]]:
+    """A reference-trainer run of one process, its step-4 checkpoint exported with ``--format deepspeed``."""
+    from .trainer.runs import train
+
+    root = tmp_path_factory.mktemp("trainer-deepspeed")
+    records = {r["step"]: r for r in train(root / "run", (1, 1, 1, 0), STEPS)}
+    checkpoint, out = root / "run" / f"step_{RESUMED:08d}", root / "universal"
+    proc = _run("export", str(checkpoint), str(out), "--format", "deepspeed")
+    assert proc.returncode == 0, proc.stderr
+    return checkpoint, out, records
+
+
+@pytest.mark.multiprocess
+def test_a_deepspeed_job_of_the_trainers_model_resumes_its_checkpoint_with_the_trainers_losses(
+    deepspeed_env: None, trainer_export: tuple[Path, Path, dict[int, dict[str, Any]]], tmp_path: Path
+) -> None:
+    from ckptkit.trainer.config import TrainConfig, model_config
+    from ckptkit.trainer.data import Tokenizer
+
+    from .deepspeed_trainer_job import run
+
+    checkpoint, out, records = trainer_export
+    steps = [(s, records[s]["sample_ids"]) for s in range(RESUMED + 1, STEPS + 1)]
+    got = run(2, str(out), 2, TrainConfig(), model_config("tiny", vocab_size=Tokenizer().vocab_size), steps, str(tmp_path / "job"),
+              _port(3))
+    assert got["loaded_from"] == str(out / f"global_step{RESUMED}_universal" / "mp_rank_00_model_states.pt")
+    # every master and moment bitwise the checkpoint's, fused as the module fuses them (q, k, v; gate, up)
+    source = ckptkit.load(checkpoint)
+    states = {"fp32": source["model"], "exp_avg": source["optimizer"]["exp_avg"], "exp_avg_sq": source["optimizer"]["exp_avg_sq"]}
+    fused = {"attn.qkv.weight": ("attn.q.weight", "attn.k.weight", "attn.v.weight"), "mlp.gate_up.weight": ("mlp.gate.weight", "mlp.up.weight")}
+    names = sorted(k[len("fp32/"):] for k in got["loaded"] if k.startswith("fp32/"))
+    assert len(names) == 2 + 1 + 4 * 6  # embed, norm, head; per layer two norms, qkv, o, gate_up, down
+    for name in names:
+        layer, _, local = name.partition(".attn.") if ".attn." in name else name.partition(".mlp.")
+        key = next((k for k in fused if name.endswith(k)), None)
+        for state, tensors in states.items():
+            want = (torch.cat([tensors[name[: -len(key)] + part] for part in fused[key]]) if key
+                    else tensors["lm_head.weight" if name == "head.weight" else name])
+            assert torch.equal(got["loaded"][f"{state}/{name}"], want), (state, name)
+        assert torch.equal(got["loaded"][f"model/{name}"], got["loaded"][f"fp32/{name}"]), name
+    assert got["groups"] == {"lr": [records[RESUMED + 1]["lr"]] * 2, "weight_decay": [0.1, 0.0]}
+    assert got["counters"]["global_steps"] == RESUMED
+    want = [records[s]["loss"] for s, _ in steps]
+    relative = [abs(a - b) / abs(b) for a, b in zip(got["losses"], want)]
+    print(f"DeepSpeed ZeRO-2 resume at 2 ranks, steps {RESUMED + 1}-{STEPS}: losses {got['losses']}, trainer {want}, relative {relative}")
+    assert len(relative) == 3 and max(relative) <= 1e-5
+
+
 # --- refusals: one line, exit 1, nothing written ------------------------------------------------
 
 
@@ -163,9 +217,26 @@ def _refused(src: Path, tmp_path: Path, *args: str) -> str:
     return one_line_error(proc.stderr)
 
 
-def test_a_checkpoint_that_names_no_deepspeed_parameters_is_refused(tmp_path: Path) -> None:
-    line = _refused(FIXTURES / "llama-v1.1" / "step_00000005", tmp_path)
-    assert "records no DeepSpeed parameter names (deepspeed/param_shapes" in line
+def test_a_checkpoint_that_names_no_model_is_refused(tmp_path: Path) -> None:
+    converted = tmp_path / "dcp"
+    assert _run("convert", str(FIXTURES / "dcp-nodist"), str(converted)).returncode == 0  # DCP records no model
+    assert "records no layout and names no model (info.model)" in _refused(converted, tmp_path)
+
+
+def test_a_model_without_optimizer_state_is_refused(tmp_path: Path) -> None:
+    from .converters.test_hf import _saved
+
+    src, _ = _saved("llama", tmp_path)
+    converted = tmp_path / "hf"
+    assert _run("convert", str(src), str(converted)).returncode == 0
+    line = _refused(converted, tmp_path)
+    assert "a DeepSpeed universal checkpoint (the masters and moments DeepSpeed resumes from) needs an AdamW" in line
+
+
+def test_a_model_whose_modules_are_not_known_is_refused(tmp_path: Path) -> None:
+    converted = tmp_path / "megatron"
+    assert _run("convert", str(FIXTURES / "megatron-lm" / "gpt-tp2-pp2"), str(converted)).returncode == 0
+    assert "the megatron-gpt layout's modules are not known" in _refused(converted, tmp_path)
 
 
 def test_a_stage_0_save_without_optimizer_state_by_name_is_refused(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import ckptkit
 from ckptkit.errors import LayoutError
-from ckptkit_adapters.dcp.fsdp2 import next_lr
+from ckptkit.exports.adamw import next_lr
 from ckptkit.exports.run import export
 from ckptkit.trainer.config import TrainConfig, model_config
 from ckptkit.trainer.data import Tokenizer

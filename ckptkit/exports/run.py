@@ -83,8 +83,9 @@ def export(
       parameter's fp32 master, ``exp_avg`` and ``exp_avg_sq`` whole under ``<tag>/zero/<name>/``,
       the model-states file and ``latest_universal``, which an engine with ``"checkpoint":
       {"load_universal": true}`` loads at ZeRO 1 or 2 and any data-parallel size; the source
-      must be a checkpoint converted from DeepSpeed; the optimizer state always comes along,
-      `dtype` must be None.
+      is a checkpoint converted from DeepSpeed, or one of a model whose modules are known
+      (``models.modules_of``) with its AdamW state, each parameter under its module name; the
+      optimizer state always comes along, `dtype` must be None.
     - ``zarr``: the topology-free form (see ``ckptkit_adapters.zarr.writer``): every tensor as a zarr v3
       array with the manifest beside it, bit for bit; `dtype` must be None.
 

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -23,6 +23,9 @@ from ..manifest import Manifest, Topology
 from ..boxes import Box
 from ..io.read import Reader, byte_shape
 from ..storage import Storage
+
+if TYPE_CHECKING:
+    from ..models.compose import Run
 
 READ_THREADS = 4
 AHEAD_THREADS = 3
@@ -81,6 +84,18 @@ class Source:
                 self.done += math.prod(box.lengths) * itemsize(entry.dtype)
                 self.progress(self.done, max(self.expected, self.done))
         return out.reshape(-1)
+
+    def read_runs(self, runs: Sequence[Run]) -> np.ndarray[Any, Any]:
+        """Return the tensor made of `runs` (rows of source tensors, in order: ``models.compose``)
+        as flat bytes, in the sources' saved dtype, reading only the rows it needs."""
+        parts = []
+        for r in runs:
+            shape = self.manifest.tensors[r.fqn].shape
+            if r.src_row == 0 and r.count == (shape[0] if shape else 1):
+                parts.append(self.read(r.fqn))
+            else:
+                parts.append(self.read_box(r.fqn, Box((r.src_row, *(0 for _ in shape[1:])), (r.count, *shape[1:]))))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def stream(self, fqns: Sequence[str], dtype: Callable[[str], str | None]) -> Iterator[tuple[str, np.ndarray[Any, Any]]]:
         """Yield (fqn, bytes) for `fqns` in order, each converted to ``dtype(fqn)``.

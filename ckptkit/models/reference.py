@@ -104,15 +104,17 @@ def model_of(layout: Layout, carried: Mapping[str, Any] | None = None) -> tuple[
 def modules_of(layout: Layout, carried: Mapping[str, Any] | None = None) -> tuple[ModelSpec, View, View] | None:
     """The canonical model of a checkpoint's layout, the view its tensors are saved in, and the
     view of the names a job of the model holds in its modules (the keys an FSDP2 job's state dict
-    gives): the reference trainer's ``Stage`` (`REFERENCE_MODULES`), or the adapter's; None where
-    no one declares the modules.
+    gives): the reference trainer's Llama ``Stage`` (`REFERENCE_MODULES`), or the adapter's; None where
+    no one declares the modules (the reference mixture of experts').
 
     Raises:
         LayoutError: as `model_of`.
     """
     spec, view = model_of(layout, carried)
-    if layout.name in FAMILY_KEYS:
+    if layout.name == "llama":
         return spec, view, REFERENCE_MODULES
+    if layout.name in FAMILY_KEYS:  # the mixture of experts' modules (its experts' own) are not declared
+        return None
     family = model_family(layout.name)
     return (spec, view, family.modules(spec)) if family is not None and family.modules is not None else None
 

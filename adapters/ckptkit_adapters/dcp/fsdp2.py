@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ckptkit.boxes import Box
 from ckptkit.errors import LayoutError, summarize
+from ckptkit.exports.adamw import adamw_of, decay_groups
 from ckptkit.exports.convert import output_dtype
 from ckptkit.exports.source import ExportedTensor, Source, Writer, Written
 from ckptkit.io.checksum import checksum_of
@@ -142,40 +143,13 @@ def optimizer_values(source: Source, params: list[tuple[str, tuple[int, ...]]]) 
     Raises:
         LayoutError: the checkpoint records no AdamW with its step and hyper-parameters.
     """
-    info = source.manifest.info.optimizer
-    hyper: dict[str, Any] = dict(info.hyperparameters) if info is not None else {}
-    needed = ("lr", "betas", "eps", "weight_decay")
-    if info is None or info.type != "adamw" or info.step is None or any(k not in hyper for k in needed):
-        raise LayoutError(f"{source.loc}: the fsdp2 form's optimizer state needs an AdamW with its step and "
-                          f"{', '.join(needed)} in info.optimizer; export without --include-optimizer")
-    base = float(hyper["lr"])
-    dummy = torch.nn.Parameter(torch.zeros(1))
-    betas = (float(hyper["betas"][0]), float(hyper["betas"][1]))
-    options = dict(torch.optim.AdamW([dummy], lr=base, betas=betas, eps=float(hyper["eps"]),
-                                     weight_decay=float(hyper["weight_decay"])).param_groups[0])
-    del options["params"]
-    options.update(lr=next_lr(source.manifest.info.scheduler, info.step + 1, base), initial_lr=base)
-    values: dict[str, Any] = {f"{OPTIM}.state.{fqn}.step": torch.tensor(float(info.step)) for fqn, _ in params}
-    decayed = [fqn for fqn, shape in params if len(shape) >= 2]
-    groups = [(decayed, options["weight_decay"]), ([fqn for fqn, _ in params if fqn not in decayed], 0.0)]
-    for i, (names, decay) in enumerate(g for g in groups if g[0]):
+    adamw = adamw_of(source.manifest, str(source.loc), "the fsdp2 form's optimizer state (export without --include-optimizer)")
+    options = adamw.torch_options() | {"lr": adamw.next_lr(), "initial_lr": adamw.lr}
+    values: dict[str, Any] = {f"{OPTIM}.state.{fqn}.step": torch.tensor(float(adamw.step)) for fqn, _ in params}
+    for i, (names, decay) in enumerate(decay_groups(params, options["weight_decay"])):
         for option, value in (options | {"weight_decay": decay, "params": names}).items():
             values[f"{OPTIM}.param_groups.{i}.{option}"] = value
     return values
-
-
-def next_lr(scheduler: dict[str, Any] | None, step: int, base: float) -> float:
-    """The learning rate of optimizer step `step` under the checkpoint's schedule: the reference
-    trainer's ``warmup-cosine`` (linear warmup to ``lr``, cosine decay to ``min_lr`` at
-    ``total_steps``), else `base`."""
-    if not scheduler or scheduler.get("type") != "warmup-cosine":
-        return base
-    lr, low = float(scheduler["lr"]), float(scheduler["min_lr"])
-    warmup, total = int(scheduler["warmup_steps"]), int(scheduler["total_steps"])
-    if step <= warmup:
-        return lr * step / max(warmup, 1)
-    progress = min(1.0, (step - warmup) / max(total - warmup, 1))
-    return low + 0.5 * (lr - low) * (1 + math.cos(math.pi * progress))
 
 
 def fsdp2_writer(source: Source, layout: Layout, out_dtype: str | None, include_optimizer: bool) -> Writer:
@@ -221,4 +195,4 @@ class _StackingPlanner(DefaultSavePlanner):
         return out
 
 
-__all__ = ["Fsdp2Plan", "Stacked", "fsdp2_writer", "module_model", "next_lr", "plan_fsdp2"]
+__all__ = ["Fsdp2Plan", "Stacked", "fsdp2_writer", "module_model", "plan_fsdp2"]

@@ -19,8 +19,10 @@ The files, as DeepSpeed 0.19's ``ds_to_universal`` writes them and its loader re
   parameter groups, ``ds_version``, ``clip_grad``, ``overflow``. The loss scaler (a DeepSpeed
   object) is not written: the loading engine keeps the one its config makes.
 
-The source must name its parameters as DeepSpeed does: a checkpoint converted from a DeepSpeed
-save (``deepspeed/param_shapes`` and the other ``deepspeed/...`` records). Everything is
+The source is a checkpoint converted from a DeepSpeed save (``deepspeed/param_shapes`` and the
+other ``deepspeed/...`` records: `plan_universal`), or one of a model DeepSpeed did not save whose
+modules are known (`plan_module`: each parameter under the module's name, the DeepSpeed view of a
+canonical model being its modules' view, ``models.modules_of``). Everything is
 planned before anything is written; tensors stream one at a time, except the module's, which
 DeepSpeed keeps in one pickle.
 """
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import io
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from ckptkit.errors import LayoutError, summarize
 from ckptkit.exports.source import ExportedFile, ExportedTensor, Source, Writer, Written, exported
 from ckptkit.io.checksum import checksum_of
 from ckptkit.manifest import Manifest
+from ckptkit.models.compose import Run
 from ckptkit.state.torch_io import byte_view, torch_dtype
 from ckptkit.storage import Storage
 
@@ -54,6 +57,7 @@ ORDER = ("buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "sh
 # the loss scaler, a DeepSpeed object, is left to the loading engine's own config.
 OPTIMIZER_VALUES = ("overflow", "clip_grad")
 FRAGMENTS = "deepspeed/frozen_param_fragments/"
+DS_VERSION = "0.19.8"  # the DeepSpeed whose universal checkpoint a model DeepSpeed did not save is written as
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,10 @@ class UniversalPlan:
     model_states: dict[str, Any]  # the model-states file's values, without its tensors
     extra_tensors: list[tuple[tuple[str, ...], str]]  # (where in the model-states file, fqn): fragments, client tensors
     optimizer_state: dict[str, Any]
+    # where the tensors of a model that is not DeepSpeed's come from: each one the _write reads by its
+    # DeepSpeed-side key (optimizer/<state>/<name>, model/<name>) made of runs of the checkpoint's rows
+    runs: dict[str, list[Run]] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def deepspeed_writer(source: Source) -> Writer:
@@ -79,7 +87,8 @@ def deepspeed_writer(source: Source) -> Writer:
             needs (a parameter's master or moments, the step, the parameter groups, a counter);
             every finding is listed.
     """
-    plan = plan_universal(source.manifest, str(source.loc))
+    manifest, where = source.manifest, str(source.loc)
+    plan = plan_universal(manifest, where) if "deepspeed/param_shapes" in manifest.objects else plan_module(manifest, where)
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
         return _write(source, plan, dst, tmp)
@@ -110,6 +119,67 @@ def plan_universal(manifest: Manifest, where: str) -> UniversalPlan:
     return UniversalPlan(tag=f"global_step{model_states['global_steps']}_universal", groups=groups, steps=steps,
                          others=others, module=module, model_states=model_states, extra_tensors=extra,
                          optimizer_state=optimizer_state)
+
+
+def plan_module(manifest: Manifest, where: str) -> UniversalPlan:
+    """The universal checkpoint of a model DeepSpeed did not save (the reference trainer's, a
+    converted Hugging Face one), as a DeepSpeed engine wrapping that model's module would hold it
+    (pure): each parameter under the module's name (``models.modules_of``: the reference
+    trainer's ``Stage``, transformers' model), its fp32 master the checkpoint's parameter and its
+    moments the checkpoint's, composed as the module fuses them (``models.compose``); the
+    module's state dict the same parameters (a tied head under its own name too); the
+    trainer's two AdamW groups (weights of two or more dims decayed, the rest not), at the
+    learning rate of the next step; the counters of the checkpoint's step.
+
+    Raises:
+        LayoutError: no layout, a model whose modules are not known, no AdamW recorded,
+            parameters that are not fp32, moments missing; every finding listed.
+    """
+    from ckptkit.exports.adamw import adamw_of, decay_groups
+    from ckptkit.layouts import layout_for
+    from ckptkit.models import compose, modules_of, placed
+
+    layout = layout_for(manifest, where=where)
+    found = modules_of(layout, manifest.info.config)
+    if found is None:
+        raise LayoutError(f"{where}: a universal checkpoint names each parameter as the module DeepSpeed wraps does, and the "
+                          f"{layout.name} layout's modules are not known (the reference trainer's and Hugging Face models' are)")
+    spec, view, modules = found
+    adamw = adamw_of(manifest, where, "a DeepSpeed universal checkpoint (the masters and moments DeepSpeed resumes from)")
+    shapes = placed(spec, modules).shapes
+    params = list(shapes.items())
+    runs: dict[str, list[Run]] = {}
+    for state, prefix in (("fp32", "model/"), ("exp_avg", "optimizer/exp_avg/"), ("exp_avg_sq", "optimizer/exp_avg_sq/")):
+        runs |= {f"optimizer/{state}/{name}": rs for name, rs in compose(spec, view, modules, prefix).items()}
+    runs |= {f"model/{name}": runs[f"optimizer/fp32/{name}"] for name in shapes}
+    runs |= {f"model/{head}": runs[f"model/{shared}"] for head, shared in modules.tied.items() if f"model/{shared}" in runs}
+    problems = sorted({f"{r.fqn} is missing" for rs in runs.values() for r in rs if r.fqn not in manifest.tensors})
+    problems += sorted({f"{r.fqn} is {manifest.tensors[r.fqn].dtype}, not the float32 DeepSpeed keeps masters and moments in"
+                        for rs in runs.values() for r in rs
+                        if r.fqn in manifest.tensors and manifest.tensors[r.fqn].dtype != "float32"})
+    problems += [f"{name!r} is not a plain file name" for name in shapes if not _plain(name)]
+    if problems:
+        raise LayoutError(f"{where}: cannot write a DeepSpeed universal checkpoint: " + summarize(problems))
+    options = adamw.torch_options() | {"lr": adamw.next_lr()}
+    groups = decay_groups(params, adamw.weight_decay)
+    progress = manifest.info.data_progress
+    records: dict[str, Any] = {
+        "buffer_names": [], "optimizer": None,
+        "param_shapes": [OrderedDict((n, torch.Size(shapes[n])) for n in names) for names, _ in groups],
+        "frozen_param_shapes": OrderedDict(), "shared_params": {}, "frozen_param_fragments": OrderedDict(),
+        "lr_scheduler": None, "data_sampler": None, "random_ltd": None, "skipped_steps": 0, "global_steps": manifest.step,
+        "global_samples": progress.consumed_samples if progress is not None else 0, "dp_world_size": 1, "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}, "ds_version": DS_VERSION,
+    }
+    optimizer_state = {"ds_version": DS_VERSION, "param_groups": [
+        {**options, "weight_decay": decay, "params": [i]} for i, (_, decay) in enumerate(groups)]}
+    module = [f"model/{name}" for name in [*shapes, *modules.tied] if f"model/{name}" in runs]
+    all_shapes = {key: shapes[key.split("/", 2)[2]] for key in runs if key.startswith("optimizer/")}
+    all_shapes |= {f"model/{name}": shapes[name] for name in shapes}
+    all_shapes |= {f"model/{head}": shapes[shared] for head, shared in modules.tied.items() if shared in shapes}
+    return UniversalPlan(tag=f"global_step{manifest.step}_universal", groups=[names for names, _ in groups],
+                         steps=[float(adamw.step)] * len(groups), others=[], module=module, model_states=records,
+                         extra_tensors=[], optimizer_state=optimizer_state, runs=runs, shapes=all_shapes)
 
 
 def _param_shapes(objects: dict[str, Any], where: str) -> list[dict[str, Any]]:
@@ -252,6 +322,7 @@ def _write(source: Source, plan: UniversalPlan, dst: Storage, tmp: str) -> Writt
     manifest = source.manifest
     tensors: list[ExportedTensor] = []
     files: list[ExportedFile] = []
+    used: set[str] = set()
 
     def save(path: str, value: Any) -> None:
         out = io.BytesIO()
@@ -260,16 +331,21 @@ def _write(source: Source, plan: UniversalPlan, dst: Storage, tmp: str) -> Writt
         dst.write(f"{tmp}/{path}", [data])
         files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
 
-    def read(fqn: str, name: str, path: str, dtype: str | None = None) -> torch.Tensor:
-        entry = manifest.tensors[fqn]
-        saved = torch.from_numpy(source.read(fqn)).view(torch_dtype(entry.dtype)).reshape(entry.shape)
+    def read(key: str, name: str, path: str, dtype: str | None = None) -> torch.Tensor:
+        runs = plan.runs.get(key) or [Run(0, (manifest.tensors[key].shape or (1,))[0], key, 0)]
+        entry = manifest.tensors[runs[0].fqn]
+        shape = plan.shapes.get(key, entry.shape)
+        saved = torch.from_numpy(source.read_runs(runs)).view(torch_dtype(entry.dtype)).reshape(shape)
         tensor = saved if dtype is None else saved.to(torch_dtype(dtype))
-        tensors.append(exported(source, name, fqn, byte_view(tensor), dtype or entry.dtype, path))
+        fqns = list(dict.fromkeys(r.fqn for r in runs))
+        used.update(fqns)
+        tensors.append(exported(source, name, fqns[0], byte_view(tensor), dtype or entry.dtype, path, shape, " + ".join(fqns)))
         return tensor
 
     zero = f"{plan.tag}/zero"
-    source.expect([f"optimizer/{s}/{n}" for g in plan.groups for n in g for s in STATES]
-                  + [f"model/{n}" for n in plan.others] + plan.module + [fqn for _, fqn in plan.extra_tensors])
+    wanted = ([f"optimizer/{s}/{n}" for g in plan.groups for n in g for s in STATES]
+              + [f"model/{n}" for n in plan.others] + plan.module + [fqn for _, fqn in plan.extra_tensors])
+    source.expect(r.fqn for key in wanted for r in plan.runs.get(key, [Run(0, 0, key, 0)]))
     for group, step in zip(plan.groups, plan.steps):
         for name in group:
             for state in STATES:
@@ -290,8 +366,7 @@ def _write(source: Source, plan: UniversalPlan, dst: Storage, tmp: str) -> Writt
     data = plan.tag.encode()  # DeepSpeed writes the tag alone, no newline
     dst.write(f"{tmp}/{LATEST}", [data])
     files.append(ExportedFile(path=LATEST, size=len(data), checksum=checksum_of(data)))
-    exported_fqns = {t.source for t in tensors}
-    return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in exported_fqns))
+    return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in used))
 
 
 def _put(tree: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
