@@ -235,3 +235,39 @@ def test_the_reference_llamas_optimizer_state_comes_fused_as_its_parameters(expo
                            plain["optimizer.state.exp_avg_sq.decoder.layers.self_attention.linear_qkv.weight"])
     groups = megatron_common(out / "common.pt")["optimizer"]["optimizer"]["param_groups"]
     assert [g["wd_mult"] for g in groups] == [1.0, 0.0] and groups[0]["step"] == 4.0 and groups[0]["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize(("name", "state"), [("megatron-lm/gpt-tp2-pp2", ()), ("megatron/gpt-tp2-dp2", ("--include-optimizer",))])
+def test_a_megatron_gpt_exported_again_says_its_model_and_converts_back_bitwise(name: str, state: tuple[str, ...], tmp_path: Path,
+                                                                              run_ckptkit: Any) -> None:
+    # A Megatron-LM save (its arguments kept by the conversion) and a megatron-core save without
+    # arguments (its layout named at conversion) -> Megatron files at another topology -> convert
+    # with no layout named: the same model, every tensor bitwise.
+    converted, out, back = tmp_path / "converted", tmp_path / "megatron", tmp_path / "back"
+    given = () if name.startswith("megatron-lm") else ("--layout", str(_layout_file(tmp_path)))
+    assert run_ckptkit("convert", str(FIXTURES.parent / name), str(converted), *given).returncode == 0
+    proc = run_ckptkit("export", str(converted), str(out), "--format", "megatron", *state, "--tp", "1")
+    assert proc.returncode == 0, proc.stderr
+    args = vars(megatron_common(out / "common.pt")["args"])
+    assert args["tensor_model_parallel_size"] == 1 and args["num_layers"] == ckptkit.read_manifest(converted).layout["num_layers"]
+    proc = run_ckptkit("convert", "--from", "megatron", str(out), str(back))
+    assert proc.returncode == 0, proc.stderr
+    first, again = ckptkit.read_manifest(converted), ckptkit.read_manifest(back)
+    assert again.layout is not None and again.layout["name"] == "megatron-gpt"
+    kinds = ("model/", "optimizer/") if state else ("model/",)
+    names = sorted(k for k in first.tensors if k.startswith(kinds))
+    assert names and sorted(k for k in again.tensors if k.startswith(kinds)) == names
+    want, got = _flat(ckptkit.load(converted)), _flat(ckptkit.load(back))
+    assert [k for k in names if not torch.equal(got[k], want[k])] == []
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A loaded checkpoint's tensors under their manifest names (``model/...``, ``optimizer/exp_avg/...``)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out |= _flat(value, name + "/")
+        else:
+            out[name] = value
+    return out

@@ -107,14 +107,14 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
         param_groups(source, experts=bool(target.experts)) if layout.name != "megatron-gpt" else _param_groups(source)
     chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces if fqn}
     skipped = sorted(set(source.manifest.tensors) - chosen)
+    args = export_args(source, layout, target, tp, pp, ep)
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
         source.expect(sorted(chosen))
         report: dict[tuple[str, tuple[int, ...]], ExportedTensor] = {}
         where = write_dcp({}, _Planner(source, entries, _extra_states(target), report), dst, tmp)
         tensors = [t.model_copy(update={"file": where[at]}) for at, t in report.items()]
-        # Megatron-LM's arguments, which say the model, for a model from another view (a Megatron save's own are its objects)
-        common: dict[str, Any] = {} if layout.name == "megatron-gpt" else {"args": argparse.Namespace(**megatron_args(target.config))}
+        common: dict[str, Any] = {"args": argparse.Namespace(**args)}
         if groups is not None:
             # one state per optimizer; a mixture of experts' is megatron-core's ChainedOptimizer of two (dense, experts)
             states = [{"param_state_sharding_type": "fully_reshardable", "optimizer": {"param_groups": g}} for g in groups]
@@ -128,6 +128,20 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
         return Written(sorted(tensors, key=lambda t: t.name), files, skipped)
 
     return write
+
+
+# Megatron-LM's arguments of the parallel sizes, set to the export's
+PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
+
+
+def export_args(source: Source, layout: Layout, target: Layout, tp: int, pp: int, ep: int) -> dict[str, Any]:
+    """Megatron-LM's arguments (``args`` in ``common.pt``), which say the model, so that Megatron-LM
+    (``--use-checkpoint-args``) and ``convert --from megatron`` read it back with no layout named:
+    a Megatron save's own, as its conversion kept them (``info.config.args``), else those of the
+    target's config (`megatron_args`); their parallel sizes the export's."""
+    carried = (source.manifest.info.config or {}).get("args") if layout.name == "megatron-gpt" else None
+    args = dict(carried) if isinstance(carried, dict) else megatron_args(target.config)
+    return {**args, **dict(zip(PARALLEL_ARGS, (tp, pp, ep)))}
 
 
 Sources = dict[str, dict[str, list[Run]]]  # Megatron state ("" for the model) -> Megatron name per layer -> its rows
