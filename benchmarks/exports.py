@@ -118,7 +118,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ckptkit(src: str, out: str) -> dict[str, Any]:
-    seconds, report, peak = timed_command(["export", src, out, "--format", "hf", "--dtype", "bf16"], "ckptkit.exports.run")
+    seconds, report, peak = timed_command(["export", src, out, "--format", "hf", "--dtype", "bf16"],
+                                        "ckptkit.exports.run, ckptkit_adapters.hf.writer")
     written = sum(f["size"] for f in report["files"])
     shutil.rmtree(out, ignore_errors=True)
     return {"seconds": seconds, "in_process_s": report["seconds"], "bytes_written": written, "rss_peak_abs": peak}

@@ -155,8 +155,11 @@ def _ckptkit(src: str, out: str) -> dict[str, Any]:
 
 
 def warm_modules(module: str) -> None:
-    """Import ``ckptkit.cli`` and `module` in a child process: their files read into the page cache."""
-    subprocess.run([sys.executable, "-c", f"import ckptkit.cli, {module}"], check=True)
+    """Import ``ckptkit.cli`` and `module` (one or more, comma-separated) in a child process: their
+    files read into the page cache and compiled (as an installed package ships them), whatever
+    ``PYTHONDONTWRITEBYTECODE`` says."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, "-c", f"import ckptkit.cli, {module}"], check=True, env=env)
 
 
 def timed_command(args: list[str], module: str, *, warm: bool = True) -> tuple[float, dict[str, Any], int]:

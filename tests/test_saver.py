@@ -52,6 +52,13 @@ def test_json_values_come_back_as_saved(tmp_path: Path) -> None:
     assert out["note"] == "hi" and out["n"] is None
 
 
+def test_tuples_are_saved_as_lists(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.ones(2)}, "optimizer": {"betas": (0.9, 0.95), "groups": [{"pair": (1, (2, 3))}]}}
+    m = ckptkit.save(state, tmp_path / "ck", step=1)
+    assert m.objects["optimizer"]["betas"] == [0.9, 0.95]
+    assert ckptkit.load(tmp_path / "ck")["optimizer"] == {"betas": [0.9, 0.95], "groups": [{"pair": [1, [2, 3]]}]}
+
+
 def test_keys_with_slashes_and_tildes_round_trip(tmp_path: Path) -> None:
     state = {"model": {"a/b": torch.ones(1), "c~d": torch.zeros(1)}}
     m = ckptkit.save(state, tmp_path / "ck", step=1)

@@ -97,7 +97,7 @@ def _offered(values: Callable[[Any], tuple[str, ...]]) -> list[str]:
 @click.option("--format", "fmt", default="hf", show_default=True, type=click.Choice(list(ckptkit.EXPORT_FORMATS)),
               help="; ".join(f"{f.name}: {f.help}" for f in ckptkit.EXPORT_FORMATS.values()) + ".")
 @click.option("--dtype", default=None, type=click.Choice(_offered(lambda f: f.dtypes)),
-              help="Output dtype. hf: default bf16; dcp: default the saved dtype; zarr, deepspeed: always the saved dtype.")
+              help="Output dtype. hf, dcp, megatron: default the saved dtype; zarr, deepspeed: always the saved dtype.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="hf: largest output file (5GB, 500MB, 2GiB, bytes).")
 @click.option("--include-optimizer", is_flag=True, help="dcp, megatron: also export the optimizer state (zarr and deepspeed always have it).")
 @click.option("--layout", "layout_file", default=None,

@@ -11,6 +11,8 @@ are and which options each takes is ``formats``; each format's writer is in its 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import os
 import time
 import uuid
@@ -23,8 +25,10 @@ from .formats import CHUNK_BYTES, EXPORT_FORMATS, ExportFormat, ExportOptions
 from .source import ExportedFile, ExportReport, Source, report_bytes
 from ..layouts import Layout
 from ..io.payload import open_checkpoint
-from ..ops.convert import Progress
 from ..storage import Storage
+
+if TYPE_CHECKING:  # a type alias: the export's start imports none of the converters' contract
+    from ..ops.convert import Progress
 
 __all__ = ["REPORT_NAME", "ExportReport", "export"]
 

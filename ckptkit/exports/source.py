@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict
 
 from .convert import convert
 from ..io.catalog import Location
-from ..ops.convert import Progress
 from ..io.checksum import checksum_of
 from ..io.commit import REPORT_NAME
 from ..manifest.dtypes import itemsize
@@ -25,6 +24,7 @@ from ..io.read import Reader, byte_shape
 from ..storage import Storage
 
 if TYPE_CHECKING:
+    from ..ops.convert import Progress
     from ..models.compose import Run
 
 READ_THREADS = 4

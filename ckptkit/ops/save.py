@@ -35,7 +35,7 @@ from ..plan.save import FilePlan, ItemDesc, SavePlan, plan_save, tensor_entries
 from ..storage import Storage
 from ..state.device import DEFAULT_PINNED_BYTES, BouncePool, device_problems, staged_bytes
 from ..state.torch_io import byte_view, dtype_name, host_contiguous, is_leaf, leaf_shards
-from ..state.tree import flatten, json_problems
+from ..state.tree import as_json, flatten, json_problems
 
 DEFAULT_KINDS = {"model": "param", "optimizer": "optimizer", "optim": "optimizer", "rng": "rng", "buffers": "buffer"}
 
@@ -152,6 +152,7 @@ def _describe(
         problems = json_problems(objects)
         if problems:
             raise LayoutError("values must be tensors or JSON: " + summarize(problems))
+        objects = {fqn: as_json(value) for fqn, value in objects.items()}  # tuples as lists
     except CkptkitError as exc:
         return {}, [], {}, f"{type(exc).__name__}: {exc}"
     return local, descs, objects, ""

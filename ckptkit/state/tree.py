@@ -88,6 +88,16 @@ def json_problems(objects: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def as_json(value: Any) -> Any:
+    """A value `json_problems` accepts, as JSON holds it: every tuple a list, every mapping a dict
+    (a tuple, such as AdamW's ``betas``, comes back from a load as a list)."""
+    if isinstance(value, Mapping):
+        return {k: as_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [as_json(v) for v in value]
+    return value
+
+
 def _check_json(value: Any, where: str, problems: list[str]) -> None:
     if value is None or isinstance(value, (bool, int, str)):
         return

@@ -80,7 +80,7 @@ def test_fp32_export_loads_as_mixtral_with_thetrainer_logits(source: Path, tmp_p
 
 
 def test_bf16_export_holds_each_experts_rounded_master_weights(source: Path, tmp_path: Path) -> None:
-    export(source, tmp_path / "hf")  # bf16 by default
+    export(source, tmp_path / "hf", dtype="bf16")
     whole = ckptkit.load(str(source))["model"]
     got = load_file(str(tmp_path / "hf" / "model-00001-of-00001.safetensors"))
     pairs = {"model.layers.1.block_sparse_moe.experts.5.w1.weight": "layers.1.mlp.experts.5.gate.weight",

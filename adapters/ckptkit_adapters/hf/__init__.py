@@ -27,7 +27,6 @@ def _converter() -> Converter:
 def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
     from ckptkit_adapters.hf.writer import hf_writer
 
-    assert options.dtype is not None  # the hf format has a default dtype
     return hf_writer(source, options.dtype, options.max_shard_bytes, options.layout), None
 
 
@@ -63,7 +62,7 @@ def _modules(spec: ModelSpec) -> View:
 
 ADAPTER = Adapter(
     name="hf", description="Hugging Face transformers (save_pretrained folders)", converter=_converter,
-    formats=(ExportFormat("hf", "Hugging Face model directory", _writer, default_dtype="bf16", optimizer="never", layout=True),),
+    formats=(ExportFormat("hf", "Hugging Face model directory", _writer, optimizer="never", layout=True),),
     families=(
         Family("hf", "a Hugging Face config.json (any model_type with a canonical model)", layout=_hf),
         Family("hf-llama", "a Hugging Face Llama config.json", layout=_hf_llama),

@@ -29,9 +29,10 @@ from ckptkit.storage import Storage
 from ckptkit_adapters.hf import mapping as hf
 
 
-def hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Layout | None = None) -> Writer:
-    """Plan the HF export (failing before any write) and return its writer. `layout` overrides
-    the one the checkpoint records."""
+def hf_writer(source: Source, dtype: str | None, max_shard_bytes: int, layout: Layout | None = None) -> Writer:
+    """Plan the HF export (failing before any write) and return its writer: the weights in
+    `dtype`, or (None) in the dtype they are saved in. `layout` overrides the one the checkpoint
+    records."""
     manifest = source.manifest
     layout = layout or layout_for(manifest, where=str(source.loc))
     carried = manifest.info.config or {}
@@ -41,13 +42,14 @@ def hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Layo
         runs = hf.hf_runs(manifest.tensors, spec, view)
     except LayoutError as e:
         raise LayoutError(f"{source.loc}: {e}") from None
+    sources = {r.fqn for rs in runs.values() for r in rs}
+    out_dtype = dtype or _saved_dtype(source, sources)
     config = hf.config_json(spec, out_dtype)
     generation = carried.get("generation_config.json") if hf.passthrough(layout) else None
     max_len = config.get("max_position_embeddings") or config.get("n_positions") or 2048
     shapes = {name: _shape(manifest.tensors[rs[0].fqn].shape, rs) for name, rs in runs.items()}
     nbytes = {name: math.prod(shape) * itemsize(out_dtype) for name, shape in shapes.items()}
     shards = hf.plan_shards(nbytes, max_shard_bytes)
-    sources = {r.fqn for rs in runs.values() for r in rs}
     odd = sorted(f"{fqn} ({manifest.tensors[fqn].dtype})" for fqn in sources if (manifest.tensors[fqn].dtype, out_dtype) not in CONVERSIONS
                  and manifest.tensors[fqn].dtype != out_dtype)
     if odd:
@@ -74,6 +76,18 @@ def hf_writer(source: Source, out_dtype: str, max_shard_bytes: int, layout: Layo
         return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in sources))
 
     return write
+
+
+def _saved_dtype(source: Source, fqns: set[str]) -> str:
+    """The one dtype the exported weights are saved in (what an export writes unless asked otherwise).
+
+    Raises:
+        LayoutError: they are saved in several.
+    """
+    dtypes = sorted({source.manifest.tensors[fqn].dtype for fqn in fqns})
+    if len(dtypes) != 1:
+        raise LayoutError(f"{source.loc}: the weights are saved in {', '.join(dtypes)}; say which to write with --dtype")
+    return dtypes[0]
 
 
 def _shape(shape: tuple[int, ...], runs: list[Run]) -> tuple[int, ...]:
