@@ -83,6 +83,12 @@ def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> Loc
     loc = locate(path, storage)
     if loc.storage.exists(loc.key(MANIFEST_NAME)):
         return loc
+    if storage is None and loc.storage.exists(loc.name):
+        from .kinds import foreign_problem  # what another tool's checkpoint is (kinds imports this module)
+
+        foreign = foreign_problem(os.fspath(path), [k.removeprefix(f"{loc.name}/") for k in loc.storage.list(loc.name, recursive=False)])
+        if foreign is not None:
+            raise CheckpointNotFoundError(foreign)
     if storage is None and loc.storage.exists(f"{loc.name}/{LATEST_NAME}"):
         root = open_storage(str(loc))
         name = read_latest(root)

@@ -11,9 +11,6 @@ directories are named and left alone.
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Collection
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -28,31 +25,10 @@ from ..io.catalog import (
     root_exists,
     sealed_manifest,
 )
-from ..io.commit import CLAIM_NAME, REPORT_NAME
+from ..io.kinds import DESCRIPTIONS, Kind, classify
 from ..io.run_record import RunRecord, read_run
 from ..manifest import MANIFEST_NAME, Topology
 from ..storage import Storage, open_storage
-
-Kind = Literal["checkpoint", "damaged", "run-root", "hf-export", "dcp-export", "zarr-export", "hf", "dcp", "deepspeed", "megatron",
-               "leftover", "unknown"]
-# Payload files ckptkit writes (rank00000.safetensors, rank00000-1.safetensors) and the
-# per-writer prefix of an object store's in-place save: their presence without a manifest
-# means a save (or a deletion) was interrupted.
-_PAYLOAD = re.compile(r"^(rank\d{5}(-\d+)?\.safetensors|[0-9a-f]{12}/|tokenizer/)$")
-DESCRIPTIONS: dict[str, str] = {
-    "checkpoint": "a committed ckptkit checkpoint",
-    "damaged": "a checkpoint whose manifest.json cannot be read (ckptkit verify it)",
-    "run-root": "a root of ckptkit checkpoints (ckptkit ls it)",
-    "hf-export": "a Hugging Face model directory written by ckptkit export",
-    "dcp-export": "a torch DCP checkpoint written by ckptkit export",
-    "zarr-export": "the zarr form written by ckptkit export",
-    "hf": "a Hugging Face model directory",
-    "dcp": "a torch.distributed.checkpoint (DCP) directory (ckptkit convert reads it)",
-    "deepspeed": "a DeepSpeed save (ckptkit convert reads it)",
-    "megatron": "a Megatron save (ckptkit convert reads it)",
-    "unknown": "not a checkpoint ckptkit knows",
-}
-
 
 class _Report(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -93,28 +69,6 @@ class ListingReport(_Report):
     others: list[Other]
     leftovers: list[Leftover]
     warnings: list[str]
-
-
-def classify(names: Collection[str]) -> Kind:
-    """Say what a directory is from the names it holds (directories end with ``/``)."""
-    has = set(names).__contains__
-    if has(MANIFEST_NAME) or has(MANIFEST_NAME + "/"):  # a manifest that is not a file is a damaged one
-        return "zarr-export" if has(REPORT_NAME) and has("zarr.json") else "checkpoint"
-    if has(REPORT_NAME):
-        return "dcp-export" if has(".metadata") else "hf-export"
-    if has("config.json") and any(n.endswith((".safetensors", ".bin")) or n.endswith(".index.json") for n in names):
-        return "hf"
-    if has("latest_checkpointed_iteration.txt") or has("common.pt") and has("metadata.json"):
-        return "megatron"
-    if has(".metadata") or any(re.fullmatch(r"__\d+\.metadata", n) for n in names):
-        return "dcp"
-    if has("latest") and any(n.startswith("global_step") for n in names) or any(n.endswith("model_states.pt") for n in names):
-        return "deepspeed"
-    if has(LATEST_NAME) or has(RUN_NAME):
-        return "run-root"
-    if any(_PAYLOAD.match(n) for n in names) or has(CLAIM_NAME):
-        return "leftover"
-    return "unknown"
 
 
 def list_root(path: str | os.PathLike[str]) -> ListingReport:

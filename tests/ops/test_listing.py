@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import ckptkit
 from ckptkit.cli import cli
-from ckptkit.ops.listing import classify
+from ckptkit.io.kinds import classify
 from ckptkit.trainer.train import config_from, launch, prepare
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas" / "cli"
@@ -117,6 +117,9 @@ def test_ls_json_has_null_latest_and_matches_its_schema(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("names", "kind"), [
     (["manifest.json", "rank00000.safetensors"], "checkpoint"),
     (["config.json", "model.safetensors", "export_report.json"], "hf-export"),
+    (["export_report.json", "latest_universal", "global_step4_universal/"], "deepspeed-export"),
+    (["export_report.json", "common.pt", "metadata.json", ".metadata", "__0_0.distcp"], "megatron-export"),
+    (["export_report.json", ".metadata", "__0_0.distcp"], "dcp-export"),
     (["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"], "hf"),
     ([".metadata", "__0_0.distcp"], "dcp"),
     (["latest", "global_step10/", "zero_to_fp32.py"], "deepspeed"),
@@ -127,3 +130,20 @@ def test_ls_json_has_null_latest_and_matches_its_schema(tmp_path: Path) -> None:
 ])
 def test_classify_names_a_directory_from_what_it_holds(names: list[str], kind: Any) -> None:
     assert classify(names) == kind
+
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+
+
+@pytest.mark.parametrize(("path", "what"), [
+    ("deepspeed/zero2-fp32", "a DeepSpeed save"), ("megatron/gpt-tp2-dp2", "a Megatron save"),
+    ("megatron-lm/gpt-tp2-pp2", "a Megatron save"), ("dcp-nodist", "a torch.distributed.checkpoint (DCP) directory"),
+])
+@pytest.mark.parametrize("command", ["inspect", "verify", "diff"])
+def test_a_command_given_another_tools_checkpoint_says_what_it_is_and_how_to_bring_it_in(command: str, path: str, what: str) -> None:
+    src = str(FIXTURES / path)
+    args = [command, src, src] if command == "diff" else [command, src]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"ckptkit: error: {src}: {what}, not a ckptkit checkpoint; bring it in with "
+                                          f"`ckptkit convert {src} DST`"]

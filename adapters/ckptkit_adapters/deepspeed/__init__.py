@@ -26,7 +26,7 @@ def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]
 
 
 ADAPTER = Adapter(
-    name="deepspeed", description="DeepSpeed ZeRO checkpoints and universal checkpoints", converter=_converter,
+    name="deepspeed", description="DeepSpeed ZeRO checkpoints (read) and universal checkpoints (written)", converter=_converter,
     formats=(ExportFormat("deepspeed", "a DeepSpeed universal checkpoint (load_universal): a converted DeepSpeed save, or a model whose modules are known, with its AdamW state",
                           _writer, dtypes=(), optimizer="always",
                           saved_dtype="the deepspeed format keeps the fp32 masters and moments, and the module in its saved dtype"),),
