@@ -65,7 +65,8 @@ def loaded_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     loaded: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        loaded[f"model/{name}"] = p.data.detach().clone()
+        if p.numel():  # a ZeRO-3 module's own parameter is an empty placeholder outside its forward
+            loaded[f"model/{name}"] = p.data.detach().clone()
         loaded[f"fp32/{name}"] = safe_get_full_fp32_param(p).detach().clone()
         for key in ("exp_avg", "exp_avg_sq"):
             loaded[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).detach().clone()
@@ -94,8 +95,9 @@ def job(rank: int, world: int, path: str, stage: int, universal: bool, out: str,
         # Link each parameter to the optimizer's state as it now is (DeepSpeed links them at the
         # first step only; the fixtures' generator does the same): safe_get_full_optimizer_state
         # then reads what the optimizer will step from.
-        engine.optimizer._hp_optimizer_states_linked = False
-        engine.optimizer._lazy_init_hp_params_optimizer_state()
+        if hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):  # ZeRO 1-2 (ZeRO-3 reads its partitions directly)
+            engine.optimizer._hp_optimizer_states_linked = False
+            engine.optimizer._lazy_init_hp_params_optimizer_state()
         loaded = loaded_state(model)
         ids, target = batch()
         rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)

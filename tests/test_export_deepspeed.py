@@ -246,10 +246,22 @@ def test_a_stage_0_save_without_optimizer_state_by_name_is_refused(tmp_path: Pat
     assert "a ZeRO stage 0 save names its optimizer state by index only" in line
 
 
-def test_a_zero3_save_is_refused(tmp_path: Path) -> None:
-    converted = tmp_path / "zero3"
-    assert _run("convert", str(FIXTURES / "deepspeed" / "zero3-bf16"), str(converted)).returncode == 0
-    assert "a ZeRO-3 save is not written as a universal checkpoint yet" in _refused(converted, tmp_path)
+@pytest.mark.multiprocess
+def test_a_zero3_save_resumes_at_zero2_with_the_original_engines_state(deepspeed_env: None, tmp_path: Path) -> None:
+    # DeepSpeed's own ZeRO-3 save (dp 2) -> ckptkit -> a universal checkpoint a ZeRO-2 engine at dp 1
+    # loads: every master and moment bitwise what the original engine holds after loading its save
+    from .deepspeed_job import run
+
+    save, converted, out = FIXTURES / "deepspeed" / "zero3-fp32", tmp_path / "converted", tmp_path / "universal"
+    assert _run("convert", str(save), str(converted)).returncode == 0
+    proc = _run("export", str(converted), str(out), "--format", "deepspeed")
+    assert proc.returncode == 0, proc.stderr
+    original = run(2, str(save), 3, False, str(tmp_path / "original"), _port(4))
+    got = run(1, str(out), 2, True, str(tmp_path / "job"), _port(5))
+    states = [k for k in original["loaded"] if not k.startswith("model/")]  # a ZeRO-3 module holds placeholders
+    assert len(states) == 3 * 12 and [k for k in states if not torch.equal(got["loaded"][k], original["loaded"][k])] == []
+    assert _relative(got["loss"], original["loss"]) < 1e-6 and _relative(got["loss_after"], original["loss_after"]) < 1e-6
+    assert (got["global_steps"], got["global_samples"], got["lr"]) == (original["global_steps"], original["global_samples"], original["lr"])
 
 
 def test_dtype_is_bad_usage(tmp_path: Path) -> None:

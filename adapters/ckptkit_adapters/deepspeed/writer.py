@@ -186,7 +186,7 @@ def _param_shapes(objects: dict[str, Any], where: str) -> list[dict[str, Any]]:
     """DeepSpeed's record of each optimizer group's parameters (names and shapes).
 
     Raises:
-        LayoutError: none recorded, or a save this export does not write (stage 0, model-parallel, ZeRO-3).
+        LayoutError: none recorded, or a save this export does not write (stage 0, model-parallel).
     """
     shapes = objects.get("deepspeed/param_shapes")
     if "deepspeed/param_shapes" in objects and not shapes:
@@ -198,12 +198,6 @@ def _param_shapes(objects: dict[str, Any], where: str) -> list[dict[str, Any]]:
     if objects.get("deepspeed/mp_world_size", 1) != 1:
         raise LayoutError(f"{where}: a model-parallel save (mp_world_size {objects.get('deepspeed/mp_world_size')}) is not "
                           "written as a universal checkpoint yet; only mp_world_size 1")
-    if objects.get("deepspeed/optimizer/zero_stage") == 3:
-        # DeepSpeed's own universal checkpoint of a ZeRO-3 save keeps its per-rank ZeRO-3
-        # model-states files, which only a ZeRO-3 engine reads, and DeepSpeed 0.19.8 fails to
-        # load a universal checkpoint at ZeRO-3
-        raise LayoutError(f"{where}: a ZeRO-3 save is not written as a universal checkpoint yet (DeepSpeed loads its "
-                          "universal form only at ZeRO-3, which fails in DeepSpeed 0.19.8); convert a ZeRO 1-2 save")
     return shapes
 
 
