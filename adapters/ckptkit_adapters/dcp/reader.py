@@ -1,6 +1,6 @@
 """Convert a torch.distributed.checkpoint (DCP) directory into a ckptkit checkpoint.
 
-Reads ``.metadata`` (safely: see `dcp_metadata`) and the ``.distcp`` byte ranges it points to
+Reads ``.metadata`` (safely: see `common.dcp_metadata`) and the ``.distcp`` byte ranges it points to
 directly, one tensor at a time: each chunk (a box one rank saved) is a ``torch.save`` archive
 in a ``.distcp`` file, whose storage bytes are copied straight into the tensor being
 assembled; the whole tensor is then written and dropped. Neither torch nor its consolidation

@@ -43,7 +43,7 @@ Names (``<name>`` is DeepSpeed's, e.g. ``blocks.0.fc1.weight``):
 
 Model parallelism (``mp_rank_XX`` files of several ranks, as Megatron-DeepSpeed saves): each
 rank is planned as above, its tensors TP-local; DeepSpeed records no split dimension per
-parameter, so the model's layout (given) joins them (`deepspeed_tp`). The result records that
+parameter, so the model's layout (given) joins them (`tp`). The result records that
 layout. Values (counters, client state, ``deepspeed/...``) are model-parallel rank 0's.
 
 Refused (one line, nothing written): a pipeline-parallel save (``layer_*`` files), several
@@ -349,7 +349,7 @@ class DeepSpeedConverter:
 
 def _tensors(plans: list[_Plan], files: _Files, layout: Layout | None, src: str) -> list[Joined]:
     """Every tensor to write, with its reader: one model-parallel rank's as planned; several
-    ranks' joined through `layout` (`deepspeed_tp`).
+    ranks' joined through `layout` (`tp`).
 
     Raises:
         ManifestError: several model-parallel ranks and no layout, or tensors that do not fit it.

@@ -280,7 +280,7 @@ def read_range(fd: int, begin: int, end: int, where: str) -> memoryview:
 
 def tied_weights(config: dict[str, JsonValue], keys: set[str]) -> dict[str, str]:
     """The tied names that are not stored, each with the stored tensor it shares: the head of a
-    model whose config ties it (`ckptkit.models.tied_heads`; for a model type with no canonical
+    model whose config ties it (`ckptkit_adapters.hf.view.tied_heads`; for a model type with no canonical
     model, ``lm_head.weight`` when the config ties word embeddings, transformers' default)."""
     try:
         known = str(config.get("model_type")) in READERS
@@ -293,7 +293,7 @@ def tied_weights(config: dict[str, JsonValue], keys: set[str]) -> dict[str, str]
 
 
 def layout_of(config: dict[str, JsonValue]) -> Layout | None:
-    """The layout of the model under its Hugging Face names (`ckptkit.models.hf_layout`), or
+    """The layout of the model under its Hugging Face names (`ckptkit_adapters.hf.view.hf_layout`), or
     None for a model type with no canonical model (its weights convert; reshard and export
     then need --layout).
 

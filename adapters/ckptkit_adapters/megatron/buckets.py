@@ -19,7 +19,7 @@ Every derived place is checked against the checkpoint: the buckets' sizes, each 
 tensor of exactly that size, every parameter boundary at a chunk boundary (each rank saved each
 parameter piece and each padding run as its own chunk). A layer order that fails is not used;
 when none fits, the conversion is refused naming the problems. (The converter also checks each
-fp32 master against the model's own tensor: see ``megatron.py``.)
+fp32 master against the model's own tensor: see ``reader``.)
 
 Model-parallel rank ``g`` is TP rank ``g % tp`` of stage ``g // tp`` (megatron-core's model
 parallel group, TP fastest).

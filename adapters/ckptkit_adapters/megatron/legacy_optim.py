@@ -13,7 +13,7 @@ The distributed optimizer's ``distrib_optim.pt`` holds, per grad buffer, the fla
 and moments of the buffer gathered over DP with the padding after each bucket stripped.
 `buffer_ranges` lays the parameters out as ``DistributedOptimizer._compute_per_buffer_param_layout``
 does (buffers by dtype, parameters in reverse order, each start aligned to 64 elements, a
-bucket closed once it reaches the bucket size: `megatron_buckets.fill_buckets`, shared with the
+bucket closed once it reaches the bucket size: `buckets.fill_buckets`, shared with the
 torch_dist ``dp_reshardable`` form).
 """
 
@@ -114,7 +114,7 @@ def bucket_size(args: Mapping[str, Any], pp_rank: int, where: str) -> int | None
 
 def buffer_ranges(params: Sequence[Local], *, grad_fp32: bool, size: int | None) -> list[Buffer]:
     """Lay a stage's parameters out in its grad buffers (by parameter dtype, in order of first
-    use), each bucket closed once it reaches `size` (`megatron_buckets.fill_buckets`); a
+    use), each bucket closed once it reaches `size` (`buckets.fill_buckets`); a
     parameter's range is in the buckets' unpadded parts put one after another (the padding of
     bucket ends, to lcm(DP, 128) in the buffer itself, is stripped from this form)."""
     by_dtype: dict[str, list[Local]] = {}

@@ -2,7 +2,7 @@
 experts are (``SequentialMLP``'s ``local_experts``, each under its global index as at EP 1, and
 the key megatron-core stacks them under on a (layer, expert) axis pair), and the linear modules
 whose ``_extra_state`` megatron-core asks for (``None`` in the local spec). The built-in
-``megatron-gpt`` layout, the Megatron view (``models.megatron_view``), the export and the
+``megatron-gpt`` layout (``layout``), the Megatron view (``view``), the export and the
 converter read them here.
 """
 

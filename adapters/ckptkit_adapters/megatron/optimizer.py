@@ -1,7 +1,7 @@
 """Read the distributed optimizer's ``dp_reshardable`` state of a Megatron-Core checkpoint into per-parameter tensors.
 
 `bucket_values` reads the buckets' saved sizes (values that need torch dtypes to unpickle);
-`plan_buckets` derives where each parameter lies (`megatron_buckets.bucket_places`) and adds
+`plan_buckets` derives where each parameter lies (`buckets.bucket_places`) and adds
 one tensor per parameter and state to the plan, named as the ``fully_reshardable`` form is:
 ``optimizer/{fp32,exp_avg,exp_avg_sq}/<Megatron key per layer>``. Each is put together from the
 flat ranges of its TP-local pieces (one per TP rank; a replicated tensor from TP rank 0),

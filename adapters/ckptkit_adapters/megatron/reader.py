@@ -37,11 +37,11 @@ holds Megatron-LM's ``args`` (`model_config`) and the tensors fit it. Otherwise 
 
 The distributed optimizer's ``dp_reshardable`` form (Megatron-LM's default: flat bucket buffers
 per data-parallel group) comes across under the same names as ``fully_reshardable``: each
-parameter's place in the buckets is derived and checked (``megatron_buckets``,
-``megatron_optimizer``), which needs the model's layout (from Megatron-LM's args, or given).
+parameter's place in the buckets is derived and checked (``buckets``,
+``optimizer``), which needs the model's layout (from Megatron-LM's args, or given).
 
 A legacy Megatron-LM checkpoint (``mp_rank_XX`` directories of ``model_optim_rng.pt``) is read by
-``megatron_legacy``. Refused (one line, nothing written): another sharded backend, anything the
+``legacy``. Refused (one line, nothing written): another sharded backend, anything the
 ``dcp`` converter refuses.
 """
 
