@@ -151,24 +151,29 @@ def test_dcp_export_loads_with_torch_dcp_bitwise(source: Path, tmp_path: Path) -
     dst = tmp_path / "dcp"
     report = export(source, dst, format="dcp", dcp_form="plain", include_optimizer=True)
     want = _flat(_state())
-    keys = {n.replace("/", ".") for n in want if n.startswith(("model/", "optimizer/exp_avg"))}
-    assert {t.name for t in report.tensors} == keys
-    assert set(report.skipped) == {"optimizer/count", "rng/bytes", "rng/mask"}
+    keys = {n.replace("/", ".") for n in want if n != "step"}  # every tensor: the parameters, the optimizer's, the RNG's
+    assert {t.name for t in report.tensors} == keys and report.skipped == []
     metadata = FileSystemReader(str(dst)).read_metadata()
-    assert set(metadata.state_dict_metadata) == keys
-    plain = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()}
+    assert set(metadata.state_dict_metadata) == keys | {"step"}  # and the values
+    plain: dict[str, Any] = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
+                             if k != "step"}
+    plain["step"] = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         load(plain, checkpoint_id=str(dst))
+    assert plain.pop("step") == 12
     for key, t in plain.items():
         assert torch.equal(_bits(t), _bits(want[key.replace(".", "/", 1).replace("exp_avg.", "exp_avg/")])), key
-    # Without --include-optimizer only the parameters; with --dtype they are converted.
+    # Without --include-optimizer all but the optimizer's; with --dtype the floats are converted.
+    kinds = {fqn.replace("/", "."): e.kind for fqn, e in ckptkit.read_manifest(source).tensors.items()}
     small = export(source, tmp_path / "dcp16", format="dcp", dcp_form="plain", dtype="bf16")
-    assert {t.name.split(".")[0] for t in small.tensors} == {"model"} and small.dtype == "bfloat16"
+    assert {t.name for t in small.tensors} == {k for k, kind in kinds.items() if kind != "optimizer"} and small.dtype == "bfloat16"
+    assert set(small.skipped) == {f for f, e in ckptkit.read_manifest(source).tensors.items() if e.kind == "optimizer"}
     metadata = FileSystemReader(str(tmp_path / "dcp16")).read_metadata()
-    dtypes = {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items()}
-    assert dtypes.pop("model.ids") == torch.int32  # integers keep their dtype
-    assert set(dtypes.values()) == {torch.bfloat16}
+    dtypes = {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items() if k != "step"}
+    saved = {k.replace("/", "."): v.dtype for k, v in want.items() if isinstance(v, torch.Tensor)}
+    assert dtypes == {k: torch.bfloat16 if saved[k].is_floating_point else saved[k] for k in dtypes}  # integers keep theirs
+    assert dtypes["model.ids"] == torch.int32 and dtypes["rng.mask"] == torch.bool and dtypes["model.w"] == torch.bfloat16
 
 
 def test_export_refusals_write_nothing(source: Path, tmp_path: Path, run_ckptkit: Any) -> None:

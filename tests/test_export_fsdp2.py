@@ -21,6 +21,7 @@ import ckptkit
 from ckptkit.errors import LayoutError
 from ckptkit.exports.adamw import next_lr
 from ckptkit.exports.run import export
+from ckptkit_adapters.common.dcp_read import dcp_key
 from ckptkit.trainer.config import TrainConfig, model_config
 from ckptkit.trainer.data import Tokenizer
 from ckptkit.trainer.engine import learning_rate
@@ -113,7 +114,11 @@ def test_the_plain_form_keeps_the_checkpoints_names(run: tuple[Path, list[dict[s
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["form"] == "plain"
     keys = set(FileSystemReader(str(tmp_path / "plain")).read_metadata().state_dict_metadata)
-    assert "model.layers.0.attn.q.weight" in keys and "model.lm_head.weight" in keys and len(keys) == 3 + 9 * 4
+    manifest = ckptkit.read_manifest(str(run[0]))
+    kept = {fqn for fqn, t in manifest.tensors.items() if t.kind != "optimizer"} | set(manifest.objects)  # all but the optimizer's
+    assert keys == {dcp_key(name) for name in kept}
+    assert "model.layers.0.attn.q.weight" in keys and "model.lm_head.weight" in keys
+    assert len([k for k in keys if k.startswith("model.")]) == 3 + 9 * 4
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_plain_form(tmp_path: Path, run_ckptkit: Any) -> None:

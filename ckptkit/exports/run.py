@@ -72,9 +72,11 @@ def export(
       FSDP2, as ``{"model": ..., "optim": ...}`` (module fqns, fused q/k/v and gate/up; with
       `include_optimizer` each parameter's moments and step and the AdamW parameter groups),
       which an FSDP2 job at any world size loads with ``dcp.load`` + ``set_state_dict`` (see
-      ``ckptkit_adapters.dcp.fsdp2``); layout ``llama`` only. ``plain``: any checkpoint's tensors
-      under its own names (``model.<name>`` and, with `include_optimizer`,
-      ``optimizer.exp_avg.<name>``, ...), for ``dcp.load`` into a plain state dict.
+      ``ckptkit_adapters.dcp.fsdp2``); layout ``llama`` or a converted Hugging Face model.
+      ``plain``: every tensor and value of any checkpoint under its own name (``model.<name>``,
+      ``rng.<name>``; the optimizer's, ``optimizer.exp_avg.<name>``, ..., only with
+      `include_optimizer`), for ``dcp.load`` into a plain state dict: a converted DCP save
+      goes back whole.
     - ``megatron``: a Megatron-Core ``dist_checkpointing`` directory (``torch_dist``) that
       megatron-core loads into a ``GPTModel`` at any TP/PP (see ``ckptkit_adapters.megatron.writer``):
       layers stacked, each chunk a TP rank's piece as megatron-core at `tp` x `pp` writes it

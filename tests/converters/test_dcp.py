@@ -153,11 +153,12 @@ def test_exported_to_dcp_and_converted_back_keeps_names_and_bytes(tmp_path: Path
     assert run_ckptkit("export", "--format", "dcp", "--dcp-form", "plain", "--include-optimizer", str(first), str(exported)).returncode == 0
     assert run_ckptkit("convert", str(exported), str(back)).returncode == 0
     a, b = _converted(first), _converted(back)
-    exported_kinds = {"param", "optimizer"}  # what the export carries (no values, no other tensors)
-    kinds = {dcp_key(fqn): t.kind for fqn, t in ckptkit.read_manifest(first).tensors.items()}
-    assert sorted(b) == sorted(k for k, kind in kinds.items() if kind in exported_kinds)
-    for key, tensor in b.items():
-        assert torch.equal(tensor, a[key]), key
+    one = ckptkit.read_manifest(first)
+    assert sorted(b) == sorted(a) == sorted(dcp_key(name) for name in [*one.tensors, *one.objects])  # every tensor and value
+    for key, value in b.items():
+        assert torch.equal(value, a[key]) if isinstance(value, torch.Tensor) else value == a[key], key
+    two = ckptkit.read_manifest(back)  # the identity: the values and the step too
+    assert two.objects == one.objects and len(one.objects) == 12 and two.step == one.step == 3
 
 
 # --- usage ------------------------------------------------------------------------------------
@@ -355,3 +356,40 @@ def test_ranks_that_disagree_on_a_tensor_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ckptkit.ManifestError, match="lower rank"):
         DCP.convert(str(src), str(tmp_path / "out"))
     assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def _resumed(path: Path, out: Path) -> dict[str, Any]:
+    """The DCP fixtures' FSDP2 job (2 gloo ranks) resumed from `path` and stepped once."""
+    from safetensors.torch import load_file
+
+    from ckptkit.trainer.launch import run_ranks
+
+    from ..dcp_job import job
+
+    out.mkdir()
+    run_ranks(job, 2, str(path), str(out))
+    result: dict[str, Any] = json.loads((out / "result.json").read_text())
+    result["state"] = load_file(str(out / "state.safetensors"))
+    return result
+
+
+@pytest.mark.multiprocess
+def test_an_fsdp2_save_goes_back_to_dcp_whole_and_its_job_resumes_as_from_the_original(tmp_path: Path, run_ckptkit: Any) -> None:
+    # torch's own FSDP2 save (2 ranks, AdamW) -> ckptkit -> the plain DCP form with the optimizer:
+    # the keys the save had, its parameter groups among them, and the job that saved it resumes
+    # from the export exactly as from the original
+    from torch.distributed.checkpoint import FileSystemReader
+
+    source, converted, out = FIXTURES / "dcp-fsdp2-fp32", tmp_path / "converted", tmp_path / "dcp"
+    assert run_ckptkit("convert", str(source), str(converted)).returncode == 0
+    proc = run_ckptkit("export", str(converted), str(out), "--format", "dcp", "--include-optimizer")
+    assert proc.returncode == 0, proc.stderr
+    assert "(step 3; 0 tensors not exported)" in proc.stdout
+    theirs = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    assert sorted(FileSystemReader(str(out)).read_metadata().state_dict_metadata) == sorted(theirs)
+    assert "optim.param_groups.0.lr" in theirs
+    original, again = _resumed(source, tmp_path / "original"), _resumed(out, tmp_path / "again")
+    assert again["groups"] == original["groups"] and original["groups"][0]["lr"] == 1e-2  # the saved groups, not the job's
+    assert (again["loss"], again["after"]) == (original["loss"], original["after"]) and again["after"] < again["loss"]
+    assert sorted(again["state"]) == sorted(original["state"]) and len(original["state"]) == 3 * 8
+    assert [k for k, v in original["state"].items() if not torch.equal(again["state"][k], v)] == []
