@@ -178,6 +178,8 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
         click.echo(f"ckptkit: {src}: converting from {source_format} ({names[source_format]})", err=True)
     with progress("converting", shows_progress(as_json)) as update:
         report = ckptkit.convert(src, dst, source_format=source_format, allow_skip=allow_skip, progress=update, layout=layout)
+    for warning in report.warnings:
+        click.echo(f"ckptkit: warning: {warning}", err=True)
     if as_json:
         emit_json(report)
         return

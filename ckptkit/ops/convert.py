@@ -89,6 +89,8 @@ class ConvertReport(_Report):
     files: int
     bytes_written: int
     seconds: float
+    # what the user should know of the conversion, each in one line (a layout that could not be recorded, ...)
+    warnings: list[str] = []
 
 
 @runtime_checkable

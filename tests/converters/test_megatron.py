@@ -94,8 +94,11 @@ def test_the_cli_recognises_a_checkpoint_or_a_megatron_lm_save_directory(where: 
         (src / "latest_checkpointed_iteration.txt").write_text("3")
     proc = run_ckptkit("convert", "--json", str(src), str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.splitlines() == [f"ckptkit: {src}: converting from megatron ({ckptkit.list_converters()['megatron']})"]
+    lines = proc.stderr.splitlines()
+    assert lines[0] == f"ckptkit: {src}: converting from megatron ({ckptkit.list_converters()['megatron']})"
+    assert len(lines) == 2 and lines[1].startswith("ckptkit: warning: ") and "no Megatron-LM arguments" in lines[1]
     report = json.loads(proc.stdout)
+    assert report["warnings"] == [lines[1].removeprefix("ckptkit: warning: ")]
     assert report["format"] == "megatron" and report["skipped"] == [] and len(report["tensors"]) == 60
 
 
@@ -288,3 +291,29 @@ def test_a_save_of_megatron_core_017_and_later_keeps_its_common_state_among_the_
     for key, value in load_file(str(src.parent / "gpt-tp2.oracle" / "plain.safetensors")).items():
         want.update(_per_layer(key, value))
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@needs_entry_point
+def test_a_save_without_megatron_lm_arguments_says_what_its_shapes_determine_and_what_is_left(tmp_path: Path,
+                                                                                             run_ckptkit: Any) -> None:
+    src = FIXTURES / "gpt-tp2-dp2"  # megatron-core's own save: no Megatron-LM arguments
+    proc = run_ckptkit("convert", str(src), str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    warning = proc.stderr.splitlines()[-1]
+    truth = json.loads((FIXTURES / "gpt-tp2-dp2.oracle" / "config.json").read_text())
+    said = ", ".join(f"{k} {json.dumps(truth[k])}" for k in ("num_layers", "vocab_size", "hidden_size", "ffn_hidden_size"))
+    assert f"the shapes say {said}, gated_linear_unit true, and not num_attention_heads or num_query_groups" in warning
+    kv = truth["hidden_size"] // truth["num_attention_heads"]
+    assert (f"(num_attention_heads x kv_channels = {truth['num_attention_heads'] * kv}, "
+            f"num_query_groups x kv_channels = {truth['num_query_groups'] * kv})") in warning
+    assert ckptkit.read_manifest(tmp_path / "out").layout is None
+    # what it says, completed with the two it cannot, is the layout: given, the conversion records it and says nothing
+    config = {k: truth[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                                    "vocab_size")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    layout = run_ckptkit("layout", "builtin", "megatron-gpt", str(tmp_path / "config.json"))
+    assert layout.returncode == 0, layout.stderr
+    (tmp_path / "layout.json").write_text(layout.stdout)
+    proc = run_ckptkit("convert", str(src), str(tmp_path / "again"), "--layout", str(tmp_path / "layout.json"))
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    assert ckptkit.read_manifest(tmp_path / "again").layout is not None

@@ -51,6 +51,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import JsonValue
@@ -276,8 +277,39 @@ class MegatronConverter:
                                     f"layout, and common.pt has no Megatron-LM args to describe it; pass --layout FILE "
                                     f"(ckptkit layout builtin megatron-gpt CONFIG)")
             plan_buckets(path, md, plan, layout)
-        return write_plan(NAME, path, dst, md, plan, allow_skip=allow_skip, progress=progress, started=started, step=step,
-                          info=info, layout=layout)
+        report = write_plan(NAME, path, dst, md, plan, allow_skip=allow_skip, progress=progress, started=started, step=step,
+                            info=info, layout=layout)
+        if layout is None:
+            return report.model_copy(update={"warnings": [no_layout_warning(path, {t.spec.name: t.spec.shape for t in plan.tensors})]})
+        return report
+
+
+def no_layout_warning(path: str, shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """What a save without Megatron-LM's arguments (so converted with no layout) leaves the user to
+    say: what the tensors' shapes determine of the ``megatron-gpt`` config, and what they cannot
+    (the attention heads and query groups: only their products with ``kv_channels`` are in the shapes)."""
+    said: dict[str, Any] = {}
+    layers = {int(m.group(1)) for name in shapes for m in [re.match(r"model/decoder\.layers\.(\d+)\.", name)] if m}
+    if layers:
+        said["num_layers"] = max(layers) + 1
+    embedding = shapes.get("model/embedding.word_embeddings.weight")
+    if embedding is not None and len(embedding) == 2:
+        said["vocab_size"], said["hidden_size"] = embedding
+    fc1, fc2 = shapes.get("model/decoder.layers.0.mlp.linear_fc1.weight"), shapes.get("model/decoder.layers.0.mlp.linear_fc2.weight")
+    if fc2 is not None and len(fc2) == 2:
+        said["ffn_hidden_size"] = fc2[1]
+        if fc1 is not None:
+            said["gated_linear_unit"] = fc1[0] == 2 * fc2[1]
+    qkv, proj = shapes.get("model/decoder.layers.0.self_attention.linear_qkv.weight"), shapes.get(
+        "model/decoder.layers.0.self_attention.linear_proj.weight")
+    heads = ""
+    if qkv is not None and proj is not None and len(proj) == 2:
+        heads = f" (num_attention_heads x kv_channels = {proj[1]}, num_query_groups x kv_channels = {(qkv[0] - proj[1]) // 2})"
+    known = ", ".join(f"{k} {json.dumps(v)}" for k, v in said.items())
+    return (f"{path}: common.pt holds no Megatron-LM arguments, so no layout is recorded and reshard and export will ask for "
+            f"one; the shapes say {known or 'nothing of the model'}, and not num_attention_heads or num_query_groups{heads}: "
+            "write them with these in a config and run `ckptkit layout builtin megatron-gpt CONFIG > layout.json`, then "
+            "pass --layout layout.json")
 
 
 def model_config(args: Any) -> dict[str, JsonValue] | None:
