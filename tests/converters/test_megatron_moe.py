@@ -137,3 +137,12 @@ def test_megatron_lm_args_of_a_mixture_of_experts_describe_its_experts() -> None
     assert config is not None and (config["num_moe_experts"], config["moe_ffn_hidden_size"], config["moe_router_topk"]) == (4, 8, 2)
     assert builtin("megatron-gpt", config).experts == 4
     assert model_config({**args, "moe_grouped_gemm": True}) is None  # grouped experts are saved in another form
+
+
+def test_a_save_without_arguments_says_its_experts(tmp_path: Path, run_ckptkit: Any) -> None:
+    proc = run_ckptkit("convert", "--from", "megatron", str(SAVE), str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((ORACLE / "config.json").read_text())
+    said = ", ".join(f"{k} {json.dumps(config[k])}" for k in ("num_layers", "vocab_size", "hidden_size", "num_moe_experts",
+                                                                "moe_ffn_hidden_size"))
+    assert f"the shapes say {said}, gated_linear_unit true, and not num_attention_heads" in proc.stderr.splitlines()[-1]

@@ -300,6 +300,16 @@ def no_layout_warning(path: str, shapes: Mapping[str, tuple[int, ...]]) -> str:
         said["ffn_hidden_size"] = fc2[1]
         if fc1 is not None:
             said["gated_linear_unit"] = fc1[0] == 2 * fc2[1]
+    experts = {int(m.group(1)) for name in shapes
+               for m in [re.match(rf"model/decoder\.layers\.0\.{re.escape(MEGATRON_LOCAL_EXPERTS)}\.(\d+)\.", name)] if m}
+    if experts:
+        said["num_moe_experts"] = max(experts) + 1
+        fc1 = shapes.get(f"model/decoder.layers.0.{MEGATRON_LOCAL_EXPERTS}.0.linear_fc1.weight")
+        fc2 = shapes.get(f"model/decoder.layers.0.{MEGATRON_LOCAL_EXPERTS}.0.linear_fc2.weight")
+        if fc2 is not None and len(fc2) == 2:
+            said["moe_ffn_hidden_size"] = fc2[1]  # (the layout's ffn_hidden_size sizes no tensor then)
+            if fc1 is not None:
+                said["gated_linear_unit"] = fc1[0] == 2 * fc2[1]
     qkv, proj = shapes.get("model/decoder.layers.0.self_attention.linear_qkv.weight"), shapes.get(
         "model/decoder.layers.0.self_attention.linear_proj.weight")
     heads = ""
