@@ -39,11 +39,12 @@ from ckptkit.io.safetensors import Header
 from ckptkit.layouts import Layout
 from ckptkit.manifest import CheckpointInfo, ModelInfo, strictjson
 from ckptkit.models import READERS
-from ckptkit.ops.convert import ConvertReport, Progress, TensorSpec, report_of, write_converted
+from ckptkit.ops.convert import ConvertReport, Progress, TensorSpec, refuse_skips, report_of, write_converted
 from ckptkit.state.tree import escape, unescape
 from ckptkit.storage.local import open_regular
 from ckptkit_adapters.common.files import read_small, safetensors_header
 from ckptkit_adapters.common.torchsave import STATE_DICT_ALLOWED, StoredTensor, contiguous_range, open_archive, stored_object
+from ckptkit_adapters.hf.trainer import TrainerState, is_trainer_folder, read_trainer
 from ckptkit_adapters.hf.view import hf_layout, tied_heads
 
 NAME = "hf"
@@ -109,7 +110,9 @@ class HfConverter:
         """Convert the Hugging Face model directory `src` into the committed ckptkit checkpoint `dst`
         (recording `layout` if given, else the family's built-in one).
 
-        `allow_skip` has no effect: every tensor of a weights file converts.
+        A ``Trainer`` checkpoint folder's optimizer, scheduler and state come along (see
+        `ckptkit_adapters.hf.trainer`); what of it is not read yet is listed, and fails the
+        conversion unless `allow_skip`.
 
         Raises:
             ManifestError: no weights, a malformed ``config.json`` or index, a pickle naming a
@@ -124,8 +127,19 @@ class HfConverter:
         source = read_source(src)
         stored = {spec.name: where for spec, where in source.tensors}
         fds: dict[str, int] = {}
+        trainer = (read_trainer(src, source.config, {spec.source: spec.shape for spec, _ in source.tensors})
+                   if is_trainer_folder(set(os.listdir(src))) else TrainerState())
+        try:
+            refuse_skips(trainer.skipped, allow_skip=allow_skip, where=src)
+        except ManifestError:
+            for fd in trainer.fds:
+                os.close(fd)
+            raise
+        readers = {spec.name: read_one for spec, read_one in trainer.tensors}
 
         def read(spec: TensorSpec) -> memoryview:
+            if spec.name in readers:
+                return readers[spec.name]()
             where = stored[spec.name]
             if where.file not in fds:
                 fds[where.file], _ = open_regular(os.path.join(src, where.file))
@@ -133,15 +147,17 @@ class HfConverter:
 
         found = None if layout is not None else layout_of(source.config)
         objects: dict[str, JsonValue] = {"hf/tied_weights": dict(source.tied)} if source.tied else {}
+        objects |= trainer.objects
+        info = info_of(source, layout or found).model_copy(update={"optimizer": trainer.optimizer, "scheduler": trainer.scheduler})
+        specs = [spec for spec, _ in source.tensors] + [spec for spec, _ in trainer.tensors]
         try:
-            committed = write_converted(dst, [spec for spec, _ in source.tensors], read, objects=objects, step=lambda: 0,
-                                        info=info_of(source, layout or found), layout=layout or found,
-                                        tokenizer=source.tokenizer, progress=progress)
+            committed = write_converted(dst, specs, read, objects=objects, step=lambda: trainer.step, info=info,
+                                        layout=layout or found, tokenizer=source.tokenizer, progress=progress)
         finally:
-            for fd in fds.values():
+            for fd in [*fds.values(), *trainer.fds]:
                 os.close(fd)
         sources = {"hf/tied_weights": f"{CONFIG}:tie_word_embeddings"} if source.tied else {}
-        return report_of(NAME, src, committed, [(spec, 1) for spec, _ in source.tensors], sources, [], started)
+        return report_of(NAME, src, committed, [(spec, 1) for spec in specs], sources | trainer.sources, trainer.skipped, started)
 
 
 def read_source(src: str) -> _Source:

@@ -1,0 +1,195 @@
+"""What a Hugging Face ``Trainer`` checkpoint folder (``checkpoint-N/``) holds beside the weights.
+
+- ``trainer_state.json``: kept as the value ``trainer/state`` (JSON as written); its
+  ``global_step`` is the checkpoint's step.
+- ``optimizer.pt``: torch's AdamW state dict (read in place through the allowlist, no class
+  rebuilt), its index-keyed state named as ``Trainer`` groups the parameters: the model's
+  ``named_parameters`` in their order, weights that decay first and the rest after
+  (``Trainer.get_decay_parameter_names``, run on the model transformers builds from the
+  ``config.json`` on the meta device, so no weights are made). Each parameter's ``exp_avg`` and
+  ``exp_avg_sq`` become ``optimizer/exp_avg/<name>`` and ``optimizer/exp_avg_sq/<name>``; the
+  step and the groups' options ``info.optimizer`` (type ``adamw``; ``lr`` the base rate,
+  ``initial_lr``).
+- ``scheduler.pt``: the LR scheduler's state dict, as JSON, in ``info.scheduler``.
+- ``rng_state*.pth``, ``training_args.bin``, ``scaler.pt``: not read yet (listed as skipped, which
+  fails the conversion unless ``--allow-skip``): they are pickles of numpy arrays and of
+  transformers' own classes.
+
+An optimizer that is not AdamW, or whose parameters are not the weight files' tensors (a
+mixture of experts whose modules stack the experts the files hold one by one), is skipped with
+its reason, as is everything when transformers is not installed to say the parameters' order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import JsonValue
+
+from ckptkit.errors import IntegrityError, ManifestError
+from ckptkit.manifest.dtypes import itemsize
+from ckptkit.manifest.model import OptimizerInfo, ParamGroup
+from ckptkit.ops.convert import SkippedEntry, TensorSpec
+from ckptkit.state.tree import escape, json_problems
+from ckptkit.storage.local import open_regular
+from ckptkit_adapters.common.files import read_small
+from ckptkit_adapters.common.torchsave import STATE_DICT_ALLOWED, Archive, StoredTensor, copy_tensor, open_archive, plain, stored_object
+
+OPTIMIZER, SCHEDULER, STATE = "optimizer.pt", "scheduler.pt", "trainer_state.json"
+NOT_READ = {"training_args.bin": "transformers' TrainingArguments, a pickled class: not read yet",
+            "scaler.pt": "the AMP gradient scaler's state: not read yet"}
+RNG_REASON = "the RNG states (python, numpy, torch) as pickled: not read yet"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE_LIMIT = 64 << 20
+
+
+@dataclass
+class TrainerState:
+    """What the folder holds beside the weights, as the checkpoint keeps it."""
+
+    step: int = 0
+    tensors: list[tuple[TensorSpec, Callable[[], memoryview]]] = field(default_factory=list)
+    objects: dict[str, JsonValue] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)  # ckptkit name -> the source it came from
+    skipped: list[SkippedEntry] = field(default_factory=list)
+    optimizer: OptimizerInfo | None = None
+    scheduler: dict[str, JsonValue] | None = None
+    fds: list[int] = field(default_factory=list)  # the files held open for the tensors' reads; the caller closes them
+
+
+def is_trainer_folder(names: set[str]) -> bool:
+    """Whether a folder's names are a Trainer checkpoint's (its state file or its optimizer)."""
+    return STATE in names or OPTIMIZER in names
+
+
+def read_trainer(src: str, config: Mapping[str, Any], weights: Mapping[str, tuple[int, ...]]) -> TrainerState:
+    """Read what `src` holds beside its weights (`weights`: each weight file tensor's key and shape).
+
+    Raises:
+        ManifestError: a malformed trainer_state.json, a pickle needing a class outside the allowlist.
+        IntegrityError: a file unlike a torch.save archive.
+    """
+    names = set(os.listdir(src))
+    out = TrainerState()
+    if STATE in names:
+        import json
+
+        path = os.path.join(src, STATE)
+        try:
+            state = json.loads(read_small(path, STATE_LIMIT, "the Trainer's state file"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(state, dict) or json_problems({"s": state}):
+            raise ManifestError(f"{path}: not a JSON object of plain values")
+        out.objects["trainer/state"], out.sources["trainer/state"] = state, STATE
+        step = state.get("global_step")
+        out.step = step if isinstance(step, int) and step >= 0 else 0
+    if SCHEDULER in names:
+        value = plain(stored_object(_archive(src, SCHEDULER, out), STATE_DICT_ALLOWED))
+        if isinstance(value, dict) and not json_problems({"s": value}):
+            out.scheduler = value
+        else:
+            out.skipped.append(SkippedEntry(source=SCHEDULER, reason="the scheduler's state is not plain values"))
+    if OPTIMIZER in names:
+        _read_optimizer(src, config, weights, out)
+    out.skipped += [SkippedEntry(source=n, reason=NOT_READ[n]) for n in sorted(names & set(NOT_READ))]
+    out.skipped += [SkippedEntry(source=n, reason=RNG_REASON) for n in sorted(names) if n.startswith("rng_state") and n.endswith(".pth")]
+    return out
+
+
+def _archive(src: str, name: str, out: TrainerState) -> Archive:
+    path = os.path.join(src, name)
+    fd, size = open_regular(path)
+    out.fds.append(fd)
+    return open_archive(fd, 0, size, path)
+
+
+def _read_optimizer(src: str, config: Mapping[str, Any], weights: Mapping[str, tuple[int, ...]], out: TrainerState) -> None:
+    """The optimizer's moments and groups under the parameters' names, or a skip saying why not."""
+    archive = _archive(src, OPTIMIZER, out)
+    sd = stored_object(archive, STATE_DICT_ALLOWED)
+    groups = sd.get("param_groups") if isinstance(sd, dict) else None
+    state = sd.get("state") if isinstance(sd, dict) else None
+    if not isinstance(groups, list) or not isinstance(state, dict) or not all(isinstance(g, dict) for g in groups):
+        raise IntegrityError(f"{archive.where}: not a torch optimizer's state dict (state, param_groups)")
+
+    def skip(reason: str) -> None:
+        out.skipped.append(SkippedEntry(source=OPTIMIZER, reason=reason))
+
+    if any(set(s) != {"step", *MOMENTS} for s in state.values() if isinstance(s, dict)):
+        return skip("not an AdamW state (each parameter's step, exp_avg and exp_avg_sq)")
+    named = trainer_groups(config)
+    if isinstance(named, str):
+        return skip(named)
+    if [len(g.get("params", [])) for g in groups] != [len(n) for n in named]:
+        return skip(f"its groups hold {[len(g.get('params', [])) for g in groups]} parameters, the Trainer's of this model "
+                    f"{[len(n) for n in named]}")
+    index = {i: name for g, names in zip(groups, named) for i, name in zip(g["params"], names)}
+    odd = sorted(n for n in index.values() if n not in weights)
+    if odd:
+        return skip(f"its parameters are not the weight files' tensors ({', '.join(odd[:5])}): not read yet")
+    steps = set()
+    for i, name in index.items():
+        entry = state.get(i)
+        if entry is None:  # a parameter no step has touched yet: no state, as torch keeps it
+            continue
+        for moment in MOMENTS:
+            stored = entry[moment]
+            if not isinstance(stored, StoredTensor) or tuple(stored.shape) != tuple(weights[name]):
+                return skip(f"state {i}'s {moment} is not a tensor of {name}'s shape {list(weights[name])}")
+        steps.add(_scalar(archive, entry["step"]))
+        for moment in MOMENTS:
+            spec = TensorSpec(name=f"optimizer/{moment}/{escape(name)}", source=f"{OPTIMIZER}:state.{i}.{moment}",
+                              dtype=entry[moment].dtype, shape=tuple(entry[moment].shape), kind="optimizer")
+            out.tensors.append((spec, _reader(archive, entry[moment])))
+    options = [{k: v for k, v in plain(g).items() if k != "params"} for g in groups]
+    if len(steps) > 1 or json_problems({"o": options}):
+        return skip("its parameters' steps differ, or its options are not plain values")
+    first = options[0]
+    out.optimizer = OptimizerInfo(
+        type="adamw", step=int(steps.pop()) if steps else 0,
+        hyperparameters={"lr": first.get("initial_lr", first.get("lr")), "betas": first.get("betas"), "eps": first.get("eps"),
+                         "weight_decay": first.get("weight_decay")},
+        param_groups=tuple(ParamGroup(params=tuple(names), options=o) for names, o in zip(named, options)))
+
+
+def trainer_groups(config: Mapping[str, Any]) -> list[list[str]] | str:
+    """The parameter names of each optimizer group ``Trainer`` makes for the model of `config`
+    (decayed, then not), in the model's order; or why they cannot be said."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, Trainer
+    except ImportError:
+        return "transformers is not installed, and the parameters' order is its model's (pip install transformers)"
+    values = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(str(config.get("model_type")), **values))  # type: ignore[no-untyped-call]
+    except Exception as exc:  # transformers' own refusal of the config, whatever its class
+        return f"transformers cannot build the model of config.json ({type(exc).__name__}: {exc})"
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]  # uses no Trainer state
+    params = [n for n, p in model.named_parameters() if p.requires_grad]
+    return [[n for n in params if n in decay], [n for n in params if n not in decay]]
+
+
+def _scalar(archive: Archive, stored: Any) -> float:
+    if not isinstance(stored, StoredTensor) or stored.shape != () or stored.dtype not in ("float32", "float64", "int64"):
+        raise IntegrityError(f"{archive.where}: a step that is not a scalar tensor")
+    dest = np.empty((itemsize(stored.dtype),), np.uint8)
+    copy_tensor(archive, stored, dest)
+    return float(dest.view({"float32": np.float32, "float64": np.float64, "int64": np.int64}[stored.dtype])[0])
+
+
+def _reader(archive: Archive, stored: StoredTensor) -> Callable[[], memoryview]:
+    def read() -> memoryview:
+        dest = np.empty((*stored.shape, itemsize(stored.dtype)), np.uint8)
+        copy_tensor(archive, stored, dest)
+        return memoryview(dest.reshape(-1))  # type: ignore[arg-type]
+    return read
+
+
+__all__ = ["TrainerState", "is_trainer_folder", "read_trainer", "trainer_groups"]

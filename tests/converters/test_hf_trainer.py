@@ -1,0 +1,92 @@
+"""A Hugging Face ``Trainer`` checkpoint folder (written at test time by transformers' own Trainer,
+a few steps of a tiny Llama on CPU) converts whole: the weights, the AdamW moments under the
+parameters' names as Trainer grouped them, the step, the scheduler and the trainer state; what is
+not read yet is listed and fails the conversion unless --allow-skip."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptkit
+
+from .checks import assert_nothing_written, one_line_error
+
+if importlib.util.find_spec("accelerate") is None:  # Trainer needs it; make test installs it
+    if os.environ.get("CI"):
+        raise RuntimeError("accelerate is not installed (make test installs it with the dev extras)")
+    pytest.skip("accelerate is not installed", allow_module_level=True)
+
+STEPS = 4
+
+
+def _trainer(out: Path) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=12, max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(1)
+    data = [{"input_ids": (ids := torch.randint(0, 101, (16,), generator=gen)), "labels": ids.clone()} for _ in range(24)]
+    args = TrainingArguments(output_dir=str(out), max_steps=STEPS, save_steps=STEPS, per_device_train_batch_size=4,
+                             learning_rate=1e-3, weight_decay=0.1, lr_scheduler_type="cosine", warmup_steps=1, report_to=[],
+                             use_cpu=True, seed=3, disable_tqdm=True, logging_strategy="no")
+    return Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=data)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``checkpoint-4/`` as Trainer saves it."""
+    out = tmp_path_factory.mktemp("trainer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(out).train()
+    return out / f"checkpoint-{STEPS}"
+
+
+def test_what_is_not_read_yet_fails_the_conversion_naming_it(folder: Path, tmp_path: Path, run_ckptkit: Any) -> None:
+    proc = run_ckptkit("convert", "--from", "hf", str(folder), str(tmp_path / "out"))
+    assert proc.returncode == 1
+    line = one_line_error(proc.stderr)
+    assert "2 entries cannot be converted (training_args.bin: " in line and "; rng_state.pth: " in line
+    assert line.endswith("pass --allow-skip to convert the rest")
+    assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_the_optimizer_scheduler_step_and_state_come_in_as_trainer_keeps_them(folder: Path, tmp_path: Path,
+                                                                             run_ckptkit: Any) -> None:
+    proc = run_ckptkit("convert", "--json", "--allow-skip", str(folder), str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert sorted(s["source"] for s in report["skipped"]) == ["rng_state.pth", "training_args.bin"]
+    manifest, state = ckptkit.read_manifest(tmp_path / "out"), ckptkit.load(tmp_path / "out")
+    assert manifest.step == STEPS
+    assert manifest.objects["trainer/state"] == json.loads((folder / "trainer_state.json").read_text())
+    scheduler = torch.load(folder / "scheduler.pt", weights_only=True)
+    assert manifest.info.scheduler == json.loads(json.dumps(scheduler))  # as JSON: tuples as lists
+    # the oracle: Trainer's own optimizer over the model, its groups' parameters named by the model
+    trainer = _trainer(tmp_path / "unused")
+    optimizer = trainer.create_optimizer()
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    grouped = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    saved = torch.load(folder / "optimizer.pt", weights_only=True)
+    index = [name for group in grouped for name in group]
+    assert len(index) == len(saved["state"]) == 21
+    for i, name in enumerate(index):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state["optimizer"][moment][name], saved["state"][i][moment]), (moment, name)
+    info = manifest.info.optimizer
+    assert info is not None and info.type == "adamw" and info.step == STEPS
+    assert [list(g.params) for g in info.param_groups] == grouped
+    assert [g.options["weight_decay"] for g in info.param_groups] == [0.1, 0.0]
+    assert info.hyperparameters == {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}
+    weights = {k: v for k, v in state["model"].items()}
+    for name, parameter in trainer.model.named_parameters():  # the weights are the saved model's (fresh init differs)
+        assert weights[name].shape == parameter.shape
