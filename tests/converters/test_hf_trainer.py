@@ -1,7 +1,8 @@
 """A Hugging Face ``Trainer`` checkpoint folder (written at test time by transformers' own Trainer,
 a few steps of a tiny Llama on CPU) converts whole: the weights, the AdamW moments under the
-parameters' names as Trainer grouped them, the step, the scheduler and the trainer state; what is
-not read yet is listed and fails the conversion unless --allow-skip."""
+parameters' names as Trainer grouped them, the step, the scheduler, the RNG states and the trainer
+state; what is not read yet (the training arguments) is listed and fails the conversion unless
+--allow-skip."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_what_is_not_read_yet_fails_the_conversion_naming_it(folder: Path, tmp_p
     proc = run_ckptkit("convert", "--from", "hf", str(folder), str(tmp_path / "out"))
     assert proc.returncode == 1
     line = one_line_error(proc.stderr)
-    assert "2 entries cannot be converted (training_args.bin: " in line and "; rng_state.pth: " in line
+    assert "1 entry cannot be converted (training_args.bin: transformers' TrainingArguments, a pickled class" in line
     assert line.endswith("pass --allow-skip to convert the rest")
     assert_nothing_written(tmp_path, tmp_path / "out")
 
@@ -65,7 +66,7 @@ def test_the_optimizer_scheduler_step_and_state_come_in_as_trainer_keeps_them(fo
     proc = run_ckptkit("convert", "--json", "--allow-skip", str(folder), str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert sorted(s["source"] for s in report["skipped"]) == ["rng_state.pth", "training_args.bin"]
+    assert [s["source"] for s in report["skipped"]] == ["training_args.bin"]
     manifest, state = ckptkit.read_manifest(tmp_path / "out"), ckptkit.load(tmp_path / "out")
     assert manifest.step == STEPS
     assert manifest.objects["trainer/state"] == json.loads((folder / "trainer_state.json").read_text())
@@ -90,3 +91,9 @@ def test_the_optimizer_scheduler_step_and_state_come_in_as_trainer_keeps_them(fo
     weights = {k: v for k, v in state["model"].items()}
     for name, parameter in trainer.model.named_parameters():  # the weights are the saved model's (fresh init differs)
         assert weights[name].shape == parameter.shape
+    # the RNG states: torch's bitwise, Python's and numpy's as values
+    rng = torch.load(folder / "rng_state.pth", weights_only=False)  # the oracle: torch's own unpickling of the file
+    assert torch.equal(state["rng"]["rng_state"]["cpu"], rng["cpu"])
+    assert manifest.objects["trainer/rng_state/python"] == [rng["python"][0], list(rng["python"][1]), rng["python"][2]]
+    name, key, *rest = manifest.objects["trainer/rng_state/numpy"]
+    assert (name, key, rest) == (rng["numpy"][0], rng["numpy"][1].tolist(), list(rng["numpy"][2:]))

@@ -11,9 +11,10 @@
   step and the groups' options ``info.optimizer`` (type ``adamw``; ``lr`` the base rate,
   ``initial_lr``).
 - ``scheduler.pt``: the LR scheduler's state dict, as JSON, in ``info.scheduler``.
-- ``rng_state*.pth``, ``training_args.bin``, ``scaler.pt``: not read yet (listed as skipped, which
-  fails the conversion unless ``--allow-skip``): they are pickles of numpy arrays and of
-  transformers' own classes.
+- ``rng_state*.pth``: each process's RNG states (`_read_rng`), numpy's read through its
+  allowlist (``common.numpy_pickle``).
+- ``training_args.bin``, ``scaler.pt``: not read yet (listed as skipped, which fails the
+  conversion unless ``--allow-skip``): pickles of transformers' and torch's own classes.
 
 An optimizer that is not AdamW, or whose parameters are not the weight files' tensors (a
 mixture of experts whose modules stack the experts the files hold one by one), is skipped with
@@ -37,12 +38,12 @@ from ckptkit.ops.convert import SkippedEntry, TensorSpec
 from ckptkit.state.tree import escape, json_problems
 from ckptkit.storage.local import open_regular
 from ckptkit_adapters.common.files import read_small
+from ckptkit_adapters.common.numpy_pickle import NUMPY_ALLOWED, NumpyArray
 from ckptkit_adapters.common.torchsave import STATE_DICT_ALLOWED, Archive, StoredTensor, copy_tensor, open_archive, plain, stored_object
 
 OPTIMIZER, SCHEDULER, STATE = "optimizer.pt", "scheduler.pt", "trainer_state.json"
 NOT_READ = {"training_args.bin": "transformers' TrainingArguments, a pickled class: not read yet",
             "scaler.pt": "the AMP gradient scaler's state: not read yet"}
-RNG_REASON = "the RNG states (python, numpy, torch) as pickled: not read yet"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STATE_LIMIT = 64 << 20
 
@@ -97,8 +98,41 @@ def read_trainer(src: str, config: Mapping[str, Any], weights: Mapping[str, tupl
     if OPTIMIZER in names:
         _read_optimizer(src, config, weights, out)
     out.skipped += [SkippedEntry(source=n, reason=NOT_READ[n]) for n in sorted(names & set(NOT_READ))]
-    out.skipped += [SkippedEntry(source=n, reason=RNG_REASON) for n in sorted(names) if n.startswith("rng_state") and n.endswith(".pth")]
+    for name in sorted(n for n in names if n.startswith("rng_state") and n.endswith(".pth")):
+        _read_rng(src, name, out)
     return out
+
+
+def _read_rng(src: str, name: str, out: TrainerState) -> None:
+    """One process's RNG states (``rng_state.pth``, ``rng_state_<rank>.pth``): torch's as uint8
+    tensors of kind ``rng`` (``rng/<file>/cpu``, ``rng/<file>/cuda/<i>``), Python's and numpy's
+    as values (``trainer/<file>/python``, ``trainer/<file>/numpy``: the generator's name, its key's
+    624 words, its position, its Gaussian cache)."""
+    archive = _archive(src, name, out)
+    states = stored_object(archive, {**STATE_DICT_ALLOWED, **NUMPY_ALLOWED})
+    stem = name.removesuffix(".pth")
+    if not isinstance(states, dict):
+        out.skipped.append(SkippedEntry(source=name, reason="not a dict of RNG states"))
+        return
+    for key, value in states.items():
+        where = f"{name}:{key}"
+        tensors = {"": value} if isinstance(value, StoredTensor) else \
+            {f"/{i}": v for i, v in enumerate(value)} if isinstance(value, list) and all(isinstance(v, StoredTensor) for v in value) \
+            else None
+        if tensors is not None:
+            for suffix, stored in tensors.items():
+                spec = TensorSpec(name=f"rng/{stem}/{escape(str(key))}{suffix}", source=where + suffix.replace("/", "."),
+                                  dtype=stored.dtype, shape=tuple(stored.shape), kind="rng")
+                out.tensors.append((spec, _reader(archive, stored)))
+            continue
+        if isinstance(value, tuple) and value and isinstance(value[0], str) and len(value) > 1 and isinstance(value[1], NumpyArray):
+            words = value[1].values()
+            value = None if words is None else [value[0], words, *value[2:]]
+        converted = plain(value)
+        if value is None or json_problems({"v": converted}):
+            out.skipped.append(SkippedEntry(source=where, reason="an RNG state that is neither a tensor nor plain values"))
+            continue
+        out.objects[f"trainer/{stem}/{escape(str(key))}"], out.sources[f"trainer/{stem}/{escape(str(key))}"] = converted, where
 
 
 def _archive(src: str, name: str, out: TrainerState) -> Archive:

@@ -9,7 +9,8 @@ from typing import Any
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit_adapters.common.safepickle import Record
 from ckptkit_adapters.common.torchsave import TorchDtype
-from ckptkit_adapters.megatron.legacy_files import EnumValue, NumpyArray
+from ckptkit_adapters.common.numpy_pickle import NumpyArray
+from ckptkit_adapters.megatron.legacy_files import EnumValue
 
 
 def as_json(value: Any) -> Any:
