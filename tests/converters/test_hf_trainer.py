@@ -1,8 +1,8 @@
 """A Hugging Face ``Trainer`` checkpoint folder (written at test time by transformers' own Trainer,
 a few steps of a tiny Llama on CPU) converts whole: the weights, the AdamW moments under the
 parameters' names as Trainer grouped them, the step, the scheduler, the RNG states and the trainer
-state; what is not read yet (the training arguments) is listed and fails the conversion unless
---allow-skip."""
+state, the training arguments; a class their pickle names that is not allowed is listed and fails
+the conversion unless --allow-skip."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 import ckptkit
 
-from .checks import assert_nothing_written, one_line_error
+from .checks import assert_nothing_written
 
 if importlib.util.find_spec("accelerate") is None:  # Trainer needs it; make test installs it
     if os.environ.get("CI"):
@@ -52,21 +52,29 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / f"checkpoint-{STEPS}"
 
 
-def test_what_is_not_read_yet_fails_the_conversion_naming_it(folder: Path, tmp_path: Path, run_ckptkit: Any) -> None:
-    proc = run_ckptkit("convert", "--from", "hf", str(folder), str(tmp_path / "out"))
-    assert proc.returncode == 1
-    line = one_line_error(proc.stderr)
-    assert "1 entry cannot be converted (training_args.bin: transformers' TrainingArguments, a pickled class" in line
-    assert line.endswith("pass --allow-skip to convert the rest")
+def test_a_class_the_arguments_name_that_is_not_allowed_is_listed_and_fails_the_conversion(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptkit.errors import ManifestError
+    from ckptkit_adapters.hf import trainer
+    from ckptkit_adapters.hf.reader import CONVERTER
+
+    allowed = {k: v for k, v in trainer.ARGS_ALLOWED.items() if k != ("transformers.trainer_utils", "SchedulerType")}
+    monkeypatch.setattr(trainer, "ARGS_ALLOWED", allowed)  # as a transformers that pickles a class ckptkit does not know
+    with pytest.raises(ManifestError, match=r"1 entry cannot be converted \(training_args.bin: refused to unpickle "
+                                            r"transformers.trainer_utils.SchedulerType.*pass --allow-skip"):
+        CONVERTER.convert(str(folder), str(tmp_path / "out"))
     assert_nothing_written(tmp_path, tmp_path / "out")
+    report = CONVERTER.convert(str(folder), str(tmp_path / "out"), allow_skip=True)
+    assert [s.source for s in report.skipped] == ["training_args.bin"]
 
 
 def test_the_optimizer_scheduler_step_and_state_come_in_as_trainer_keeps_them(folder: Path, tmp_path: Path,
                                                                              run_ckptkit: Any) -> None:
-    proc = run_ckptkit("convert", "--json", "--allow-skip", str(folder), str(tmp_path / "out"))
+    proc = run_ckptkit("convert", "--json", str(folder), str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert [s["source"] for s in report["skipped"]] == ["training_args.bin"]
+    assert report["skipped"] == []  # every file of the folder came in
     manifest, state = ckptkit.read_manifest(tmp_path / "out"), ckptkit.load(tmp_path / "out")
     assert manifest.step == STEPS
     assert manifest.objects["trainer/state"] == json.loads((folder / "trainer_state.json").read_text())
@@ -97,3 +105,9 @@ def test_the_optimizer_scheduler_step_and_state_come_in_as_trainer_keeps_them(fo
     assert manifest.objects["trainer/rng_state/python"] == [rng["python"][0], list(rng["python"][1]), rng["python"][2]]
     name, key, *rest = manifest.objects["trainer/rng_state/numpy"]
     assert (name, key, rest) == (rng["numpy"][0], rng["numpy"][1].tolist(), list(rng["numpy"][2:]))
+    # the training arguments: their fields, enums as their values
+    args = torch.load(folder / "training_args.bin", weights_only=False)  # the oracle: transformers' own class
+    got = manifest.objects["trainer/training_args"]
+    for field in ("learning_rate", "weight_decay", "max_steps", "seed", "warmup_steps", "per_device_train_batch_size"):
+        assert got[field] == getattr(args, field), field
+    assert (got["lr_scheduler_type"], got["save_strategy"]) == (args.lr_scheduler_type.value, args.save_strategy.value)

@@ -13,8 +13,11 @@
 - ``scheduler.pt``: the LR scheduler's state dict, as JSON, in ``info.scheduler``.
 - ``rng_state*.pth``: each process's RNG states (`_read_rng`), numpy's read through its
   allowlist (``common.numpy_pickle``).
-- ``training_args.bin``, ``scaler.pt``: not read yet (listed as skipped, which fails the
-  conversion unless ``--allow-skip``): pickles of transformers' and torch's own classes.
+- ``training_args.bin``: the pickled ``TrainingArguments`` as the value ``trainer/training_args``
+  (`_read_args`: its fields, enums and devices as their values, through an allowlist of the
+  classes it names; another class is skipped, naming it).
+- ``scaler.pt``: not read yet (listed as skipped, which fails the conversion unless
+  ``--allow-skip``).
 
 An optimizer that is not AdamW, or whose parameters are not the weight files' tensors (a
 mixture of experts whose modules stack the experts the files hold one by one), is skipped with
@@ -39,11 +42,29 @@ from ckptkit.state.tree import escape, json_problems
 from ckptkit.storage.local import open_regular
 from ckptkit_adapters.common.files import read_small
 from ckptkit_adapters.common.numpy_pickle import NUMPY_ALLOWED, NumpyArray
+from ckptkit_adapters.common.safepickle import Record, record_type
 from ckptkit_adapters.common.torchsave import STATE_DICT_ALLOWED, Archive, StoredTensor, copy_tensor, open_archive, plain, stored_object
 
 OPTIMIZER, SCHEDULER, STATE = "optimizer.pt", "scheduler.pt", "trainer_state.json"
-NOT_READ = {"training_args.bin": "transformers' TrainingArguments, a pickled class: not read yet",
-            "scaler.pt": "the AMP gradient scaler's state: not read yet"}
+ARGS = "training_args.bin"
+NOT_READ = {"scaler.pt": "the AMP gradient scaler's state: not read yet"}
+
+
+class _Value(Record):
+    """An enum member or a ``torch.device`` as a pickle rebuilds it from its value: read as the value."""
+
+
+# The classes a TrainingArguments pickle names: the arguments, the dataclasses and accelerate's
+# state they hold (read as their fields), enums and devices (read as their values).
+_RECORDS = ("transformers.training_args.TrainingArguments", "transformers.trainer_pt_utils.AcceleratorConfig",
+            "accelerate.state.PartialState")
+_VALUES = ("transformers.trainer_utils.IntervalStrategy", "transformers.trainer_utils.SaveStrategy",
+           "transformers.trainer_utils.HubStrategy", "transformers.trainer_utils.SchedulerType",
+           "transformers.training_args.OptimizerNames", "accelerate.utils.dataclasses.DistributedType", "torch.device")
+ARGS_ALLOWED: dict[tuple[str, str], Any] = {
+    **{tuple(q.rsplit(".", 1)): record_type(q) for q in _RECORDS},  # type: ignore[misc]
+    **{tuple(q.rsplit(".", 1)): type(q.rsplit(".", 1)[1], (_Value,), {"qualname": q}) for q in _VALUES},  # type: ignore[misc]
+}
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STATE_LIMIT = 64 << 20
 
@@ -97,6 +118,8 @@ def read_trainer(src: str, config: Mapping[str, Any], weights: Mapping[str, tupl
             out.skipped.append(SkippedEntry(source=SCHEDULER, reason="the scheduler's state is not plain values"))
     if OPTIMIZER in names:
         _read_optimizer(src, config, weights, out)
+    if ARGS in names:
+        _read_args(src, out)
     out.skipped += [SkippedEntry(source=n, reason=NOT_READ[n]) for n in sorted(names & set(NOT_READ))]
     for name in sorted(n for n in names if n.startswith("rng_state") and n.endswith(".pth")):
         _read_rng(src, name, out)
@@ -133,6 +156,36 @@ def _read_rng(src: str, name: str, out: TrainerState) -> None:
             out.skipped.append(SkippedEntry(source=where, reason="an RNG state that is neither a tensor nor plain values"))
             continue
         out.objects[f"trainer/{stem}/{escape(str(key))}"], out.sources[f"trainer/{stem}/{escape(str(key))}"] = converted, where
+
+
+def _read_args(src: str, out: TrainerState) -> None:
+    """``training_args.bin`` (the pickled ``TrainingArguments``) as the value ``trainer/training_args``:
+    its fields as JSON, enums and devices as their values; a pickle naming another class is
+    skipped, naming it."""
+    try:
+        args = stored_object(_archive(src, ARGS, out), ARGS_ALLOWED)
+    except ManifestError as exc:
+        message = str(exc)
+        out.skipped.append(SkippedEntry(source=ARGS, reason=message[message.find("refused"):] if "refused" in message else message))
+        return
+    value = plain(_values(args))
+    if not isinstance(value, dict) or json_problems({"v": value}):
+        out.skipped.append(SkippedEntry(source=ARGS, reason="TrainingArguments whose fields are not plain values"))
+        return
+    out.objects["trainer/training_args"], out.sources["trainer/training_args"] = value, ARGS
+
+
+def _values(value: Any) -> Any:
+    """`value` with each enum member or device as its value."""
+    if isinstance(value, _Value):
+        return value.args[0] if len(value.args) == 1 else list(value.args)
+    if isinstance(value, Record):
+        return _values(value.state if value.state is not None else list(value.args))
+    if isinstance(value, dict):
+        return {k: _values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_values(v) for v in value]
+    return value
 
 
 def _archive(src: str, name: str, out: TrainerState) -> Archive:
