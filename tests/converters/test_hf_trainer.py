@@ -28,7 +28,7 @@ if importlib.util.find_spec("accelerate") is None:  # Trainer needs it; make tes
 STEPS = 4
 
 
-def _trainer(out: Path) -> Any:
+def _trainer(out: Path, steps: int = STEPS) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     torch.manual_seed(0)
@@ -36,7 +36,7 @@ def _trainer(out: Path) -> Any:
                          num_key_value_heads=2, head_dim=12, max_position_embeddings=64)
     gen = torch.Generator().manual_seed(1)
     data = [{"input_ids": (ids := torch.randint(0, 101, (16,), generator=gen)), "labels": ids.clone()} for _ in range(24)]
-    args = TrainingArguments(output_dir=str(out), max_steps=STEPS, save_steps=STEPS, per_device_train_batch_size=4,
+    args = TrainingArguments(output_dir=str(out), max_steps=steps, save_steps=STEPS, per_device_train_batch_size=4,
                              learning_rate=1e-3, weight_decay=0.1, lr_scheduler_type="cosine", warmup_steps=1, report_to=[],
                              use_cpu=True, seed=3, disable_tqdm=True, logging_strategy="no")
     return Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=data)
@@ -111,3 +111,34 @@ def test_the_optimizer_scheduler_step_and_state_come_in_as_trainer_keeps_them(fo
     for field in ("learning_rate", "weight_decay", "max_steps", "seed", "warmup_steps", "per_device_train_batch_size"):
         assert got[field] == getattr(args, field), field
     assert (got["lr_scheduler_type"], got["save_strategy"]) == (args.lr_scheduler_type.value, args.save_strategy.value)
+
+
+def _resumed(checkpoint: Path, out: Path) -> tuple[float, int, list[torch.Tensor]]:
+    """Trainer resumed from `checkpoint` to step 6: its training loss, step and parameters."""
+    trainer = _trainer(out, steps=STEPS + 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = trainer.train(resume_from_checkpoint=str(checkpoint))
+    return result.training_loss, result.global_step, [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_trainer_resumes_from_the_export_as_from_the_original(folder: Path, tmp_path: Path, run_ckptkit: Any) -> None:
+    converted, out = tmp_path / "converted", tmp_path / "trainer"
+    assert run_ckptkit("convert", str(folder), str(converted)).returncode == 0
+    proc = run_ckptkit("export", str(converted), str(out), "--format", "hf-trainer")
+    assert proc.returncode == 0, proc.stderr
+    # the files Trainer reads on resume hold what the original's hold
+    ours, theirs = (torch.load(p / "optimizer.pt", weights_only=True) for p in (out, folder))
+    assert ours["param_groups"] == theirs["param_groups"] and sorted(ours["state"]) == sorted(theirs["state"])
+    for i, moments in theirs["state"].items():
+        assert all(torch.equal(ours["state"][i][k], v) for k, v in moments.items()), i
+    assert torch.load(out / "scheduler.pt", weights_only=True) == torch.load(folder / "scheduler.pt", weights_only=True)
+    assert json.loads((out / "trainer_state.json").read_text()) == json.loads((folder / "trainer_state.json").read_text())
+    ours_rng, theirs_rng = (torch.load(p / "rng_state.pth", weights_only=False) for p in (out, folder))
+    assert ours_rng["python"] == theirs_rng["python"] and torch.equal(ours_rng["cpu"], theirs_rng["cpu"])
+    assert ours_rng["numpy"][0] == theirs_rng["numpy"][0] and (ours_rng["numpy"][1] == theirs_rng["numpy"][1]).all()
+    # and Trainer, resumed from each and trained two more steps, ends in the same place
+    loss, step, params = _resumed(folder, tmp_path / "from-original")
+    loss_back, step_back, params_back = _resumed(out, tmp_path / "from-export")
+    assert (step, step_back) == (STEPS + 2, STEPS + 2) and abs(loss_back - loss) <= 1e-6 * abs(loss)
+    assert all(torch.equal(a, b) for a, b in zip(params_back, params))

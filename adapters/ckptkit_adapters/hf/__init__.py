@@ -30,6 +30,12 @@ def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]
     return hf_writer(source, options.dtype, options.max_shard_bytes, options.layout), None
 
 
+def _trainer_writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
+    from ckptkit_adapters.hf.trainer_writer import trainer_folder_writer
+
+    return trainer_folder_writer(source, options.max_shard_bytes), None
+
+
 def _hf(config: Mapping[str, Any]) -> Layout:
     from ckptkit_adapters.hf.view import hf_layout
 
@@ -62,7 +68,10 @@ def _modules(spec: ModelSpec) -> View:
 
 ADAPTER = Adapter(
     name="hf", description="Hugging Face transformers (save_pretrained folders)", converter=_converter,
-    formats=(ExportFormat("hf", "Hugging Face model directory", _writer, optimizer="never", layout=True),),
+    formats=(ExportFormat("hf", "Hugging Face model directory", _writer, optimizer="never", layout=True),
+             ExportFormat("hf-trainer", "a Hugging Face Trainer checkpoint folder (resume_from_checkpoint), from a checkpoint "
+                          "converted from one", _trainer_writer, dtypes=(), optimizer="always",
+                          saved_dtype="a Trainer folder keeps the weights and the optimizer in their saved dtypes")),
     families=(
         Family("hf", "a Hugging Face config.json (any model_type with a canonical model)", layout=_hf),
         Family("hf-llama", "a Hugging Face Llama config.json", layout=_hf_llama),
