@@ -123,9 +123,14 @@ def _resumed(checkpoint: Path, out: Path) -> tuple[float, int, list[torch.Tensor
 
 
 def test_trainer_resumes_from_the_export_as_from_the_original(folder: Path, tmp_path: Path, run_ckptkit: Any) -> None:
-    converted, out = tmp_path / "converted", tmp_path / "trainer"
+    # in, resharded to tp 2 x pp 2 (weights and moments cut as the layout says), and back out
+    converted, resharded, out = tmp_path / "run" / "converted", tmp_path / "run" / "resharded", tmp_path / "trainer"
     assert run_ckptkit("convert", str(folder), str(converted)).returncode == 0
-    proc = run_ckptkit("export", str(converted), str(out), "--format", "hf-trainer")
+    proc = run_ckptkit("reshard", str(converted), str(resharded), "--tp", "2", "--pp", "2")
+    assert proc.returncode == 0, proc.stderr
+    topology = ckptkit.read_manifest(resharded).topology
+    assert (topology.tp, topology.pp) == (2, 2)
+    proc = run_ckptkit("export", str(resharded), str(out), "--format", "hf-trainer")
     assert proc.returncode == 0, proc.stderr
     # the files Trainer reads on resume hold what the original's hold
     ours, theirs = (torch.load(p / "optimizer.pt", weights_only=True) for p in (out, folder))
