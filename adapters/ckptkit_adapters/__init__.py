@@ -1,4 +1,4 @@
-"""ckptkit's adapters: one package per tool (``hf``, ``megatron``, ``deepspeed``, ``dcp``, ``zarr``), each
+"""ckptkit's adapters: one package per tool (``hf``, ``megatron``, ``deepspeed``, ``dcp``, ``peft``, ``zarr``), each
 holding the tool's reader, writer and view and exposing ``ADAPTER`` (a `ckptkit.adapters.Adapter`),
 registered in the ``ckptkit.adapters`` entry-point group. ``common`` holds what several adapters read
 and write through: pickles read safely (``safepickle``), ``torch.save`` archives read in place

@@ -14,7 +14,7 @@ from .catalog import LATEST_NAME, RUN_NAME
 from .commit import CLAIM_NAME, REPORT_NAME
 
 Kind = Literal["checkpoint", "damaged", "run-root", "hf-export", "dcp-export", "zarr-export", "megatron-export", "deepspeed-export",
-               "hf", "dcp", "deepspeed", "megatron", "leftover", "unknown"]
+               "peft-export", "hf", "peft", "dcp", "deepspeed", "megatron", "leftover", "unknown"]
 # Payload files ckptkit writes (rank00000.safetensors, rank00000-1.safetensors) and the
 # per-writer prefix of an object store's in-place save: their presence without a manifest
 # means a save (or a deletion) was interrupted.
@@ -28,7 +28,9 @@ DESCRIPTIONS: dict[str, str] = {
     "zarr-export": "the zarr form written by ckptkit export",
     "megatron-export": "a Megatron-Core checkpoint written by ckptkit export",
     "deepspeed-export": "a DeepSpeed universal checkpoint written by ckptkit export (a DeepSpeed engine loads it)",
+    "peft-export": "a peft adapter folder written by ckptkit export",
     "hf": "a Hugging Face model directory",
+    "peft": "a peft adapter folder (ckptkit convert reads it)",
     "dcp": "a torch.distributed.checkpoint (DCP) directory (ckptkit convert reads it)",
     "deepspeed": "a DeepSpeed save (ckptkit convert reads it)",
     "megatron": "a Megatron save (ckptkit convert reads it)",
@@ -44,9 +46,13 @@ def classify(names: Collection[str]) -> Kind:
     if has(REPORT_NAME):
         if has("latest_universal"):
             return "deepspeed-export"
+        if has("adapter_config.json"):
+            return "peft-export"
         if has("common.pt") and has("metadata.json"):
             return "megatron-export"
         return "dcp-export" if has(".metadata") else "hf-export"
+    if has("adapter_config.json") and has("adapter_model.safetensors"):
+        return "peft"
     if has("config.json") and any(n.endswith((".safetensors", ".bin")) or n.endswith(".index.json") for n in names):
         return "hf"
     if has("latest_checkpointed_iteration.txt") or has("common.pt") and has("metadata.json"):
@@ -62,7 +68,8 @@ def classify(names: Collection[str]) -> Kind:
     return "unknown"
 
 
-FOREIGN: frozenset[str] = frozenset({"hf", "dcp", "deepspeed", "megatron", "hf-export", "dcp-export", "megatron-export"})  # convert reads them
+FOREIGN: frozenset[str] = frozenset({"hf", "peft", "dcp", "deepspeed", "megatron", "hf-export", "dcp-export", "megatron-export",
+                                     "peft-export"})  # convert reads them
 
 
 def foreign_problem(path: str, names: Collection[str]) -> str | None:

@@ -120,6 +120,8 @@ def test_ls_json_has_null_latest_and_matches_its_schema(tmp_path: Path) -> None:
     (["export_report.json", "latest_universal", "global_step4_universal/"], "deepspeed-export"),
     (["export_report.json", "common.pt", "metadata.json", ".metadata", "__0_0.distcp"], "megatron-export"),
     (["export_report.json", ".metadata", "__0_0.distcp"], "dcp-export"),
+    (["adapter_config.json", "adapter_model.safetensors", "README.md"], "peft"),
+    (["adapter_config.json", "adapter_model.safetensors", "export_report.json"], "peft-export"),
     (["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"], "hf"),
     ([".metadata", "__0_0.distcp"], "dcp"),
     (["latest", "global_step10/", "zero_to_fp32.py"], "deepspeed"),
