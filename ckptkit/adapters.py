@@ -71,6 +71,20 @@ class Adapter:
     families: tuple[Family, ...] = ()
 
 
+def lazy(target: str) -> Callable[[], Any]:
+    """A function returning the object `target` names (``package.module:NAME``), imported when
+    it is first called: what an adapter gives as its converter, so that reading the registry
+    imports no reader."""
+
+    def load() -> Any:
+        import importlib
+
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    return load
+
+
 @functools.cache
 def adapters() -> dict[str, Adapter]:
     """Every adapter registered, by name (those whose package fails to import are left out;
@@ -150,5 +164,5 @@ def model_family(layout: str) -> Family | None:
     return found[0] if found else None
 
 
-__all__ = ["ENTRY_POINT_GROUP", "Adapter", "Family", "adapters", "converter_of", "export_formats", "families", "layout_family",
+__all__ = ["ENTRY_POINT_GROUP", "Adapter", "Family", "adapters", "converter_of", "export_formats", "families", "layout_family", "lazy",
            "model_family"]

@@ -7,20 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptkit.adapters import Adapter
+from ckptkit.adapters import Adapter, lazy
 from ckptkit.errors import LayoutError
 from ckptkit.exports.formats import ExportFormat, ExportOptions
 
 if TYPE_CHECKING:
     from ckptkit.exports.source import Source, Writer
     from ckptkit.manifest import Manifest
-    from ckptkit.ops.convert import Converter
-
-
-def _converter() -> Converter:
-    from ckptkit_adapters.dcp.reader import CONVERTER
-
-    return CONVERTER
 
 
 def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
@@ -55,6 +48,6 @@ def _default_form(manifest: Manifest, where: str) -> str:
 
 
 ADAPTER = Adapter(
-    name="dcp", description="torch.distributed.checkpoint (FSDP2, DTensor, no_dist saves)", converter=_converter,
+    name="dcp", description="torch.distributed.checkpoint (FSDP2, DTensor, no_dist saves)", converter=lazy("ckptkit_adapters.dcp.reader:CONVERTER"),
     formats=(ExportFormat("dcp", "torch.distributed.checkpoint", _writer, forms=("fsdp2", "plain")),),
 )

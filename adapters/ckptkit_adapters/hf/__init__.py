@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.adapters import Adapter, Family
+from ckptkit.adapters import Adapter, Family, lazy
 from ckptkit.exports.formats import ExportFormat, ExportOptions
 
 if TYPE_CHECKING:
@@ -15,13 +15,6 @@ if TYPE_CHECKING:
     from ckptkit.layouts.model import Layout
     from ckptkit.models.spec import ModelSpec
     from ckptkit.models.view import View
-    from ckptkit.ops.convert import Converter
-
-
-def _converter() -> Converter:
-    from ckptkit_adapters.hf.reader import CONVERTER
-
-    return CONVERTER
 
 
 def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
@@ -67,7 +60,7 @@ def _modules(spec: ModelSpec) -> View:
 
 
 ADAPTER = Adapter(
-    name="hf", description="Hugging Face transformers (save_pretrained folders)", converter=_converter,
+    name="hf", description="Hugging Face transformers (save_pretrained folders)", converter=lazy("ckptkit_adapters.hf.reader:CONVERTER"),
     formats=(ExportFormat("hf", "Hugging Face model directory", _writer, optimizer="never", layout=True),
              ExportFormat("hf-trainer", "a Hugging Face Trainer checkpoint folder (resume_from_checkpoint), from a checkpoint "
                           "converted from one", _trainer_writer, dtypes=(), optimizer="always",

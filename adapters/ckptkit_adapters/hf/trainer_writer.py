@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ckptkit.errors import LayoutError, summarize
-from ckptkit.exports.source import ExportedFile, ExportedTensor, Source, Writer, Written, exported
+from ckptkit.exports.source import ExportedFile, Source, Writer, Written, exported
 from ckptkit.io.checksum import checksum_of
 from ckptkit.state.torch_io import byte_view, torch_dtype
 from ckptkit.state.tree import escape

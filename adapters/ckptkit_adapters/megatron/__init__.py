@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ckptkit.adapters import Adapter, Family
+from ckptkit.adapters import Adapter, Family, lazy
 from ckptkit.exports.formats import ExportFormat, ExportOptions
 
 if TYPE_CHECKING:
@@ -17,13 +17,6 @@ if TYPE_CHECKING:
     from ckptkit.layouts.model import Layout
     from ckptkit.models.spec import ModelSpec
     from ckptkit.models.view import View
-    from ckptkit.ops.convert import Converter
-
-
-def _converter() -> Converter:
-    from ckptkit_adapters.megatron.reader import CONVERTER
-
-    return CONVERTER
 
 
 def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
@@ -47,7 +40,7 @@ def _model(layout: Layout, carried: Mapping[str, Any] | None) -> tuple[ModelSpec
 
 
 ADAPTER = Adapter(
-    name="megatron", description="Megatron-Core dist_checkpointing and Megatron-LM checkpoints", converter=_converter,
+    name="megatron", description="Megatron-Core dist_checkpointing and Megatron-LM checkpoints", converter=lazy("ckptkit_adapters.megatron.reader:CONVERTER"),
     formats=(ExportFormat("megatron", "a Megatron-Core dist_checkpointing (torch_dist) directory", _writer, layout=True,
                           pieces=True),),
     families=(Family("megatron-gpt", "Megatron-LM's model arguments (num_layers, hidden_size, ...)", layout=_layout,

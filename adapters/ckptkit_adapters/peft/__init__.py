@@ -6,18 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptkit.adapters import Adapter
+from ckptkit.adapters import Adapter, lazy
 from ckptkit.exports.formats import ExportFormat, ExportOptions
 
 if TYPE_CHECKING:
     from ckptkit.exports.source import Source, Writer
-    from ckptkit.ops.convert import Converter
-
-
-def _converter() -> Converter:
-    from ckptkit_adapters.peft.reader import CONVERTER
-
-    return CONVERTER
 
 
 def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
@@ -27,7 +20,7 @@ def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]
 
 
 ADAPTER = Adapter(
-    name="peft", description="peft adapter folders (adapter_config.json, adapter_model.safetensors)", converter=_converter,
+    name="peft", description="peft adapter folders (adapter_config.json, adapter_model.safetensors)", converter=lazy("ckptkit_adapters.peft.reader:CONVERTER"),
     formats=(ExportFormat("peft", "a peft adapter folder (PeftModel.from_pretrained), from a checkpoint converted from one",
                           _writer, dtypes=(), optimizer="never",
                           saved_dtype="a peft adapter folder keeps the adapter's weights in their saved dtype"),),
