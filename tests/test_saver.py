@@ -59,6 +59,13 @@ def test_tuples_are_saved_as_lists(tmp_path: Path) -> None:
     assert ckptkit.load(tmp_path / "ck")["optimizer"] == {"betas": [0.9, 0.95], "groups": [{"pair": [1, [2, 3]]}]}
 
 
+def test_bytes_in_values_come_back_as_bytes(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.ones(2)}, "data": {"sampler": b"\x00\xffstate", "nested": [b"a", {"b": b""}]}}
+    m = ckptkit.save(state, tmp_path / "ck", step=1)
+    assert m.objects["data"]["sampler"] == {"$bytes": "AP9zdGF0ZQ=="}  # as JSON holds them: base64
+    assert ckptkit.load(tmp_path / "ck")["data"] == {"sampler": b"\x00\xffstate", "nested": [b"a", {"b": b""}]}
+
+
 def test_keys_with_slashes_and_tildes_round_trip(tmp_path: Path) -> None:
     state = {"model": {"a/b": torch.ones(1), "c~d": torch.zeros(1)}}
     m = ckptkit.save(state, tmp_path / "ck", step=1)

@@ -38,6 +38,7 @@ from ..io.write import Written, write_safetensors, write_small
 from ..layouts import Layout, fit_problems
 from ..manifest import CheckpointInfo, Manifest, Producer, TokenizerInfo, Topology, manifest_to_json
 from ..plan.save import ItemDesc, plan_files, tensor_entries
+from ..state.tree import as_json
 from ..storage import Storage
 
 # Payload files are cut at this size (a converted checkpoint is one rank's files).
@@ -320,7 +321,7 @@ def write_converted(
             topology=Topology(world_size=1),
             files=files,
             tensors=tensor_entries(plan, index, lambda fqn: specs[fqn].kind),
-            objects=dict(objects),
+            objects={name: as_json(value) for name, value in objects.items()},
             info=info or CheckpointInfo(),
             tokenizer=TokenizerInfo(files=tuple(f.path for f in tok_files)) if tok_files else None,
             layout=None if layout is None else layout.to_json(),

@@ -19,7 +19,7 @@ from ..state.device import DEFAULT_PINNED_BYTES, BouncePool, device_problems, lo
 from ..state.sharded import ShardedTensor
 from ..storage import Storage
 from ..state.torch_io import byte_array, is_leaf, leaf_shards, torch_dtype
-from ..state.tree import flatten, unflatten
+from ..state.tree import flatten, from_json, unflatten
 
 # Reads run on this many threads (the engine cuts long reads into pieces), so that page faults
 # in fresh tensors, waits on the disk and checksumming overlap.
@@ -53,7 +53,7 @@ class Checkpoint:
             if target is None:  # every payload file, those of empty tensors included
                 self._reader.open_files_of(manifest.tensors)
             fill(self._reader, pieces, pinned_bytes=pinned_bytes)
-        return unflatten({**manifest.objects, **leaves})
+        return unflatten({**{k: from_json(v) for k, v in manifest.objects.items()}, **leaves})
 
 
 def open(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Checkpoint:  # noqa: A001

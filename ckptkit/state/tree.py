@@ -7,6 +7,7 @@ one JSON leaf.
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -81,16 +82,23 @@ def unflatten(leaves: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def json_problems(objects: Mapping[str, Any]) -> list[str]:
-    """Say which values are not plain JSON (string keys, finite numbers); empty when all are."""
+    """Say which values are not plain JSON (string keys, finite numbers; bytes, which `as_json`
+    writes as JSON, count as plain); empty when all are."""
     problems: list[str] = []
     for fqn, value in objects.items():
         _check_json(value, fqn, problems)
     return problems
 
 
+BYTES = "$bytes"  # a value's bytes as JSON holds them: {"$bytes": "<base64>"}
+
+
 def as_json(value: Any) -> Any:
     """A value `json_problems` accepts, as JSON holds it: every tuple a list, every mapping a dict
-    (a tuple, such as AdamW's ``betas``, comes back from a load as a list)."""
+    (a tuple, such as AdamW's ``betas``, comes back from a load as a list), bytes as
+    ``{"$bytes": "<base64>"}`` (which `from_json` turns back into bytes)."""
+    if isinstance(value, (bytes, bytearray)):
+        return {BYTES: base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, Mapping):
         return {k: as_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -98,8 +106,19 @@ def as_json(value: Any) -> Any:
     return value
 
 
+def from_json(value: Any) -> Any:
+    """A value as saved, from JSON as `as_json` wrote it: bytes back from ``{"$bytes": ...}``."""
+    if isinstance(value, dict):
+        if len(value) == 1 and isinstance(value.get(BYTES), str):
+            return base64.b64decode(value[BYTES], validate=True)
+        return {k: from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    return value
+
+
 def _check_json(value: Any, where: str, problems: list[str]) -> None:
-    if value is None or isinstance(value, (bool, int, str)):
+    if value is None or isinstance(value, (bool, int, str, bytes, bytearray)):
         return
     if isinstance(value, float):
         if not math.isfinite(value):

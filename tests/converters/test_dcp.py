@@ -393,3 +393,25 @@ def test_an_fsdp2_save_goes_back_to_dcp_whole_and_its_job_resumes_as_from_the_or
     assert (again["loss"], again["after"]) == (original["loss"], original["after"]) and again["after"] < again["loss"]
     assert sorted(again["state"]) == sorted(original["state"]) and len(original["state"]) == 3 * 8
     assert [k for k, v in original["state"].items() if not torch.equal(again["state"][k], v)] == []
+
+
+def test_bytes_values_come_in_and_go_back_and_a_complex_buffer_is_listed(tmp_path: Path, run_ckptkit: Any) -> None:
+    # as a torchtitan-style save holds them: a dataloader's state as bytes (pickled through
+    # _codecs.encode), a complex64 rotary table (no safetensors dtype: listed, converted with --allow-skip)
+    save, converted, out = tmp_path / "save", tmp_path / "converted", tmp_path / "dcp"
+    blob = bytes(range(256)) + b"\x00tail"
+    state = {"model": {"w": torch.randn(3, 4), "freqs_cis": torch.polar(torch.ones(4, 2), torch.randn(4, 2))},
+             "dataloader": {"state": blob, "step": 7}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(save), no_dist=True)
+    proc = run_ckptkit("convert", "--from", "dcp", str(save), str(converted))
+    assert proc.returncode == 1 and "model.freqs_cis: dtype torch.complex64 has no ckptkit equivalent" in one_line_error(proc.stderr)
+    assert run_ckptkit("convert", "--allow-skip", str(save), str(converted)).returncode == 0
+    assert ckptkit.load(converted)["dataloader"] == {"state": blob, "step": 7}
+    assert run_ckptkit("export", str(converted), str(out), "--format", "dcp").returncode == 0
+    back: dict[str, Any] = {"dataloader": {"state": b"", "step": 0}, "model": {"w": torch.empty(3, 4)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(back, checkpoint_id=str(out), no_dist=True)
+    assert back["dataloader"] == {"state": blob, "step": 7} and torch.equal(back["model"]["w"], state["model"]["w"])

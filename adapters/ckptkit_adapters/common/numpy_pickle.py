@@ -7,6 +7,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 from ckptkit_adapters.common.safepickle import Record
+from ckptkit_adapters.common.torchsave import encode_latin1
 
 
 class NumpyDtype(Record):
@@ -42,15 +43,8 @@ def _reconstruct(cls: Any, shape: Any, typecode: Any) -> NumpyArray:
     return NumpyArray()
 
 
-def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
-    """``_codecs.encode`` as protocol-2 pickles use it for bytes (``latin1`` text only)."""
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise ValueError("_codecs.encode of something other than latin-1 text")
-    return text.encode("latin-1")
-
-
 NUMPY_ALLOWED: dict[tuple[str, str], Any] = {
-    ("_codecs", "encode"): _encode,
+    ("_codecs", "encode"): encode_latin1,
     ("numpy", "dtype"): NumpyDtype,
     ("numpy", "ndarray"): NumpyArray,
     ("numpy.core.multiarray", "_reconstruct"): _reconstruct,

@@ -139,8 +139,15 @@ STATE_DICT_ALLOWED: dict[tuple[str, str], Any] = {
     _ORDERED_DICT: StateDict,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
 }
+def encode_latin1(text: Any, encoding: Any = "utf-8") -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles use it for bytes (``latin1`` text only)."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise ValueError("_codecs.encode of something other than latin-1 text")
+    return text.encode("latin-1")
+
+
 # A plain value (a DCP BytesIO entry): Python builtins only; an OrderedDict reads as a dict.
-_VALUE_ALLOWED: dict[tuple[str, str], Any] = {_ORDERED_DICT: dict}
+_VALUE_ALLOWED: dict[tuple[str, str], Any] = {_ORDERED_DICT: dict, ("_codecs", "encode"): encode_latin1}  # bytes, as protocol 2 pickles them
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from ckptkit.exports.source import (
     Written,
 )
 from ckptkit.state.torch_io import torch_dtype
+from ckptkit.state.tree import from_json
 from ckptkit.storage import Storage
 from ckptkit_adapters.common.dcp_read import dcp_key
 from ckptkit_adapters.common.dcp_write import StreamingPlanner, save_dcp
@@ -65,7 +66,7 @@ def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -
         for key, fqn in tensor_keys.items():
             entry = manifest.tensors[fqn]
             state[key] = torch.empty(entry.shape, dtype=torch_dtype(output_dtype(entry.dtype, out_dtype)), device="meta")
-        state.update({dcp_key(name): manifest.objects[name] for name in values})
+        state.update({dcp_key(name): from_json(manifest.objects[name]) for name in values})  # bytes as bytes again
         source.expect(tensor_keys.values())
         return save_dcp(state, StreamingPlanner(source, tensor_keys, out_dtype, report), report, dst, tmp, skipped)
 
