@@ -125,16 +125,20 @@ def test_dcp_export_holds_model_and_optimizer_bitwise(source: Path, tmp_path: Pa
     export(source, tmp_path / "dcp", format="dcp", dcp_form="plain", include_optimizer=True)
     saved = ckptkit.load(str(source))
     metadata = FileSystemReader(str(tmp_path / "dcp")).read_metadata()
-    plain = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()}
+    plain = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
+             if hasattr(v, "properties")}  # the tensors (values are bytes entries)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp_load(plain, checkpoint_id=str(tmp_path / "dcp"))
     expected = {f"model.{k}": v for k, v in saved["model"].items()}
     for moment in ("exp_avg", "exp_avg_sq"):
         expected.update({f"optimizer.{moment}.{k}": v for k, v in saved["optimizer"][moment].items()})
-    assert sorted(plain) == sorted(expected) and len(expected) == 3 * 39
+    assert len(expected) == 3 * 39
+    rng = {f"rng.{k}": v for k, v in saved["rng"].items()}  # and every other tensor: the RNG's
+    assert sorted(plain) == sorted({**expected, **rng}) and rng
     for key, value in expected.items():
         assert torch.equal(plain[key].view(torch.int32), value.view(torch.int32)), key
+    assert all(torch.equal(plain[key], value) for key, value in rng.items())
 
 
 def test_zarr_form_reshards_and_exports_like_the_native_checkpoint(
