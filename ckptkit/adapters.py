@@ -1,6 +1,6 @@
 """Adapters: each tool's reader, writer and view in one package, found through entry points.
 
-A tool (Hugging Face, Megatron-Core, DeepSpeed, torch DCP, zarr) is one `Adapter`, registered
+A tool (Hugging Face, Megatron-Core, DeepSpeed, torch DCP, peft, zarr) is one `Adapter`, registered
 in the ``ckptkit.adapters`` entry-point group (the ``ckptkit_adapters`` package ships one folder
 per tool; any distribution may add one). It declares:
 
@@ -50,7 +50,6 @@ class Family:
     """
 
     name: str
-    help: str = ""  # what the config holds, in a few words (``ckptkit layout builtin`` lists it)
     layout: Callable[[Mapping[str, Any]], Layout] | None = None
     model: Callable[[Layout, Mapping[str, Any] | None], tuple[ModelSpec, View]] | None = None
     modules: Callable[[ModelSpec], View] | None = None
@@ -86,6 +85,24 @@ def lazy(target: str) -> Callable[[], Any]:
 
 
 @functools.cache
+def _registry() -> tuple[dict[str, Adapter], dict[str, str]]:
+    """The adapters that import, by name, and why each of the others does not."""
+    out: dict[str, Adapter] = {}
+    broken: dict[str, str] = {}
+    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            found = ep.load()
+        except ImportError as exc:
+            broken[ep.name] = str(exc)
+            continue
+        if not isinstance(found, Adapter) or found.name != ep.name:
+            raise ManifestError(f"entry point {ep.name!r} of {ENTRY_POINT_GROUP} is not the adapter {ep.name!r} ({ep.value})")
+        if ep.name in out:
+            raise ManifestError(f"two adapters are registered as {ep.name!r} in {ENTRY_POINT_GROUP}")
+        out[ep.name] = found
+    return out, broken
+
+
 def adapters() -> dict[str, Adapter]:
     """Every adapter registered, by name (those whose package fails to import are left out;
     `converter_of` says why when one is asked for).
@@ -93,18 +110,7 @@ def adapters() -> dict[str, Adapter]:
     Raises:
         ManifestError: an entry point that is not an `Adapter` of its name, or two of one name.
     """
-    out: dict[str, Adapter] = {}
-    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        try:
-            found = ep.load()
-        except ImportError:
-            continue
-        if not isinstance(found, Adapter) or found.name != ep.name:
-            raise ManifestError(f"entry point {ep.name!r} of {ENTRY_POINT_GROUP} is not the adapter {ep.name!r} ({ep.value})")
-        if ep.name in out:
-            raise ManifestError(f"two adapters are registered as {ep.name!r} in {ENTRY_POINT_GROUP}")
-        out[ep.name] = found
-    return out
+    return _registry()[0]
 
 
 def converter_of(name: str) -> Converter:
@@ -114,7 +120,10 @@ def converter_of(name: str) -> Converter:
         ManifestError: no tool of that name reads checkpoints, or its reader cannot be imported
             (its framework dependency missing: the message says which extra to install).
     """
-    readers = {n: a for n, a in adapters().items() if a.converter is not None}
+    found, broken = _registry()
+    if name in broken:
+        raise ManifestError(f"the {name} adapter cannot be loaded ({broken[name]}); install ckptkit[{name}]")
+    readers = {n: a for n, a in found.items() if a.converter is not None}
     if name not in readers:
         raise ManifestError(f"no converter for {name!r}; available: {', '.join(readers) or 'none (install ckptkit)'}")
     load = readers[name].converter

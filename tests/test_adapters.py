@@ -107,7 +107,7 @@ def _toy_writer(source: Any, options: ExportOptions) -> tuple[Any, str | None]:
 
 TOY = Adapter(name="toy", description="a tool of its own",
               formats=(ExportFormat("toy", "the toy format", _toy_writer, dtypes=()),),
-              families=(Family("toy", "the reference Llama's config", layout=_toy_layout, model=_toy_model),))
+              families=(Family("toy", layout=_toy_layout, model=_toy_model),))
 NOT_AN_ADAPTER = object()
 
 
@@ -117,9 +117,9 @@ def registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[metadata.EntryP
     installed = list(metadata.entry_points(group=registry.ENTRY_POINT_GROUP))
     extra: list[metadata.EntryPoint] = []
     monkeypatch.setattr(registry.metadata, "entry_points", lambda group: [*installed, *extra])
-    adapters.cache_clear()
+    registry._registry.cache_clear()
     yield extra
-    adapters.cache_clear()
+    registry._registry.cache_clear()
 
 
 def test_a_new_tool_is_one_adapter(registered: list[metadata.EntryPoint], tmp_path: Path) -> None:
@@ -148,3 +148,13 @@ def test_two_adapters_claiming_one_layout_are_refused(registered: list[metadata.
 
 CLAIMS_HF = Adapter(name="toy", description="claims a Hugging Face layout",
                     families=(Family("hf-llama", model=_toy_model),))
+
+
+BROKEN_IMPORT = "ckptkit_adapters_that_is_not_installed.reader"
+
+
+def test_an_adapter_that_does_not_import_is_named_with_its_error(registered: list[metadata.EntryPoint]) -> None:
+    registered.append(metadata.EntryPoint("gone", f"{BROKEN_IMPORT}:ADAPTER", registry.ENTRY_POINT_GROUP))
+    assert "gone" not in adapters()
+    with pytest.raises(ManifestError, match=r"^the gone adapter cannot be loaded \(No module named 'ckptkit_adapters_that_is_not"):
+        load_converter("gone")

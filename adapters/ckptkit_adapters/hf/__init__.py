@@ -66,9 +66,9 @@ ADAPTER = Adapter(
                           "converted from one", _trainer_writer, dtypes=(), optimizer="always",
                           saved_dtype="a Trainer folder keeps the weights and the optimizer in their saved dtypes")),
     families=(
-        Family("hf", "a Hugging Face config.json (any model_type with a canonical model)", layout=_hf),
-        Family("hf-llama", "a Hugging Face Llama config.json", layout=_hf_llama),
-        Family("gpt2", "a Hugging Face GPT-2 config.json", layout=_gpt2, model=_model, modules=_modules),
+        Family("hf", layout=_hf),
+        Family("hf-llama", layout=_hf_llama),
+        Family("gpt2", layout=_gpt2, model=_model, modules=_modules),
         Family("hf-", model=_model, modules=_modules),
     ),
 )

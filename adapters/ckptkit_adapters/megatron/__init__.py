@@ -43,6 +43,6 @@ ADAPTER = Adapter(
     name="megatron", description="Megatron-Core dist_checkpointing and Megatron-LM checkpoints", converter=lazy("ckptkit_adapters.megatron.reader:CONVERTER"),
     formats=(ExportFormat("megatron", "a Megatron-Core dist_checkpointing (torch_dist) directory", _writer, layout=True,
                           pieces=True),),
-    families=(Family("megatron-gpt", "Megatron-LM's model arguments (num_layers, hidden_size, ...)", layout=_layout,
+    families=(Family("megatron-gpt", layout=_layout,
                      model=_model),),
 )
