@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, IntegrityError, ManifestError, StorageError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, CkptkitError, IntegrityError, ManifestError, StorageError
 from .checksum import checksum_of
 from ..manifest import MANIFEST_LIMIT, MANIFEST_NAME, Manifest, check_seal, check_version, parse_manifest, strictjson
 from ..storage import Storage, check_key, open_storage
@@ -83,21 +83,36 @@ def resolve(path: str | os.PathLike[str], storage: Storage | None = None) -> Loc
     loc = locate(path, storage)
     if loc.storage.exists(loc.key(MANIFEST_NAME)):
         return loc
-    if storage is None and loc.storage.exists(loc.name):
-        from .kinds import foreign_problem  # what another tool's checkpoint is (kinds imports this module)
-
-        foreign = foreign_problem(os.fspath(path), [k.removeprefix(f"{loc.name}/") for k in loc.storage.list(loc.name, recursive=False)])
-        if foreign is not None:
-            raise CheckpointNotFoundError(foreign)
     if storage is None and loc.storage.exists(f"{loc.name}/{LATEST_NAME}"):
         root = open_storage(str(loc))
-        name = read_latest(root)
+        try:
+            name = read_latest(root)
+        except CkptkitError:
+            _refuse_foreign(path, loc)  # another tool's `latest` (DeepSpeed's) is not ckptkit's
+            raise
         if name and root.exists(f"{name}/{MANIFEST_NAME}"):
             return Location(root, name)
+        _refuse_foreign(path, loc)
         raise CheckpointNotFoundError(f"{path}/{LATEST_NAME} names {name!r}, which is not a committed checkpoint")
     if loc.storage.exists(loc.name):
+        if storage is None:
+            _refuse_foreign(path, loc)
         raise CheckpointNotFoundError(f"{path}: no {MANIFEST_NAME}, so not a committed checkpoint (interrupted save?)")
     raise CheckpointNotFoundError(f"{path}: no such checkpoint")
+
+
+def _refuse_foreign(path: str | os.PathLike[str], loc: Location) -> None:
+    """Say what another tool's checkpoint at `loc` is, and how to bring it in (only on the way to
+    refusing `path`: the directory is listed once, and never for a checkpoint that resolves).
+
+    Raises:
+        CheckpointNotFoundError: `loc` is another tool's checkpoint or an export.
+    """
+    from .kinds import foreign_problem  # what another tool's checkpoint is (kinds imports this module)
+
+    foreign = foreign_problem(os.fspath(path), [k.removeprefix(f"{loc.name}/") for k in loc.storage.list(loc.name, recursive=False)])
+    if foreign is not None:
+        raise CheckpointNotFoundError(foreign)
 
 
 def read_manifest(loc: Location) -> Manifest:
