@@ -26,6 +26,7 @@ its reason, as is everything when transformers is not installed to say the param
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -97,9 +98,18 @@ def read_trainer(src: str, config: Mapping[str, Any], weights: Mapping[str, tupl
     """
     names = set(os.listdir(src))
     out = TrainerState()
-    if STATE in names:
-        import json
+    try:
+        _read_files(src, names, config, weights, out)
+    except BaseException:
+        for fd in out.fds:
+            os.close(fd)
+        raise
+    return out
 
+
+def _read_files(src: str, names: set[str], config: Mapping[str, Any], weights: Mapping[str, tuple[int, ...]],
+                out: TrainerState) -> None:
+    if STATE in names:
         path = os.path.join(src, STATE)
         try:
             state = json.loads(read_small(path, STATE_LIMIT, "the Trainer's state file"))
@@ -123,7 +133,6 @@ def read_trainer(src: str, config: Mapping[str, Any], weights: Mapping[str, tupl
     out.skipped += [SkippedEntry(source=n, reason=NOT_READ[n]) for n in sorted(names & set(NOT_READ))]
     for name in sorted(n for n in names if n.startswith("rng_state") and n.endswith(".pth")):
         _read_rng(src, name, out)
-    return out
 
 
 def _read_rng(src: str, name: str, out: TrainerState) -> None:

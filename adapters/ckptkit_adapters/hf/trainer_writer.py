@@ -68,7 +68,7 @@ def trainer_folder_writer(source: Source, max_shard_bytes: int) -> Writer:
 
         def read(fqn: str, name: str, path: str) -> torch.Tensor:
             entry = source.manifest.tensors[fqn]
-            tensor = torch.from_numpy(source.read(fqn)).view(torch_dtype(entry.dtype)).reshape(entry.shape).clone()
+            tensor = torch.from_numpy(source.read(fqn)).view(torch_dtype(entry.dtype)).reshape(entry.shape)
             tensors.append(exported(source, name, fqn, byte_view(tensor), entry.dtype, path))
             return tensor
 
