@@ -148,11 +148,12 @@ def plan_module(manifest: Manifest, where: str) -> UniversalPlan:
     adamw = adamw_of(manifest, where, "a DeepSpeed universal checkpoint (the masters and moments DeepSpeed resumes from)")
     shapes = placed(spec, modules).shapes
     params = list(shapes.items())
-    runs: dict[str, list[Run]] = {}
-    for state, prefix in (("fp32", "model/"), ("exp_avg", "optimizer/exp_avg/"), ("exp_avg_sq", "optimizer/exp_avg_sq/")):
-        runs |= {f"optimizer/{state}/{name}": rs for name, rs in compose(spec, view, modules, prefix).items()}
-    runs |= {f"model/{name}": runs[f"optimizer/fp32/{name}"] for name in shapes}
-    runs |= {f"model/{head}": runs[f"model/{shared}"] for head, shared in modules.tied.items() if f"model/{shared}" in runs}
+    held = {name: name for name in shapes} | {h: s for h, s in modules.tied.items() if s in shapes}  # module tensor -> its parameter
+    prefixes = {"fp32": "model/", "exp_avg": "optimizer/exp_avg/", "exp_avg_sq": "optimizer/exp_avg_sq/"}
+    runs = {f"optimizer/{state}/{name}": rs for state, prefix in prefixes.items()
+            for name, rs in compose(spec, view, modules, prefix).items()}
+    runs |= {f"model/{tensor}": runs[f"optimizer/fp32/{param}"] for tensor, param in held.items()}
+    keyed = {f"optimizer/{state}/{name}": name for state in prefixes for name in shapes} | {f"model/{t}": p for t, p in held.items()}
     problems = sorted({f"{r.fqn} is missing" for rs in runs.values() for r in rs if r.fqn not in manifest.tensors})
     problems += sorted({f"{r.fqn} is {manifest.tensors[r.fqn].dtype}, not the float32 DeepSpeed keeps masters and moments in"
                         for rs in runs.values() for r in rs
@@ -173,13 +174,10 @@ def plan_module(manifest: Manifest, where: str) -> UniversalPlan:
     }
     optimizer_state = {"ds_version": DS_VERSION, "param_groups": [
         {**options, "weight_decay": decay, "params": [i]} for i, (_, decay) in enumerate(groups)]}
-    module = [f"model/{name}" for name in [*shapes, *modules.tied] if f"model/{name}" in runs]
-    all_shapes = {key: shapes[key.split("/", 2)[2]] for key in runs if key.startswith("optimizer/")}
-    all_shapes |= {f"model/{name}": shapes[name] for name in shapes}
-    all_shapes |= {f"model/{head}": shapes[shared] for head, shared in modules.tied.items() if shared in shapes}
     return UniversalPlan(tag=f"global_step{manifest.step}_universal", groups=[names for names, _ in groups],
-                         steps=[float(adamw.step)] * len(groups), others=[], module=module, model_states=records,
-                         extra_tensors=[], optimizer_state=optimizer_state, runs=runs, shapes=all_shapes)
+                         steps=[float(adamw.step)] * len(groups), others=[], module=[f"model/{t}" for t in held],
+                         model_states=records, extra_tensors=[], optimizer_state=optimizer_state, runs=runs,
+                         shapes={key: shapes[param] for key, param in keyed.items()})
 
 
 def _param_shapes(objects: dict[str, Any], where: str) -> list[dict[str, Any]]:
