@@ -147,3 +147,15 @@ def test_trainer_resumes_from_the_export_as_from_the_original(folder: Path, tmp_
     loss_back, step_back, params_back = _resumed(out, tmp_path / "from-export")
     assert (step, step_back) == (STEPS + 2, STEPS + 2) and abs(loss_back - loss) <= 1e-6 * abs(loss)
     assert all(torch.equal(a, b) for a, b in zip(params_back, params))
+
+
+def test_a_checkpoint_not_converted_from_a_trainer_folder_is_refused(tmp_path: Path, run_ckptkit: Any) -> None:
+    from .checks import one_line_error
+
+    src = Path(__file__).resolve().parents[2] / "fixtures" / "llama-v1.1" / "step_00000005"
+    proc = run_ckptkit("export", str(src), str(tmp_path / "out"), "--format", "hf-trainer")
+    assert proc.returncode == 1
+    line = one_line_error(proc.stderr)
+    assert "a Trainer folder is written from a checkpoint converted from one, and this one has" in line
+    assert "no Trainer state (trainer/state" in line
+    assert_nothing_written(tmp_path, tmp_path / "out")
