@@ -29,6 +29,17 @@ class CheckpointNotFoundError(CkptkitError, FileNotFoundError):
     """No committed checkpoint at the given location."""
 
 
+class ForeignCheckpointError(CheckpointNotFoundError):
+    """The location holds another tool's checkpoint (or an export ckptkit reads back), not a
+    ckptkit one: ``kind`` says which (``ckptkit.io.kinds``); the commands that only read a
+    checkpoint read it through its adapter, the others name the ``ckptkit convert`` that brings it in."""
+
+    def __init__(self, message: str, *, kind: str, path: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.path = path
+
+
 class CheckpointExistsError(CkptkitError, FileExistsError):
     """A committed checkpoint already exists where a new one would be written."""
 

@@ -19,7 +19,11 @@ from .base import SHOWN, cli, emit_json, progress, shows_progress
 @click.option("--match", "match", default="*", show_default=True, help="List only the tensors whose names match this glob (implies --tensors).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (it always lists the tensors).")
 def inspect_cmd(path: str, show_tensors: bool, match: str, as_json: bool) -> None:
-    """Show what the checkpoint at PATH holds: step, topology, the model, tensors, bytes, assets, versions."""
+    """Show what the checkpoint at PATH holds: step, topology, the model, tensors, bytes, assets, versions.
+
+    Another tool's checkpoint is read through its adapter (what ``ckptkit convert`` would bring
+    in, and what it would skip), nothing written.
+    """
     report = ckptkit.inspect(path, match=match)
     if as_json:
         emit_json(report)
@@ -35,6 +39,9 @@ def inspect_cmd(path: str, show_tensors: bool, match: str, as_json: bool) -> Non
 def verify_cmd(path: str, quick: bool, as_json: bool, workers: int) -> None:
     """Check the checkpoint at PATH against its manifest.
 
+    Another tool's checkpoint (DeepSpeed, Megatron, DCP, Hugging Face, peft) is read through its
+    adapter: its metadata, and every tensor checked against it (it has no checksums).
+
     Exit 0 when sound, 1 when problems were found, 2 on bad usage or when PATH holds no
     committed checkpoint.
     """
@@ -47,8 +54,15 @@ def verify_cmd(path: str, quick: bool, as_json: bool, workers: int) -> None:
         state = "sound" if report.ok else f"{len(report.findings)} problem(s)"
         if len(report.findings) > SHOWN:
             state += f", the first {SHOWN} shown (--json lists all)"
-        checks = "sizes, headers, tiling" + ("" if quick else ", checksums")
+        if report.read_through is None:
+            checks = "sizes, headers, tiling" + ("" if quick else ", checksums")
+        else:
+            checks = (f"read through the {report.read_through} adapter: metadata" + ("" if quick else ", every tensor's bytes")
+                      + "; the format has no checksums")
         click.echo(f"{report.path}: {state} ({report.files_checked} files, {report.tensors} tensors; {checks})")
+        if report.skipped:
+            click.echo(f"note: {len(report.skipped)} entr{'y' if len(report.skipped) == 1 else 'ies'} `ckptkit convert` would "
+                       f"refuse without --allow-skip (ckptkit inspect lists them)")
     sys.exit(0 if report.ok else 1)
 
 

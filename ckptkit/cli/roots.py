@@ -25,7 +25,7 @@ def ls_cmd(root: str, as_json: bool) -> None:
     for c in report.checkpoints:
         size = ckptkit.human_bytes(c.bytes) if c.bytes is not None else "?"
         topology = c.topology.describe() if c.topology is not None else "topology ?"
-        mark = "\t<- latest" if c.latest else ""
+        mark = "\t<- latest" if c.latest else f"\t(read through the {c.read_through} adapter)" if c.read_through else ""
         click.echo(f"{c.name}\tstep {c.step}\t{topology}\t{size}\t{c.created_at or '?'}{mark}")
     for other in report.others:
         click.echo(f"{other.name}\t{other.kind}: {other.detail}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,9 @@ from .base import cli, emit_json, init_torchrun, parse_size, progress, shows_pro
 @click.option("--no-check", is_flag=True, help="Do not check the source checksums while copying.")
 @click.option("--no-latest", is_flag=True,
               help="Leave the latest pointer of DST's root where it is (it only ever moves to a higher step, and only in a run root).")
-@click.option("--layout", "layout_file", default=None, help="A layout file for the model (default: the one SRC records).")
+@click.option("--layout", "layout_file", default=None,
+              help="The model's layout: a layout file, or a built-in layout's name built for SRC's model config "
+                   "(default: the one SRC records).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def reshard_cmd(
     src: str, dst: str, tp: int, pp: int, dp: int, cp: int, ep: int, zero: int, threads: int, no_check: bool,
@@ -43,11 +46,9 @@ def reshard_cmd(
     mistakes, DST exists, source corrupt; nothing is committed), 2 on bad usage or when SRC
     holds no committed checkpoint.
     """
-    from ..layouts import load_layout
-
     if zero not in (0, 1, 2, 3):
         usage(f"--zero: stage {zero} is not one of 0, 1, 2, 3")
-    layout = load_layout(layout_file) if layout_file is not None else None
+    layout = _layout_of(layout_file, src)
     target = ckptkit.Topology(world_size=tp * pp * cp * dp, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=zero)
     dist = init_torchrun()
     rank = dist.get_rank() if dist is not None else 0
@@ -86,6 +87,29 @@ def _latest_note(report: ckptkit.ReshardReport, no_latest: bool) -> str:
     return f"no latest pointer written: {root} is not a run root (it holds other files and no latest)"
 
 
+def _layout_of(value: str | None, src: str) -> ckptkit.Layout | None:
+    """--layout of a command reading SRC: a layout file, or a built-in layout's name built for
+    the model config SRC records."""
+    from ..layouts import manifest_config, named_layout
+
+    return None if value is None else named_layout(value, lambda: manifest_config(ckptkit.read_manifest(src)),
+                                                   origin=f"the model config {src} records")
+
+
+def _key_values(pairs: tuple[str, ...], option: str) -> dict[str, Any]:
+    """``KEY=VALUE`` options as a dict, each VALUE read as JSON (``4``, ``true``) or else kept as text."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            usage(f"{option}: {pair!r} is not KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(text)
+        except ValueError:
+            out[key.strip()] = text
+    return out
+
+
 def _offered(values: Callable[[Any], tuple[str, ...]]) -> list[str]:
     """The values of an option that some export format takes (its --dtype values, its forms), in the table's order."""
     return list(dict.fromkeys(v for f in ckptkit.EXPORT_FORMATS.values() for v in values(f)))
@@ -101,7 +125,8 @@ def _offered(values: Callable[[Any], tuple[str, ...]]) -> list[str]:
 @click.option("--max-shard-size", default="5GB", show_default=True, help="hf: largest output file (5GB, 500MB, 2GiB, bytes).")
 @click.option("--include-optimizer", is_flag=True, help="dcp, megatron: also export the optimizer state (zarr and deepspeed always have it).")
 @click.option("--layout", "layout_file", default=None,
-              help="hf, megatron: a layout file naming the model (default: the one SRC records), e.g. megatron-gpt for a converted Megatron GPT.")
+              help="hf, megatron: the model's layout: a layout file, or a built-in layout's name built for SRC's model config "
+                   "(default: the one SRC records).")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1),
               help="megatron: the tensor-parallel size whose pieces the files hold (megatron-core loads them at any).")
 @click.option("--pp", default=1, show_default=True, type=click.IntRange(min=1),
@@ -130,9 +155,7 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
                                                            layout=layout_file is not None, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form)
     if problem:
         usage(problem)
-    from ..layouts import load_layout
-
-    layout = load_layout(layout_file) if layout_file is not None else None
+    layout = _layout_of(layout_file, src)
     with progress("exporting", shows_progress(as_json)) as update:
         report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
                                 layout=layout, progress=update, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form)
@@ -155,9 +178,15 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
 @click.option("--allow-skip", is_flag=True,
               help="Convert what can be converted and list the rest as skipped (default: any such entry fails).")
 @click.option("--layout", "layout_file", default=None,
-              help="A layout file for the model, recorded in DST (default: the one the converter knows, if any).")
+              help="The model's layout, recorded in DST: a layout file, or a built-in layout's name built for "
+                   "--model-config (default: the one the converter finds, if any).")
+@click.option("--model-config", "model_config", multiple=True, metavar="KEY=VALUE",
+              help="What SRC does not record of the model's config, from which the layout is found (repeatable; VALUE "
+                   "is JSON or text): a Megatron-Core save without Megatron-LM's arguments needs num_attention_heads "
+                   "and num_query_groups.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the convert report).")
-def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout_file: str | None, as_json: bool) -> None:
+def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout_file: str | None, model_config: tuple[str, ...],
+                as_json: bool) -> None:
     """Convert another tool's checkpoint at SRC (a torch DCP, DeepSpeed, Hugging Face or Megatron-Core directory) into a ckptkit checkpoint at DST.
 
     Every tensor and value of SRC is converted or listed as skipped with a reason; an entry
@@ -167,9 +196,10 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
     format, unsafe or damaged source, a layout that does not fit, DST exists; DST does not
     appear), 2 on bad usage.
     """
-    from ..layouts import load_layout
+    from ..layouts import named_layout
 
-    layout = load_layout(layout_file) if layout_file is not None else None
+    config = _key_values(model_config, "--model-config")
+    layout = named_layout(layout_file, lambda: config, origin="--model-config") if layout_file is not None else None
     names = ckptkit.list_converters()
     if source_format != "auto" and source_format not in names:
         usage(f"--from: no converter for {source_format!r}; choose auto or one of: {', '.join(names) or 'none installed'}")
@@ -177,7 +207,8 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
         source_format = ckptkit.detect_format(src)
         click.echo(f"ckptkit: {src}: converting from {source_format} ({names[source_format]})", err=True)
     with progress("converting", shows_progress(as_json)) as update:
-        report = ckptkit.convert(src, dst, source_format=source_format, allow_skip=allow_skip, progress=update, layout=layout)
+        report = ckptkit.convert(src, dst, source_format=source_format, allow_skip=allow_skip, progress=update, layout=layout,
+                                 config=config)
     for warning in report.warnings:
         click.echo(f"ckptkit: warning: {warning}", err=True)
     if as_json:

@@ -106,13 +106,14 @@ def _refuse_foreign(path: str | os.PathLike[str], loc: Location) -> None:
     refusing `path`: the directory is listed once, and never for a checkpoint that resolves).
 
     Raises:
-        CheckpointNotFoundError: `loc` is another tool's checkpoint or an export.
+        ForeignCheckpointError: `loc` is another tool's checkpoint (or an export convert reads).
+        CheckpointNotFoundError: `loc` is an export nothing reads back.
     """
     from .kinds import foreign_problem  # what another tool's checkpoint is (kinds imports this module)
 
     foreign = foreign_problem(os.fspath(path), [k.removeprefix(f"{loc.name}/") for k in loc.storage.list(loc.name, recursive=False)])
     if foreign is not None:
-        raise CheckpointNotFoundError(foreign)
+        raise foreign
 
 
 def read_manifest(loc: Location) -> Manifest:

@@ -10,6 +10,8 @@ saved with; ``reshard`` plans any target topology from it. Pure: no torch, no I/
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..errors import LayoutError
 from ..manifest import Manifest
@@ -21,7 +23,7 @@ from .placement import Holders, fit_problems, holders, placed_tensors, rank_boxe
 __all__ = [
     "Constraint", "Holders", "Layout", "Param", "ParamSpec", "Part", "StateGroup", "TPCut", "TensorPart",
     "Unit", "Zero", "builtin", "column_parts", "families", "holders", "layout_for",
-    "fit_problems", "layout_json_schema", "layout_problems", "load_layout", "norm_parts", "parse_layout", "part_ranges", "partition", "placed_tensors",
+    "fit_problems", "layout_json_schema", "layout_problems", "load_layout", "manifest_config", "named_layout", "norm_parts", "parse_layout", "part_ranges", "partition", "placed_tensors",
     "rank_boxes", "reference_llama", "reference_llama_moe", "replicated_parts", "row_parts", "stage_units", "topology_problems", "unit_offsets", "vocab_parts",
     "vocab_rows",
 ]
@@ -39,6 +41,32 @@ def load_layout(path: str | os.PathLike[str]) -> Layout:
     except OSError as exc:
         raise LayoutError(f"{path}: cannot read the layout file ({exc.strerror or exc})") from None
     return parse_layout(data, source=os.fspath(path))
+
+
+def named_layout(value: str, config: Callable[[], Mapping[str, Any]], *, origin: str) -> Layout:
+    """The layout a ``--layout`` option names: a layout file, or the name of a built-in layout
+    (`families`) built for the model config `config()` gives (`origin` says whose: the
+    checkpoint's, or what the user said of it).
+
+    Raises:
+        LayoutError: the file cannot be read or has mistakes; the config lacks what the
+            built-in layout needs (named).
+    """
+    if os.path.exists(value):
+        return load_layout(value)
+    if value not in families():
+        raise LayoutError(f"--layout {value}: no such layout file, and not a built-in layout (built in: {', '.join(families())})")
+    try:
+        return builtin(value, config())
+    except LayoutError as exc:
+        raise LayoutError(f"--layout {value}: built for {origin}: {exc}") from None
+
+
+def manifest_config(manifest: Manifest) -> dict[str, Any]:
+    """The model config a checkpoint records: its layout's config, with its ``info.model`` config over it."""
+    recorded = manifest.layout.get("config") if manifest.layout else None
+    model = manifest.info.model
+    return {**(recorded if isinstance(recorded, dict) else {}), **(dict(model.config) if model else {})}
 
 
 def layout_for(manifest: Manifest, *, where: str = "checkpoint") -> Layout:

@@ -22,7 +22,7 @@ from . import strictjson
 
 FORMAT = "ckptkit"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 2
+SCHEMA_MINOR = 3  # 1.1: raw files, format files; 1.2: block checksums, the seal, the layout; 1.3: info.source
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 MANIFEST_NAME = "manifest.json"
 # No manifest is read past this size: a larger file is refused before it is parsed.
@@ -230,6 +230,20 @@ class TokenizerInfo(Model):
     files: tuple[str, ...]
 
 
+class SourceInfo(Model):
+    """Since 1.3: what a converted checkpoint was converted from: the converter (``format``), the
+    directory it read (absolute), the version of the tool that wrote it where the source records
+    one, how many processes wrote it where its files show it, and the topology it was saved at
+    where the source says (absent where it does not: a torch DCP save does not say how its ranks
+    were split)."""
+
+    format: str
+    path: str
+    version: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    ranks: int | None = Field(default=None, ge=1, exclude_if=lambda v: v is None)
+    topology: Topology | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
 class CheckpointInfo(Model):
     """Training assets beside the tensors; every section is optional.
 
@@ -246,6 +260,7 @@ class CheckpointInfo(Model):
     data: DataVersion | None = None
     config: dict[str, JsonValue] | None = None
     model: ModelInfo | None = None
+    source: SourceInfo | None = Field(default=None, exclude_if=lambda v: v is None)  # since 1.3
 
 
 class Manifest(Model):

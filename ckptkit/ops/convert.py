@@ -14,18 +14,25 @@ tensors' specs and a function that returns one tensor's bytes at a time. `write_
 refuses an existing destination, streams the payload files under a temporary name, writes the
 manifest last and commits, or discards everything on failure: the destination never appears
 half written.
+
+`survey` runs a converter without writing: inside it, `write_converted` plans the checkpoint it
+would commit and returns its manifest (payload files planned, not written), reading every
+tensor (``verify``) or only the scalars a step may come from (``inspect``). That is how the
+commands that read a checkpoint read another tool's directly, through its adapter.
 """
 
 from __future__ import annotations
 
+import contextvars
 import datetime
+import inspect
 import os
 import platform
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, JsonValue
 
@@ -36,8 +43,8 @@ from ..io.catalog import locate
 from ..io.commit import commit, discard, refuse_existing, staging
 from ..io.write import Written, write_safetensors, write_small
 from ..layouts import Layout, fit_problems
-from ..manifest import CheckpointInfo, Manifest, Producer, TokenizerInfo, Topology, manifest_to_json
-from ..plan.save import ItemDesc, plan_files, tensor_entries
+from ..manifest import CheckpointInfo, FileEntry, Manifest, Producer, SourceInfo, TokenizerInfo, Topology, manifest_to_json
+from ..plan.save import ItemDesc, SavePlan, plan_files, tensor_entries
 from ..state.tree import as_json
 from ..storage import Storage
 
@@ -101,7 +108,9 @@ class Converter(Protocol):
     ``detect`` must be cheap (file names, a few small reads) and never raise for a path that
     is not its format; ``convert`` commits ``dst`` through `write_converted` or raises a
     ``CkptkitError`` leaving nothing at ``dst``; a given ``layout`` is recorded instead of the
-    one the converter would (it is passed only when given).
+    one the converter would (it is passed only when given). A converter whose sources may not
+    record all of the model's config also takes ``config`` (``--model-config``: what the user
+    says of it), passed only when given.
     """
 
     name: str
@@ -163,7 +172,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
 def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], *, source_format: str = "auto", allow_skip: bool = False,
-    progress: Progress | None = None, layout: Layout | None = None,
+    progress: Progress | None = None, layout: Layout | None = None, config: Mapping[str, JsonValue] | None = None,
 ) -> ConvertReport:
     """Convert another tool's checkpoint at `src` into a committed ckptkit checkpoint at `dst`.
 
@@ -176,10 +185,13 @@ def convert(
         progress: called with (bytes written, bytes in all) as tensors are written.
         layout: the model's layout, recorded in the checkpoint instead of the one the converter
             finds (if any), so that ``reshard`` and ``export`` need no ``--layout``.
+        config: what the source does not record of the model's config (a Megatron-Core save
+            without Megatron-LM's arguments: ``num_attention_heads``, ``num_query_groups``),
+            from which the converter finds the layout; only converters that take it.
 
     Raises:
-        ManifestError: unknown format, unreadable or refused source metadata, or entries that
-            cannot be converted (all are listed).
+        ManifestError: unknown format, unreadable or refused source metadata, entries that
+            cannot be converted (all are listed), a `config` its converter does not take.
         LayoutError: `layout` does not fit the converted tensors (nothing is written).
         IntegrityError: source files missing, truncated or inconsistent with their metadata.
         CheckpointExistsError: something exists at `dst`, or `dst` lies inside `src`.
@@ -192,9 +204,12 @@ def convert(
         a, b = os.path.realpath(src_text), os.path.realpath(dst_text)
         if b == a or b.startswith(a.rstrip("/") + "/"):
             raise CheckpointExistsError(f"{dst_text}: the destination may not be or lie inside the source {src_text}")
-    if layout is None:
-        return converter.convert(src_text, dst_text, allow_skip=allow_skip, progress=progress)
-    return converter.convert(src_text, dst_text, allow_skip=allow_skip, progress=progress, layout=layout)
+    given: dict[str, Any] = {} if layout is None else {"layout": layout}
+    if config:
+        if "config" not in inspect.signature(converter.convert).parameters:
+            raise ManifestError(f"{src_text}: the {name} converter takes no --model-config (its checkpoints record the model)")
+        given["config"] = dict(config)
+    return converter.convert(src_text, dst_text, allow_skip=allow_skip, progress=progress, **given)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +231,16 @@ class Committed:
     manifest: Manifest
     files: int
     bytes_written: int
+
+
+def source_info(fmt: str, src: str, *, version: object = None, ranks: int | None = None,
+                topology: Topology | None = None) -> SourceInfo:
+    """What a converted checkpoint records of its source (``info.source``): the converter's
+    name, the absolute path it read, the tool's version where the source records one (any
+    value; kept as text), the processes that wrote it and the topology they were split by,
+    where the source shows them (the topology's world size stands for the ranks when not given)."""
+    return SourceInfo(format=fmt, path=os.path.abspath(src), version=None if version in (None, "") else str(version),
+                      ranks=ranks if ranks is not None or topology is None else topology.world_size, topology=topology)
 
 
 def refuse_skips(skipped: Sequence[SkippedEntry], *, allow_skip: bool, where: str) -> None:
@@ -261,6 +286,7 @@ def write_converted(
     max_file_bytes: int = MAX_FILE_BYTES,
     progress: Progress | None = None,
     storage: Storage | None = None,
+    source: SourceInfo | None = None,
 ) -> Committed:
     """Write `tensors` (whole, one rank's files) and `objects` as the committed checkpoint `dst`.
 
@@ -269,7 +295,8 @@ def write_converted(
     at a time. ``step()`` is asked after the last tensor was read. The latest pointer of
     `dst`'s root is left alone. `layout` is recorded in the manifest (as ``ckptkit.save``
     records one); `tokenizer` maps file names (``/``-separated) to their bytes, written under
-    ``tokenizer/`` as the checkpoint's tokenizer files.
+    ``tokenizer/`` as the checkpoint's tokenizer files; `source` (`source_info`) as ``info.source``,
+    what the checkpoint was converted from.
 
     Raises:
         ManifestError: names that cannot sit in one nested state (nothing is written).
@@ -284,11 +311,17 @@ def write_converted(
     fit = [] if layout is None else fit_problems(layout, {t.name: t.shape for t in tensors})
     if layout is not None and fit:
         raise LayoutError(f"{dst}: the layout {layout.name!r} does not fit the converted tensors: " + summarize(fit))
-    loc = locate(dst, storage)
+    if source is not None:
+        info = (info or CheckpointInfo()).model_copy(update={"source": source})
     specs = {t.name: t for t in tensors}
     meta = {t.name: ItemDesc(t.name, t.dtype, t.shape, full_box(t.shape)) for t in tensors}
     holders = {name: ({item.box: [0]} if item.box.volume else {}) for name, item in meta.items()}  # empty: no bytes
     plan = plan_files(holders, meta, 1, max_file_bytes=max_file_bytes)
+    surveying = _SURVEY.get()
+    if surveying is not None:
+        return surveying.plan(os.fspath(dst), plan, specs, read, objects=objects, step=step, info=info, layout=layout,
+                              tokenizer=tokenizer)
+    loc = locate(dst, storage)
     total = sum(item.nbytes for f in plan.all_files() for item, _ in f.items)
     refuse_existing(loc)
     stage = staging(loc, uuid.uuid4().hex[:12])
@@ -296,9 +329,7 @@ def write_converted(
 
     def bodies(items: Sequence[tuple[ItemDesc, str]]) -> Iterator[memoryview]:
         for item, _ in items:
-            data = read(specs[item.fqn])
-            if data.nbytes != item.nbytes:
-                raise IntegrityError(f"{item.fqn}: the converter returned {data.nbytes} bytes, expected {item.nbytes}")
+            data = _checked(read(specs[item.fqn]), item)
             yield data
             done[0] += item.nbytes
             if progress is not None:
@@ -313,24 +344,113 @@ def write_converted(
         tok_files = [write_small(loc.storage, stage, f"tokenizer/{name}", data, role="tokenizer")
                      for name, data in sorted((tokenizer or {}).items())]
         files = (*(w.entry(stage.path(w.path)) for w in written), *tok_files)
-        manifest = Manifest(
-            checkpoint_id=uuid.uuid4().hex,
-            step=step(),
-            created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            producer=Producer(ckptkit=__version__, python=platform.python_version()),
-            topology=Topology(world_size=1),
-            files=files,
-            tensors=tensor_entries(plan, index, lambda fqn: specs[fqn].kind),
-            objects={name: as_json(value) for name, value in objects.items()},
-            info=info or CheckpointInfo(),
-            tokenizer=TokenizerInfo(files=tuple(f.path for f in tok_files)) if tok_files else None,
-            layout=None if layout is None else layout.to_json(),
-        )
+        manifest = _manifest(plan, index, specs, files, objects=objects, step=step(), info=info, layout=layout)
         commit(loc, stage, manifest_to_json(manifest), update_latest=False)
     except BaseException:
         discard(loc.storage, stage)
         raise
     return Committed(str(loc), manifest, len(files), sum(w.size for w in written))
+
+
+def _checked(data: memoryview, item: ItemDesc) -> memoryview:
+    if data.nbytes != item.nbytes:
+        raise IntegrityError(f"{item.fqn}: the converter returned {data.nbytes} bytes, expected {item.nbytes}")
+    return data
+
+
+def _manifest(
+    plan: SavePlan, index: Mapping[str, int], specs: Mapping[str, TensorSpec], files: Sequence[FileEntry], *,
+    objects: Mapping[str, JsonValue], step: int, info: CheckpointInfo | None, layout: Layout | None,
+) -> Manifest:
+    """The manifest of a converted checkpoint whose payload files (and then tokenizer files) are `files`."""
+    tok_files = [f.path for f in files if f.role == "tokenizer"]
+    return Manifest(
+        checkpoint_id=uuid.uuid4().hex,
+        step=step,
+        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        producer=Producer(ckptkit=__version__, python=platform.python_version()),
+        topology=Topology(world_size=1),
+        files=tuple(files),
+        tensors=tensor_entries(plan, dict(index), lambda fqn: specs[fqn].kind),
+        objects={name: as_json(value) for name, value in objects.items()},
+        info=info or CheckpointInfo(),
+        tokenizer=TokenizerInfo(files=tuple(tok_files)) if tok_files else None,
+        layout=None if layout is None else layout.to_json(),
+    )
+
+
+# Scalars are read even by a survey that reads no tensor: a source's step may be one.
+_SCALAR_BYTES = 16
+
+
+@dataclass
+class _Survey:
+    """A survey under way: whether it reads every tensor, what it read, the manifest it planned."""
+
+    read_all: bool
+    bytes_read: int = 0
+    manifest: Manifest | None = None
+
+    def plan(
+        self, dst: str, plan: SavePlan, specs: Mapping[str, TensorSpec], read: Callable[[TensorSpec], memoryview], *,
+        objects: Mapping[str, JsonValue], step: Callable[[], int], info: CheckpointInfo | None, layout: Layout | None,
+        tokenizer: Mapping[str, bytes] | None,
+    ) -> Committed:
+        """What `write_converted` does inside `survey`: read (every tensor, or the scalars), check
+        each tensor's byte count, and return the manifest it would commit, writing nothing. The
+        payload files' sizes are their tensors' bytes; no file has a checksum."""
+        files: list[FileEntry] = []
+        for f in plan.all_files():
+            for item, _ in f.items:
+                if self.read_all or (not item.box.lengths and item.nbytes <= _SCALAR_BYTES):
+                    self.bytes_read += _checked(read(specs[item.fqn]), item).nbytes
+            files.append(FileEntry(path=f.path, size=sum(item.nbytes for item, _ in f.items), checksum=""))
+        index = {f.path: i for i, f in enumerate(files)}
+        files += [FileEntry(path=f"tokenizer/{name}", size=len(data), checksum="", role="tokenizer")
+                  for name, data in sorted((tokenizer or {}).items())]
+        self.manifest = _manifest(plan, index, specs, files, objects=objects, step=step(), info=info, layout=layout)
+        return Committed(dst, self.manifest, len(files), 0)
+
+
+_SURVEY: contextvars.ContextVar[_Survey | None] = contextvars.ContextVar("ckptkit_convert_survey", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Surveyed:
+    """What `survey` found: the converter's report (its skipped entries and warnings included),
+    the manifest a conversion would commit, and the tensor bytes read."""
+
+    format: str
+    report: ConvertReport
+    manifest: Manifest
+    bytes_read: int
+    files: int  # the source's files ...
+    file_bytes: int  # ... and their bytes
+
+
+def survey(src: str | os.PathLike[str], *, source_format: str = "auto", read: bool = False) -> Surveyed:
+    """Read the checkpoint at `src` through its adapter as `convert` would, writing nothing.
+
+    Entries the converter cannot bring in are listed in the report's ``skipped``, never refused.
+    With `read`, every tensor's bytes are read and their count checked (a truncated or
+    inconsistent file fails); without it only metadata and scalars are read.
+
+    Raises:
+        ManifestError, IntegrityError, LayoutError: as `convert` (nothing is written).
+    """
+    text = os.fspath(src)
+    name = detect_format(text) if source_format == "auto" else source_format
+    converter = load_converter(name)
+    state = _Survey(read_all=read)
+    token = _SURVEY.set(state)
+    try:
+        report = converter.convert(text, "-", allow_skip=True)
+    finally:
+        _SURVEY.reset(token)
+    if state.manifest is None:
+        raise ManifestError(f"the {name} converter did not plan a checkpoint for {text}")
+    sizes = [os.stat(os.path.join(top, f), follow_symlinks=False).st_size for top, _, names in os.walk(text) for f in names]
+    return Surveyed(name, report, state.manifest, state.bytes_read, len(sizes), sum(sizes))
 
 
 def report_of(

@@ -10,9 +10,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from ..errors import ForeignCheckpointError
+from ..io.kinds import what
 from ..io.payload import open_checkpoint
 from ..manifest.dtypes import itemsize
-from ..manifest import CheckpointInfo, Producer, TensorEntry, Topology
+from ..manifest import CheckpointInfo, Manifest, Producer, SourceInfo, TensorEntry, Topology
 from ..manifest.shards import iter_shards, shard_count
 
 
@@ -90,11 +92,11 @@ class InspectReport(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     path: str
-    checkpoint_id: str
+    checkpoint_id: str  # "" for another tool's checkpoint (read_through), as created_at and schema_version
     step: int
     created_at: str
     schema_version: str
-    producer: Producer
+    producer: Producer | None  # None: another tool's checkpoint
     topology: Topology
     tensors: int
     shards: int
@@ -110,18 +112,32 @@ class InspectReport(BaseModel):
     info: CheckpointInfo
     model: ModelSummary | None
     tensor_list: list[TensorSummary]  # every tensor (matching the filter), by name
+    # Another tool's checkpoint, read through its adapter (nothing converted): the adapter's name,
+    # what it is, the entries `ckptkit convert` would skip (each "entry: reason") and its warnings.
+    read_through: str | None = None
+    kind: str | None = None
+    skipped: list[str] = []
+    warnings: list[str] = []
 
     def render(self, *, tensors: bool = False) -> str:
         """Return the report as a few readable lines (and, with `tensors`, one per tensor)."""
         report = self
-        t = report.topology
-        lines = [
-            f"checkpoint  {report.path}",
-            f"step        {report.step}   (id {report.checkpoint_id[:12]}, {report.created_at}, schema {report.schema_version})",
-            f"topology    world {t.world_size} = tp {t.tp} x pp {t.pp} x dp {t.dp} x cp {t.cp}, ep {t.ep}, zero {t.zero_stage}",
-            f"tensors     {report.tensors} ({report.shards} shards in {report.files} files, "
-            f"{human_bytes(report.payload_bytes)} on disk)",
-        ]
+        source = report.info.source
+        if report.read_through is None:
+            lines = [f"checkpoint  {report.path}",
+                     f"step        {report.step}   (id {report.checkpoint_id[:12]}, {report.created_at}, schema {report.schema_version})",
+                     f"topology    {_topology_words(report.topology)}"]
+            if source is not None:
+                lines.append(f"source      {_source_line(source)}")
+            lines.append(f"tensors     {report.tensors} ({report.shards} shards in {report.files} files, "
+                         f"{human_bytes(report.payload_bytes)} on disk)")
+        else:
+            lines = [f"checkpoint  {report.path}   ({report.kind}, read through the {report.read_through} adapter; "
+                     f"`ckptkit convert {report.path} DST` brings it in)",
+                     f"step        {report.step}"]
+            if source is not None:
+                lines.append(f"source      {_source_line(source, path=False)}")
+            lines.append(f"tensors     {report.tensors} (in {report.files} files, {human_bytes(report.payload_bytes)} on disk)")
         for kind, nbytes in report.bytes_by_kind.items():
             lines.append(f"  {kind:<10}{report.tensors_by_kind[kind]:>7} tensors  {human_bytes(nbytes):>11}")
         lines.append("dtypes      " + ", ".join(f"{d} {human_bytes(n)}" for d, n in report.bytes_by_dtype.items()))
@@ -137,17 +153,34 @@ class InspectReport(BaseModel):
             lines.append(f"data        epoch {d.epoch}, {d.consumed_samples} samples, {d.consumed_tokens} tokens consumed")
         lines.append("tokenizer   " + (", ".join(report.tokenizer) if report.tokenizer else "none"))
         code = info.code
-        versions = f"ckptkit {report.producer.ckptkit}, torch {report.producer.torch}"
+        versions = f"ckptkit {report.producer.ckptkit}, torch {report.producer.torch}" if report.producer else ""
         if code and code.git_commit:
             versions += f", code {code.git_commit[:12]}{' (dirty)' if code.dirty else ''}"
         if info.data and (info.data.dataset_id or info.data.fingerprint):
             versions += f", data {info.data.dataset_id or ''} {(info.data.fingerprint or '')[:16]}".rstrip()
-        lines.append(f"versions    {versions}")
+        if versions:
+            lines.append(f"versions    {versions.removeprefix(', ')}")
         if report.objects:
             lines.append("objects     " + ", ".join(report.objects[:12]) + (" ..." if len(report.objects) > 12 else ""))
+        if report.skipped:
+            lines.append(f"skipped     {len(report.skipped)} entr{'y' if len(report.skipped) == 1 else 'ies'} convert would refuse "
+                         f"without --allow-skip: " + "; ".join(report.skipped[:5]) + (" ..." if len(report.skipped) > 5 else ""))
+        lines += [f"warning     {w}" for w in report.warnings]
         if tensors:
             lines += _tensor_lines(report.tensor_list)
         return "\n".join(lines)
+
+
+def _topology_words(t: Topology) -> str:
+    return f"world {t.world_size} = tp {t.tp} x pp {t.pp} x dp {t.dp} x cp {t.cp}, ep {t.ep}, zero {t.zero_stage}"
+
+
+def _source_line(s: SourceInfo, *, path: bool = True) -> str:
+    """Where a converted checkpoint came from (or what another tool's is), in one line."""
+    what = s.format + (f" {s.version}" if s.version else "") + (f" at {s.path}" if path else "")
+    if s.topology is not None:
+        return f"{what}, {_topology_words(s.topology)}"
+    return what + (f", files of {s.ranks} rank{'s' if s.ranks != 1 else ''}" if s.ranks else "")
 
 
 def _model_line(m: ModelSummary) -> str:
@@ -178,7 +211,29 @@ def inspect(path: str | os.PathLike[str], *, match: str = "*") -> InspectReport:
         CheckpointNotFoundError: nothing committed at `path`.
         ManifestError: the manifest cannot be read, or is inconsistent with itself.
     """
-    loc, m = open_checkpoint(path)
+    try:
+        loc, m = open_checkpoint(path)
+    except ForeignCheckpointError as exc:
+        return _foreign(exc, match)
+    return _summary(str(loc), m, match)
+
+
+def _foreign(exc: ForeignCheckpointError, match: str) -> InspectReport:
+    """Another tool's checkpoint, read through its adapter as ``convert`` reads it (metadata and
+    scalars only), nothing written."""
+    from .convert import survey  # the adapters' readers, imported only for another tool's checkpoint
+
+    found = survey(exc.path)
+    report = _summary(exc.path, found.manifest, match)
+    return report.model_copy(update={
+        "checkpoint_id": "", "created_at": "", "schema_version": "", "producer": None, "files": found.files,
+        "payload_bytes": found.file_bytes, "shards": 0, "read_through": found.format,
+        "kind": what(exc.kind), "warnings": found.report.warnings,
+        "skipped": [f"{e.source}: {e.reason}" for e in found.report.skipped]})
+
+
+def _summary(path: str, m: Manifest, match: str) -> InspectReport:
+    """The summary of the checkpoint `m` describes."""
     by_kind: Counter[str] = Counter()
     by_dtype: Counter[str] = Counter()
     count_kind: Counter[str] = Counter()
@@ -193,7 +248,7 @@ def inspect(path: str | os.PathLike[str], *, match: str = "*") -> InspectReport:
         if nbytes > largest[0] or largest[1] is None:
             largest = (nbytes, fqn)
     return InspectReport(
-        path=str(loc),
+        path=path,
         checkpoint_id=m.checkpoint_id,
         step=m.step,
         created_at=m.created_at,

@@ -14,7 +14,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..errors import CheckpointNotFoundError, IntegrityError, StorageError
+from ..errors import CheckpointNotFoundError, CkptkitError, IntegrityError, StorageError
 from ..io.catalog import (
     LATEST_NAME,
     LEASES_NAME,
@@ -25,7 +25,7 @@ from ..io.catalog import (
     root_exists,
     sealed_manifest,
 )
-from ..io.kinds import DESCRIPTIONS, Kind, classify
+from ..io.kinds import DESCRIPTIONS, FOREIGN, Kind, classify
 from ..io.run_record import RunRecord, read_run
 from ..manifest import MANIFEST_NAME, Topology
 from ..storage import Storage, open_storage
@@ -41,6 +41,9 @@ class ListedCheckpoint(_Report):
     bytes: int | None  # the payload files' total size as the manifest lists them
     created_at: str | None
     latest: bool  # the root's latest pointer names it
+    # Another tool's checkpoint, given as ROOT and read through this adapter: its step and the
+    # topology it was saved at as the adapter reads them, bytes the folder's files.
+    read_through: str | None = None
 
 
 class Other(_Report):
@@ -84,10 +87,12 @@ def list_root(path: str | os.PathLike[str]) -> ListingReport:
     kind = classify(children)
     latest, warnings = _latest(storage)
     if kind not in ("run-root", "unknown", "leftover"):  # ROOT is itself a checkpoint or an export
+        readable = kind == "checkpoint" or kind in FOREIGN and storage.capabilities.local_files
         warnings.append(f"{path} is {DESCRIPTIONS[kind]}, not a root of checkpoints; "
-                        + ("ckptkit inspect it, or ckptkit ls its parent" if kind == "checkpoint" else "ckptkit ls its parent"))
+                        + ("ckptkit inspect it, or ckptkit ls its parent" if readable else "ckptkit ls its parent"))
         loc = locate(path)
-        itself = _checkpoint(loc.storage, loc.name, None)[0] if kind == "checkpoint" else None
+        itself = (_checkpoint(loc.storage, loc.name, None)[0] if kind == "checkpoint"
+                  else _foreign(os.fspath(path), warnings) if readable else None)
         return ListingReport(root=str(path), kind=kind, latest=latest, run=None, checkpoints=[itself] if itself else [],
                              others=[], leftovers=[], warnings=warnings)
     checkpoints: list[ListedCheckpoint] = []
@@ -148,6 +153,22 @@ def _checkpoint(storage: Storage, name: str, latest: str | None) -> tuple[Listed
         bytes=sum(n for n in sizes if type(n) is int) if sizes else None,
         created_at=created if isinstance(created, str) else None, latest=name == latest,
     ), ""
+
+
+def _foreign(path: str, warnings: list[str]) -> ListedCheckpoint | None:
+    """Another tool's checkpoint, read through its adapter (metadata only); None, with a warning
+    saying why, when it cannot be read."""
+    from .convert import survey  # the adapters' readers, imported only for another tool's checkpoint
+
+    try:
+        found = survey(path)
+    except CkptkitError as exc:
+        warnings.append(f"cannot read it: {exc}")
+        return None
+    source = found.manifest.info.source
+    return ListedCheckpoint(name=os.path.basename(os.path.normpath(path)), step=found.manifest.step,
+                            topology=source.topology if source else None, bytes=found.file_bytes, created_at=None,
+                            latest=False, read_through=found.format)
 
 
 def _latest(storage: Storage) -> tuple[str | None, list[str]]:

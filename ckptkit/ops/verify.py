@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from ..io.catalog import Location, manifest_bytes, removed, removed_error, resolve
 from ..io.checksum import BlockHasher, Hasher, hasher_for
 from ..manifest.consistency import Finding, manifest_findings
-from ..errors import CkptkitError, IntegrityError, ManifestError, StorageError
+from ..errors import CkptkitError, ForeignCheckpointError, IntegrityError, ManifestError, StorageError
 from ..manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from ..io.safetensors import header_length, parse_header
 from ..manifest.shards import KeyIndex, Keys, file_keys, spec_keys
@@ -47,6 +47,11 @@ class VerifyReport(BaseModel):
     bytes_hashed: int
     tensors: int
     findings: list[FindingModel]
+    # Another tool's checkpoint, read through its adapter (nothing converted): the adapter's name,
+    # and the entries `ckptkit convert` would skip (each "entry: reason"). It has no checksums:
+    # every tensor is read whole and its size checked against the format's metadata.
+    read_through: str | None = None
+    skipped: list[str] = []
 
 
 def verify(
@@ -66,10 +71,17 @@ def verify(
         progress: called with the number of bytes hashed as hashing proceeds.
         storage: read through this backend; `path` is then a checkpoint name under its root.
 
+    Another tool's checkpoint at `path` (a local directory ``ckptkit convert`` reads) is read
+    through its adapter: its metadata, then every tensor (``quick``: only the metadata and
+    scalars), each checked against what the metadata says of it; it has no checksums to check.
+
     Raises:
         CheckpointNotFoundError: nothing committed at `path` (nothing to verify).
     """
-    loc = resolve(path, storage)
+    try:
+        loc = resolve(path, storage)
+    except ForeignCheckpointError as exc:
+        return _foreign(exc, quick)
     findings: list[Finding] = []
     manifest = _manifest(loc, findings)
     if manifest is None:
@@ -97,6 +109,23 @@ def verify(
     if findings and removed(loc):  # removed meanwhile: that, not damage
         raise removed_error(loc)
     return _report(loc, quick, findings, len(files), hashed, len(manifest.tensors))
+
+
+def _foreign(exc: ForeignCheckpointError, quick: bool) -> VerifyReport:
+    from .convert import detect_format, survey  # the adapters' readers, imported only for another tool's checkpoint
+
+    fmt = None
+    try:
+        fmt = detect_format(exc.path)
+        found = survey(exc.path, source_format=fmt, read=not quick)
+    except CkptkitError as error:
+        code = "integrity" if isinstance(error, IntegrityError) else "metadata"
+        return VerifyReport(path=exc.path, ok=False, quick=quick, files_checked=0, bytes_hashed=0, tensors=0,
+                            findings=[FindingModel(code=code, where=exc.path, message=str(error).removeprefix(f"{exc.path}: "))],
+                            read_through=fmt)
+    return VerifyReport(path=exc.path, ok=True, quick=quick, files_checked=found.files, bytes_hashed=found.bytes_read,
+                        tensors=len(found.manifest.tensors), findings=[], read_through=found.format,
+                        skipped=[f"{e.source}: {e.reason}" for e in found.report.skipped])
 
 
 def _manifest(loc: Location, findings: list[Finding]) -> Manifest | None:

@@ -317,3 +317,22 @@ def test_a_save_without_megatron_lm_arguments_says_what_its_shapes_determine_and
     proc = run_ckptkit("convert", str(src), str(tmp_path / "again"), "--layout", str(tmp_path / "layout.json"))
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
     assert ckptkit.read_manifest(tmp_path / "again").layout is not None
+    # ... or the two it asks for, as the options it names: the same layout, found by the converter
+    assert "convert again with --model-config num_attention_heads=N --model-config num_query_groups=G" in warning
+    asked = [f"--model-config={k}={truth[k]}" for k in ("num_attention_heads", "num_query_groups")]
+    proc = run_ckptkit("convert", str(src), str(tmp_path / "said"), *asked)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    said_layout = ckptkit.read_manifest(tmp_path / "said").layout
+    assert said_layout is not None
+    from ckptkit.layouts import load_layout, parse_layout
+
+    assert parse_layout(dict(said_layout)).units == load_layout(tmp_path / "layout.json").units
+    wrong = run_ckptkit("convert", "--from", "megatron", str(src), str(tmp_path / "wrong"), "--model-config", "num_attention_heads=3")
+    assert wrong.returncode == 1 and "num_attention_heads=3 does not divide" in one_line_error(wrong.stderr)
+    assert_nothing_written(tmp_path, tmp_path / "wrong")
+    # --layout by name, built for what --model-config says (all of it: the converter adds nothing to a layout given)
+    full = [f"--model-config={k}={v}" for k, v in config.items()]
+    proc = run_ckptkit("convert", "--from", "megatron", str(src), str(tmp_path / "named"), "--layout", "megatron-gpt", *full)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    named = ckptkit.read_manifest(tmp_path / "named").layout
+    assert named is not None and parse_layout(dict(named)).units == load_layout(tmp_path / "layout.json").units

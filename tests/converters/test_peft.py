@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,26 @@ def test_the_adapter_converts_and_exports_back_as_peft_loads_it(adapter: Path, t
         plain = base(torch.arange(12).reshape(2, 6)).logits
     want, got = _logits(adapter), _logits(out)
     assert torch.equal(got, want) and not torch.equal(got, plain)  # the adapter changes the logits
+
+
+def test_inspect_and_verify_read_the_folder_and_name_what_convert_would_skip(adapter: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from ckptkit.cli import cli
+
+    src = tmp_path / "adapter"
+    shutil.copytree(adapter, src)
+    (src / "notes.txt").write_text("not the adapter's")
+    report = ckptkit.inspect(src)
+    assert (report.read_through, report.skipped) == ("peft", ["notes.txt: not part of a peft adapter folder"])
+    assert [t.name for t in report.tensor_list] == sorted(f"model/{k}" for k in load_file(src / "adapter_model.safetensors"))
+    result = CliRunner().invoke(cli, ["verify", str(src)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == ("note: 1 entry `ckptkit convert` would refuse without --allow-skip "
+                                              "(ckptkit inspect lists them)")
+    with pytest.raises(ckptkit.ManifestError, match="notes.txt: not part of a peft adapter folder"):
+        ckptkit.convert(src, tmp_path / "out")
+    assert_nothing_written(tmp_path, tmp_path / "out")
 
 
 def test_a_checkpoint_not_converted_from_an_adapter_is_refused(tmp_path: Path, run_ckptkit: Any) -> None:

@@ -53,7 +53,23 @@ def test_layout_check_with_a_topology_names_heads_not_divisible_by_tp(tmp_path: 
     assert lines[-1] == f"ckptkit: error: {good}: 4 layers are not divisible by pp 3"
 
 
-def _save_llama(path: Path) -> None:
+def test_layout_by_name_is_built_for_the_model_config_the_checkpoint_records(tmp_path: Path) -> None:
+    src = tmp_path / "run" / "step_00000005"
+    _save_llama(src, recorded=False)
+    dst = tmp_path / "out" / "step_00000005"
+    done = _run("reshard", str(src), str(dst), "--tp", "2", "--layout", "llama")
+    assert done.returncode == 0, done.stderr
+    assert ckptkit.read_manifest(str(dst)).layout == reference_llama(LLAMA).to_json()
+    ckptkit.save({"model": {"w": torch.ones(3)}}, str(tmp_path / "bare"), step=1)
+    for value, says in [("llama", f"--layout llama: built for the model config {tmp_path / 'bare'} records: "),
+                        ("no-such", "--layout no-such: no such layout file, and not a built-in layout (built in: ")]:
+        done = _run("reshard", str(tmp_path / "bare"), str(tmp_path / "out2"), "--tp", "2", "--layout", value)
+        assert done.returncode == 1 and done.stderr.startswith(f"ckptkit: error: {says}"), done.stderr
+        assert len(done.stderr.splitlines()) == 1 and not (tmp_path / "out2").exists()
+
+
+def _save_llama(path: Path, *, recorded: bool = True) -> None:
+    """The reference Llama's state, its layout recorded (or, not `recorded`, only its model config)."""
     torch.manual_seed(0)
     layout = reference_llama(LLAMA)
     state: dict = {"model": {}, "optimizer": {"exp_avg": {}}}
@@ -63,7 +79,10 @@ def _save_llama(path: Path) -> None:
         half = shape[0] // 2  # held as two row halves, as two ZeRO ranks would
         state["optimizer"]["exp_avg"][name] = [ShardedTensor(full[:half].clone(), shape, (0,) * len(shape)),
                                                ShardedTensor(full[half:].clone(), shape, (half,) + (0,) * (len(shape) - 1))]
-    ckptkit.save(state, str(path), step=5, layout=layout)
+    if recorded:
+        ckptkit.save(state, str(path), step=5, layout=layout)
+    else:
+        ckptkit.save(state, str(path), step=5, info=ckptkit.CheckpointInfo(model=ckptkit.ModelInfo(family="mine", config=LLAMA)))
 
 
 def test_reshard_with_a_mistaken_layout_file_exits_1_and_writes_nothing(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from pydantic import JsonValue
 from ckptkit.boxes import Box, tiling_problems
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit.layouts import Layout
-from ckptkit.manifest import CheckpointInfo
+from ckptkit.manifest import CheckpointInfo, SourceInfo
 from ckptkit.manifest.dtypes import itemsize
 from ckptkit.ops.convert import (
     ConvertReport,
@@ -29,6 +30,7 @@ from ckptkit.ops.convert import (
     TensorSpec,
     refuse_skips,
     report_of,
+    source_info,
     write_converted,
 )
 from ckptkit.state.tree import escape, json_problems, unescape
@@ -151,10 +153,12 @@ class Plan:
 def write_plan(
     fmt: str, src: str, dst: str, md: DcpMetadata, plan: Plan, *, allow_skip: bool, progress: Progress | None,
     started: float, step: int | None = None, info: CheckpointInfo | None = None, layout: Layout | None = None,
+    source: SourceInfo | None = None,
 ) -> ConvertReport:
     """Commit a planned DCP conversion at `dst` and report it as format `fmt`: refuse its
     problems and (without `allow_skip`) its skipped entries, then write every tensor.
-    `step` defaults to the optimizer's common step (see `_common_step`).
+    `step` defaults to the optimizer's common step (see `_common_step`); `source` to format
+    `fmt` at `src`, its ranks those whose files hold its bytes (`writer_ranks`).
 
     Raises:
         IntegrityError, ManifestError: as `DcpConverter.convert`.
@@ -174,9 +178,19 @@ def write_plan(
 
     committed = write_converted(dst, [t.spec for t in plan.tensors] + [t.spec for t in plan.assembled], read, objects=plan.objects,
                                 step=lambda: _common_step(steps) if step is None else step, info=info, layout=layout,
-                                progress=progress)
+                                progress=progress, source=source or source_info(fmt, src, ranks=writer_ranks(src)))
     chunks = [(t.spec, chunk_count(t.meta, t.region)) for t in plan.tensors] + [(t.spec, t.chunks) for t in plan.assembled]
     return report_of(fmt, src, committed, chunks, plan.object_sources, plan.skipped, started)
+
+
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def writer_ranks(src: str) -> int | None:
+    """How many ranks wrote the save in directory `src`: one ``__<rank>_<i>.distcp`` file (or
+    more) each (None when it has none, as a ``HuggingFaceStorageWriter`` save)."""
+    ranks = {int(m.group(1)) for n in os.listdir(src) if (m := _RANK_FILE.fullmatch(n))}
+    return len(ranks) or None
 
 
 def chunk_count(meta: TensorMeta, region: Box) -> int:

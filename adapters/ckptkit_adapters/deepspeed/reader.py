@@ -70,10 +70,19 @@ from pydantic import JsonValue
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit.layouts import Layout
 from ckptkit.layouts.model import Constraint, Param, StateGroup, TensorPart, Unit, Zero
-from ckptkit.manifest import CheckpointInfo
+from ckptkit.manifest import CheckpointInfo, Topology
 from ckptkit.manifest.dtypes import itemsize
 from ckptkit.manifest.model import DataProgress, OptimizerInfo, ParamGroup
-from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry, TensorSpec, refuse_skips, report_of, write_converted
+from ckptkit.ops.convert import (
+    ConvertReport,
+    Progress,
+    SkippedEntry,
+    TensorSpec,
+    refuse_skips,
+    report_of,
+    source_info,
+    write_converted,
+)
 from ckptkit.state.tree import escape, json_problems
 from ckptkit.storage.local import open_regular
 from ckptkit_adapters.common.files import read_small
@@ -169,6 +178,8 @@ class _Plan:
     info: dict[str, Any] = field(default_factory=dict)
     step: int = 0
     layout: Layout | None = None
+    version: object = None  # the DeepSpeed version that saved it (ds_version)
+    topology: Topology | None = None  # the sizes it was saved at
 
     def tensor(self, name: str, source: str, kind: str, shape: tuple[int, ...], dtype: str, recipe: Recipe) -> None:
         self.tensors.append((TensorSpec(name=name, source=source, dtype=dtype, shape=shape, kind=kind), recipe))
@@ -341,7 +352,7 @@ class DeepSpeedConverter:
             committed = write_converted(
                 dst, [spec for spec, _, _ in tensors], lambda spec: readers[spec.name](),
                 objects=plan.objects, step=lambda: plan.step, info=CheckpointInfo(**plan.info), layout=layout or plan.layout,
-                progress=progress)
+                progress=progress, source=source_info(NAME, tag_dir, version=plan.version, topology=plan.topology))
         finally:
             files.close()
         return report_of(NAME, src, committed, [(spec, n) for spec, _, n in tensors], plan.object_sources, skipped, started)
@@ -764,6 +775,8 @@ def _plan_values(plan: _Plan, model: dict[str, Any], path: str, shapes: list[dic
             plan.walk(value, f"deepspeed/{escape(str(key))}", str(key), path, "other")
     steps, samples = model.get("global_steps"), model.get("global_samples")
     plan.step = steps if isinstance(steps, int) and steps >= 0 else 0
+    dp, mp = (n if isinstance(n, int) and n >= 1 else 1 for n in (model.get("dp_world_size"), model.get("mp_world_size")))
+    plan.version, plan.topology = model.get("ds_version"), Topology(world_size=dp * mp, tp=mp, dp=dp, zero_stage=stage)
     if isinstance(samples, int) and samples >= 0:
         plan.info["data_progress"] = DataProgress(consumed_samples=samples)
     if "optimizer" in plan.info:  # the config (read after the optimizer files) names the optimizer's type

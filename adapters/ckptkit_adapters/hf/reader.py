@@ -29,6 +29,7 @@ tokenizer files.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -37,9 +38,9 @@ from pydantic import JsonValue
 from ckptkit.errors import CkptkitError, IntegrityError, LayoutError, ManifestError
 from ckptkit.io.safetensors import Header
 from ckptkit.layouts import Layout
-from ckptkit.manifest import CheckpointInfo, ModelInfo, strictjson
+from ckptkit.manifest import CheckpointInfo, ModelInfo, Topology, strictjson
 from ckptkit.models import READERS
-from ckptkit.ops.convert import ConvertReport, Progress, TensorSpec, refuse_skips, report_of, write_converted
+from ckptkit.ops.convert import ConvertReport, Progress, TensorSpec, refuse_skips, report_of, source_info, write_converted
 from ckptkit.state.tree import escape, unescape
 from ckptkit.storage.local import open_regular
 from ckptkit_adapters.common.files import read_small, safetensors_header
@@ -127,8 +128,9 @@ class HfConverter:
         source = read_source(src)
         stored = {spec.name: where for spec, where in source.tensors}
         fds: dict[str, int] = {}
+        names = set(os.listdir(src))
         trainer = (read_trainer(src, source.config, {spec.source: spec.shape for spec, _ in source.tensors})
-                   if is_trainer_folder(set(os.listdir(src))) else TrainerState())
+                   if is_trainer_folder(names) else TrainerState())
         try:
             refuse_skips(trainer.skipped, allow_skip=allow_skip, where=src)
         except ManifestError:
@@ -152,12 +154,23 @@ class HfConverter:
         specs = [spec for spec, _ in source.tensors] + [spec for spec, _ in trainer.tensors]
         try:
             committed = write_converted(dst, specs, read, objects=objects, step=lambda: trainer.step, info=info,
-                                        layout=layout or found, tokenizer=source.tokenizer, progress=progress)
+                                        layout=layout or found, tokenizer=source.tokenizer, progress=progress,
+                                        source=source_info(NAME, src, version=source.config.get("transformers_version"),
+                                                           topology=_trainer_topology(names)))
         finally:
             for fd in [*fds.values(), *trainer.fds]:
                 os.close(fd)
         sources = {"hf/tied_weights": f"{CONFIG}:tie_word_embeddings"} if source.tied else {}
         return report_of(NAME, src, committed, [(spec, 1) for spec in specs], sources | trainer.sources, trainer.skipped, started)
+
+
+def _trainer_topology(names: set[str]) -> Topology | None:
+    """A ``Trainer`` folder's data-parallel size (one ``rng_state_<rank>.pth`` per process, or
+    one ``rng_state.pth``); None for a model directory, which has no topology."""
+    if not is_trainer_folder(names):
+        return None
+    ranks = sum(1 for n in names if re.fullmatch(r"rng_state_\d+\.pth", n)) or 1
+    return Topology(world_size=ranks, dp=ranks)
 
 
 def read_source(src: str) -> _Source:

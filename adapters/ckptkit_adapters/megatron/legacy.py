@@ -63,7 +63,7 @@ from ckptkit_adapters.megatron.legacy_plan import (
     whole,
 )
 from ckptkit_adapters.megatron.legacy_values import as_json, refuse_unsupported
-from ckptkit_adapters.megatron.reader import NAME, model_config
+from ckptkit_adapters.megatron.reader import NAME, megatron_source, model_config
 
 KNOWN = {"model", "optimizer", "rng_state"}
 PER_RANK_ARGS = ("rank", "local_rank")
@@ -293,7 +293,7 @@ def convert_legacy(path: str, dst: str, *, allow_skip: bool = False, progress: P
         return _assemble(spec, conv.planned.pieces[spec.name], conv.files)
 
     committed = write_converted(dst, specs, read, objects=conv.objects, step=lambda: step, info=info, layout=layout,
-                                progress=progress)
+                                progress=progress, source=megatron_source(path, args, None))
     return report_of(NAME, path, committed, [(s, len(conv.planned.pieces[s.name])) for s in specs], conv.object_sources,
                      skipped, started)
 

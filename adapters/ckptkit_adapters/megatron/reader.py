@@ -57,15 +57,15 @@ from typing import Any
 from pydantic import JsonValue
 
 from ckptkit.boxes import Box
-from ckptkit.errors import IntegrityError, ManifestError
+from ckptkit.errors import IntegrityError, LayoutError, ManifestError, summarize
 from ckptkit.layouts import Layout, builtin, fit_problems
-from ckptkit.manifest import CheckpointInfo
+from ckptkit.manifest import CheckpointInfo, SourceInfo, Topology
 from ckptkit.manifest.model import ModelInfo, OptimizerInfo, ParamGroup
-from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry
+from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry, source_info
 from ckptkit.state.tree import escape, json_problems
 from ckptkit.storage.local import open_regular
 from ckptkit_adapters.common.dcp_metadata import ALLOWED, METADATA_NAME, DcpMetadata, TensorMeta, read_metadata
-from ckptkit_adapters.common.dcp_read import Named, Naming, Plan, entry_archive, plan_conversion, write_plan
+from ckptkit_adapters.common.dcp_read import Named, Naming, Plan, entry_archive, plan_conversion, write_plan, writer_ranks
 from ckptkit_adapters.common.files import read_small
 from ckptkit_adapters.common.safepickle import Record, record_type
 from ckptkit_adapters.common.torchsave import TORCH_DTYPES, TorchDtype, open_archive, plain, stored_object
@@ -236,15 +236,18 @@ class MegatronConverter:
         return ({MCORE_METADATA, METADATA_NAME} <= names or LATEST in names) or legacy(path)
 
     def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
-                layout: Layout | None = None) -> ConvertReport:
+                layout: Layout | None = None, config: Mapping[str, JsonValue] | None = None) -> ConvertReport:
         """Convert the Megatron checkpoint `src` into the committed ckptkit checkpoint `dst`
-        (recording `layout` if given, else ``megatron-gpt`` when Megatron-LM's args describe it).
+        (recording `layout` if given, else ``megatron-gpt`` when Megatron-LM's args describe it,
+        or, for a save without them, when its shapes and `config` (``--model-config``: the heads
+        and query groups the shapes cannot say) do).
 
         Raises:
             ManifestError: a pickle needs a class outside the allowlists (named); a format this
                 converter does not read (named); entries that cannot be converted, without
                 `allow_skip`.
             IntegrityError: files missing or truncated, chunks that do not tile their tensor.
+            LayoutError: the layout the shapes and `config` give does not fit the tensors.
             CheckpointExistsError, StorageError: as `ckptkit.ops.convert.write_converted`.
         """
         started = time.perf_counter()
@@ -265,30 +268,58 @@ class MegatronConverter:
                                 "save it fully_reshardable (Megatron-LM --dist-ckpt-optim-fully-reshardable)")
         groups = bucket_values(path, md, plan) if bucketed else None
         info, step = _info(common, plan.objects, plan.object_sources, plan.skipped, groups)
-        config = None if layout is not None else model_config(plain(common.get("args")))
-        if config is not None:
-            described = builtin("megatron-gpt", config)
-            if not fit_problems(described, {t.spec.name: t.spec.shape for t in plan.tensors}):
+        shapes = {t.spec.name: t.spec.shape for t in plan.tensors}
+        found = None if layout is not None else model_config(plain(common.get("args")))
+        if found is None and layout is None and config:
+            found = said_config(shapes, config, path)
+            problems = fit_problems(builtin("megatron-gpt", found), shapes)
+            if problems:
+                raise LayoutError(f"{path}: the megatron-gpt layout of the shapes and --model-config does not fit the "
+                                  f"tensors: " + summarize(problems))
+        if found is not None:
+            described = builtin("megatron-gpt", found)
+            if not fit_problems(described, shapes):
                 layout = described
-                info = info.model_copy(update={"model": ModelInfo(family="megatron-gpt", config=config)})
+                info = info.model_copy(update={"model": ModelInfo(family="megatron-gpt", config=found)})
         if bucketed:
             if layout is None:
                 raise ManifestError(f"{path}: the distributed optimizer's dp_reshardable state is read through the model's "
-                                    f"layout, and common.pt has no Megatron-LM args to describe it; pass --layout FILE "
-                                    f"(ckptkit layout builtin megatron-gpt CONFIG)")
+                                    f"layout, and common.pt has no Megatron-LM args to describe it; pass --model-config "
+                                    f"num_attention_heads=N --model-config num_query_groups=G (or --layout FILE)")
             plan_buckets(path, md, plan, layout)
         report = write_plan(NAME, path, dst, md, plan, allow_skip=allow_skip, progress=progress, started=started, step=step,
-                            info=info, layout=layout)
+                            info=info, layout=layout, source=megatron_source(path, plain(common.get("args")), writer_ranks(path)))
         if layout is None:
-            return report.model_copy(update={"warnings": [no_layout_warning(path, {t.spec.name: t.spec.shape for t in plan.tensors})]})
+            return report.model_copy(update={"warnings": [no_layout_warning(path, shapes)]})
         return report
 
 
-def no_layout_warning(path: str, shapes: Mapping[str, tuple[int, ...]]) -> str:
-    """What a save without Megatron-LM's arguments (so converted with no layout) leaves the user to
-    say: what the tensors' shapes determine of the ``megatron-gpt`` config, and what they cannot
-    (the attention heads and query groups: only their products with ``kv_channels`` are in the shapes)."""
-    said: dict[str, Any] = {}
+# Megatron-LM's arguments for the sizes it ran at, by the topology's names.
+PARALLEL_ARGS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
+                 "ep": "expert_model_parallel_size"}
+
+
+def megatron_source(src: str, args: Any, ranks: int | None) -> SourceInfo:
+    """What a converted Megatron save records of its source: the processes whose files it has
+    (`ranks`), and, where Megatron-LM's arguments are saved, the sizes they ran at (the data
+    parallel size their world size leaves; ZeRO 1 for the distributed optimizer)."""
+    if not isinstance(args, dict):
+        return source_info(NAME, src, ranks=ranks)
+    sizes = {axis: n for axis, key in PARALLEL_ARGS.items() if isinstance(n := args.get(key), int) and n >= 1}
+    model = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
+    world = args.get("world_size")
+    world = world if isinstance(world, int) and world >= model else (ranks or model)
+    return source_info(NAME, src, ranks=ranks, topology=Topology(
+        world_size=world, tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), cp=sizes.get("cp", 1), ep=sizes.get("ep", 1),
+        dp=max(1, world // model), zero_stage=1 if args.get("use_distributed_optimizer") else 0))
+
+
+def shape_config(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, JsonValue]:
+    """What a Megatron-Core GPT's tensor shapes determine of its ``megatron-gpt`` config: layers,
+    hidden and vocabulary sizes, the MLP's (and experts') sizes, whether it is gated; never the
+    attention heads or query groups (only their products with ``kv_channels`` are in the shapes:
+    `attention_products`)."""
+    said: dict[str, JsonValue] = {}
     layers = {int(m.group(1)) for name in shapes for m in [re.match(r"model/decoder\.layers\.(\d+)\.", name)] if m}
     if layers:
         said["num_layers"] = max(layers) + 1
@@ -310,16 +341,54 @@ def no_layout_warning(path: str, shapes: Mapping[str, tuple[int, ...]]) -> str:
             said["moe_ffn_hidden_size"] = fc2[1]  # (the layout's ffn_hidden_size sizes no tensor then)
             if fc1 is not None:
                 said["gated_linear_unit"] = fc1[0] == 2 * fc2[1]
-    qkv, proj = shapes.get("model/decoder.layers.0.self_attention.linear_qkv.weight"), shapes.get(
-        "model/decoder.layers.0.self_attention.linear_proj.weight")
-    heads = ""
-    if qkv is not None and proj is not None and len(proj) == 2:
-        heads = f" (num_attention_heads x kv_channels = {proj[1]}, num_query_groups x kv_channels = {(qkv[0] - proj[1]) // 2})"
+    return said
+
+
+def attention_products(shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int] | None:
+    """num_attention_heads x kv_channels and num_query_groups x kv_channels, from the first layer's
+    attention shapes (None when they are not there)."""
+    qkv = shapes.get("model/decoder.layers.0.self_attention.linear_qkv.weight")
+    proj = shapes.get("model/decoder.layers.0.self_attention.linear_proj.weight")
+    if qkv is None or proj is None or len(proj) != 2:
+        return None
+    return proj[1], (qkv[0] - proj[1]) // 2
+
+
+def said_config(shapes: Mapping[str, tuple[int, ...]], given: Mapping[str, JsonValue], where: str) -> dict[str, JsonValue]:
+    """The ``megatron-gpt`` config of a save without Megatron-LM's arguments: what its shapes
+    determine (and whether the output layer is the embedding's), with what the user said
+    (``convert --model-config``: the heads and query groups) over it; ``kv_channels`` follows
+    from the heads when not given.
+
+    Raises:
+        LayoutError: the heads do not divide what the shapes say of them.
+    """
+    said = shape_config(shapes)
+    if "moe_ffn_hidden_size" in said:
+        said.setdefault("ffn_hidden_size", said["moe_ffn_hidden_size"])  # a dense MLP's size sizes no tensor then
+    said["share_embeddings_and_output_weights"] = "model/output_layer.weight" not in shapes
+    config = {**said, **given}
+    products, heads = attention_products(shapes), config.get("num_attention_heads")
+    if products is not None and isinstance(heads, int) and heads > 0 and "kv_channels" not in config:
+        if products[0] % heads:
+            raise LayoutError(f"{where}: --model-config num_attention_heads={heads} does not divide num_attention_heads x kv_channels = "
+                              f"{products[0]} (the attention's shapes)")
+        config["kv_channels"] = products[0] // heads
+    return config
+
+
+def no_layout_warning(path: str, shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """What a save without Megatron-LM's arguments (so converted with no layout) leaves the user to
+    say: what the tensors' shapes determine of the ``megatron-gpt`` config, and what they cannot
+    (the attention heads and query groups), as the options that say it."""
+    said = shape_config(shapes)
+    products = attention_products(shapes)
+    heads = "" if products is None else (f" (num_attention_heads x kv_channels = {products[0]}, "
+                                         f"num_query_groups x kv_channels = {products[1]})")
     known = ", ".join(f"{k} {json.dumps(v)}" for k, v in said.items())
     return (f"{path}: common.pt holds no Megatron-LM arguments, so no layout is recorded and reshard and export will ask for "
             f"one; the shapes say {known or 'nothing of the model'}, and not num_attention_heads or num_query_groups{heads}: "
-            "write them with these in a config and run `ckptkit layout builtin megatron-gpt CONFIG > layout.json`, then "
-            "pass --layout layout.json")
+            "convert again with --model-config num_attention_heads=N --model-config num_query_groups=G")
 
 
 def model_config(args: Any) -> dict[str, JsonValue] | None:

@@ -20,7 +20,7 @@ from pydantic import JsonValue
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit.layouts import Layout
 from ckptkit.manifest import CheckpointInfo
-from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry, TensorSpec, refuse_skips, report_of, write_converted
+from ckptkit.ops.convert import ConvertReport, Progress, SkippedEntry, TensorSpec, refuse_skips, report_of, source_info, write_converted
 from ckptkit.state.tree import escape
 from ckptkit.storage.local import open_regular
 from ckptkit_adapters.common.files import read_small, safetensors_header
@@ -87,7 +87,8 @@ class PeftConverter:
 
         try:
             committed = write_converted(dst, specs, read, objects=objects, step=lambda: 0,
-                                        info=CheckpointInfo(config={CONFIG: config}), layout=layout, progress=progress)
+                                        info=CheckpointInfo(config={CONFIG: config}), layout=layout, progress=progress,
+                                        source=source_info(NAME, src, version=config.get("peft_version")))
         finally:
             os.close(fd)
         return report_of(NAME, src, committed, [(s, 1) for s in specs], {f"{NAME}/{CARD}": CARD} if objects else {},
