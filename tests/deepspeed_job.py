@@ -115,6 +115,7 @@ def job(rank: int, world: int, path: str, stage: int, universal: bool, out: str,
             result = {
                 "loss": losses[0].item(), "loss_after": losses[1].item(), "global_steps": engine.global_steps,
                 "global_samples": engine.global_samples, "lr": [g["lr"] for g in engine.optimizer.param_groups],
+                "weight_decay": [g["weight_decay"] for g in engine.optimizer.param_groups],
                 "client": {k: v for k, v in (client or {}).items() if isinstance(v, (int, float, str, list, dict))},
                 "loaded_from": load_path,
             }

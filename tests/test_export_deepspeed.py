@@ -140,16 +140,28 @@ def test_the_files_hold_what_deepspeeds_ds_to_universal_writes(name: str, deepsp
                            "--inject_missing_state"], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     files = sorted(str(p.relative_to(theirs)) for p in theirs.rglob("*") if p.is_file())
-    assert files == sorted(str(p.relative_to(out / TAG)) for p in (out / TAG).rglob("*") if p.is_file())
+    zero3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # ours only: what a ZeRO-3 engine loads a universal checkpoint from
+    assert sorted(files + [zero3]) == sorted(str(p.relative_to(out / TAG)) for p in (out / TAG).rglob("*") if p.is_file())
     assert (out / "latest_universal").read_text() == (save / "latest_universal").read_text() == TAG
     for path in files:
         ours, want = _load(out / TAG / path), _load(theirs / path)
         if path == "zero/optimizer_state.pt":
             # what DeepSpeed's universal loader reads of it; the loss scaler (a DeepSpeed object) and
             # the source's own partitioning (paddings, partition counts, ZeRO stage) are left out
-            assert sorted(ours) == ["clip_grad", "ds_version", "overflow", "param_groups"]
-            want = {k: want[k] for k in ours}
+            assert sorted(ours) == ["clip_grad", "ds_version", "optimizer_state_dict", "overflow", "param_groups"]
+            assert ours["optimizer_state_dict"]["param_groups"] == ours["param_groups"]
+            assert torch.equal(ours["optimizer_state_dict"]["state"][0]["step"], torch.tensor(3.0))
+            want = {k: want[k] for k in ours if k != "optimizer_state_dict"}
+            ours = {k: ours[k] for k in want}
         _assert_same(ours, want, path)
+    # the ZeRO-3 engine's file: the same, each parameter an empty placeholder of its dtype, the buffers whole
+    placeheld, states = _load(out / TAG / zero3), _load(out / TAG / "mp_rank_00_model_states.pt")
+    buffers = set(states["buffer_names"])
+    assert buffers and sorted(placeheld) == sorted(states)
+    _assert_same({k: v for k, v in placeheld.items() if k != "module"}, {k: v for k, v in states.items() if k != "module"}, zero3)
+    assert list(placeheld["module"]) == list(states["module"])
+    for key, tensor in states["module"].items():
+        _assert_same(placeheld["module"][key], tensor if key in buffers else tensor.new_empty(0), f"{zero3}/module/{key}")
 
 
 # --- a model DeepSpeed did not save: the reference trainer's, resumed by a DeepSpeed job of it ---------------
@@ -247,9 +259,9 @@ def test_a_stage_0_save_without_optimizer_state_by_name_is_refused(tmp_path: Pat
 
 
 @pytest.mark.multiprocess
-def test_a_zero3_save_resumes_at_zero2_with_the_original_engines_state(deepspeed_env: None, tmp_path: Path) -> None:
-    # DeepSpeed's own ZeRO-3 save (dp 2) -> ckptkit -> a universal checkpoint a ZeRO-2 engine at dp 1
-    # loads: every master and moment bitwise what the original engine holds after loading its save
+def test_a_zero3_save_resumes_at_zero2_and_zero3_with_the_original_engines_state(deepspeed_env: None, tmp_path: Path) -> None:
+    # DeepSpeed's own ZeRO-3 save (dp 2) -> ckptkit -> a universal checkpoint a ZeRO-2 and a ZeRO-3
+    # engine at dp 1 load: every master and moment bitwise what the original engine holds after loading its save
     from .deepspeed_job import run
 
     save, converted, out = FIXTURES / "deepspeed" / "zero3-fp32", tmp_path / "converted", tmp_path / "universal"
@@ -257,11 +269,19 @@ def test_a_zero3_save_resumes_at_zero2_with_the_original_engines_state(deepspeed
     proc = _run("export", str(converted), str(out), "--format", "deepspeed")
     assert proc.returncode == 0, proc.stderr
     original = run(2, str(save), 3, False, str(tmp_path / "original"), _port(4))
-    got = run(1, str(out), 2, True, str(tmp_path / "job"), _port(5))
-    states = [k for k in original["loaded"] if not k.startswith("model/")]  # a ZeRO-3 module holds placeholders
-    assert len(states) == 3 * 12 and [k for k in states if not torch.equal(got["loaded"][k], original["loaded"][k])] == []
-    assert _relative(got["loss"], original["loss"]) < 1e-6 and _relative(got["loss_after"], original["loss_after"]) < 1e-6
-    assert (got["global_steps"], got["global_samples"], got["lr"]) == (original["global_steps"], original["global_samples"], original["lr"])
+    assert original["weight_decay"] == [0.1, 0.0]  # the fixture's two groups differ
+    for stage in (2, 3):
+        got = run(1, str(out), stage, True, str(tmp_path / f"job{stage}"), _port(5 + stage))
+        states = [k for k in original["loaded"] if not k.startswith("model/")]  # a ZeRO-3 module holds placeholders
+        assert len(states) == 3 * 12 and [k for k in states if not torch.equal(got["loaded"][k], original["loaded"][k])] == []
+        assert _relative(got["loss"], original["loss"]) < 1e-6, stage
+        assert (got["global_steps"], got["global_samples"], got["lr"]) == \
+            (original["global_steps"], original["global_samples"], original["lr"]), stage
+        if stage == 2:
+            assert got["weight_decay"] == original["weight_decay"]
+            assert _relative(got["loss_after"], original["loss_after"]) < 1e-6
+        else:  # DeepSpeed's ZeRO-3 universal loader gives every group the first one's hyper-parameters
+            assert got["weight_decay"] == [0.1, 0.1]
 
 
 def test_dtype_is_bad_usage(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Export to a DeepSpeed universal checkpoint: what ``ds_to_universal`` writes, which a DeepSpeed
 engine with ``"checkpoint": {"load_universal": true}`` loads at another data-parallel size and
-ZeRO stage (1 or 2).
+ZeRO stage (1, 2 or 3).
 
 The files, as DeepSpeed 0.19's ``ds_to_universal`` writes them and its loader reads them
 (``engine.load_checkpoint`` -> ``load_hp_checkpoint_state_from_checkpoint_dir``), all
@@ -11,6 +11,8 @@ The files, as DeepSpeed 0.19's ``ds_to_universal`` writes them and its loader re
   counters and records (``global_steps``, ``param_shapes``, ``dp_world_size``...), the LR
   scheduler, ``ds_config`` and the client state, as DeepSpeed saved them (``ds_to_universal``
   copies this file);
+- ``<tag>/zero_pp_rank_0_mp_rank_00_model_states.pt``: the same for a ZeRO-3 engine, which reads
+  this name, with each parameter a placeholder (an empty tensor of its dtype) as ZeRO-3 saves it;
 - ``<tag>/zero/<param>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``: ``{"cat_dim": 0, "param":
   tensor}``, the whole fp32 master and moments; ``step.pt``: the group's step (a float32 scalar
   tensor, as torch's AdamW keeps it); a buffer or a frozen parameter has only ``fp32.pt``
@@ -47,6 +49,7 @@ from ckptkit.storage import Storage
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # the per-parameter states of a universal checkpoint
 LATEST = "latest_universal"
 MODEL_STATES = "mp_rank_00_model_states.pt"
+ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # what a ZeRO-3 engine loads a universal checkpoint from
 # The model-states keys DeepSpeed's loader reads (the rest come back to the caller as client state).
 REQUIRED = ("global_steps", "skipped_steps", "dp_world_size", "mp_world_size", "ds_version")
 # Keys of the model-states file in the order DeepSpeed 0.19 writes them; its other records follow.
@@ -347,7 +350,7 @@ def _write(source: Source, plan: UniversalPlan, dst: Storage, tmp: str) -> Writt
     for name in plan.others:  # buffers and frozen parameters: their module value, in fp32 (ds_to_universal's own fallback)
         path = f"{zero}/{name}/fp32.pt"
         save(path, {"param": read(f"model/{name}", path, path, "float32")})
-    save(f"{zero}/optimizer_state.pt", plan.optimizer_state)
+    save(f"{zero}/optimizer_state.pt", _with_zero3_view(plan))
     states_path = f"{plan.tag}/{MODEL_STATES}"
     names = [fqn[len("model/"):] for fqn in plan.module]
     states = {"module": OrderedDict((name, read(f"model/{name}", f"module/{name}", states_path)) for name in names),
@@ -355,10 +358,26 @@ def _write(source: Source, plan: UniversalPlan, dst: Storage, tmp: str) -> Writt
     for keys, fqn in plan.extra_tensors:
         _put(states, keys, read(fqn, "/".join(keys), states_path))
     save(states_path, states)
+    # A ZeRO-3 engine reads rank 0's file of its own name, its parameters placeholders as it saves them
+    # (their values come from zero/); its buffers whole. A ZeRO-1/2 engine reads MODEL_STATES.
+    buffers = set(_list(plan.model_states.get("buffer_names")))
+    placeheld = OrderedDict((name, tensor if name in buffers else tensor.new_empty(0)) for name, tensor in states["module"].items())
+    save(f"{plan.tag}/{ZERO3_MODEL_STATES}", {**states, "module": placeheld})
     data = plan.tag.encode()  # DeepSpeed writes the tag alone, no newline
     dst.write(f"{tmp}/{LATEST}", [data])
     files.append(ExportedFile(path=LATEST, size=len(data), checksum=checksum_of(data)))
     return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in used))
+
+
+def _with_zero3_view(plan: UniversalPlan) -> dict[str, Any]:
+    """``zero/optimizer_state.pt`` with what a ZeRO-3 engine's universal loader reads of it as
+    well: ``optimizer_state_dict``, the first group's step and the groups (it gives every group
+    the first one's step and hyper-parameters)."""
+    if not plan.steps:
+        return plan.optimizer_state
+    groups = plan.optimizer_state.get("param_groups", [])
+    return {**plan.optimizer_state, "optimizer_state_dict": {
+        "state": {0: {"step": torch.tensor(plan.steps[0], dtype=torch.float32)}}, "param_groups": groups}}
 
 
 def _put(tree: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
