@@ -47,6 +47,7 @@ fixtures: $(STAMP)
 	$(PY) fixtures/make_dcp.py
 	$(PY) fixtures/make_deepspeed.py
 	$(PY) fixtures/make_megatron.py
+	$(PY) fixtures/make_hf.py
 
 lint: $(STAMP)
 	$(PY) -m mypy
