@@ -16,7 +16,7 @@ repeats its parameters once per expert (``{expert}`` in its names becomes the ex
 EP cuts the E experts into ``ep`` equal runs, carved out of the data-parallel ranks (DP rank d
 holds run ``d % ep``; the ``dp / ep`` ranks holding one run are its expert-data-parallel
 group, over which ZeRO shards the unit's buffer). Every state group (``model``, each
-optimizer moment) holds every tensor under its prefix; ZeRO shards the optimizer groups from
+optimizer moment) holds every tensor under its prefix (and before its suffix, if it has one); ZeRO shards the optimizer groups from
 stage 1 and the parameters at stage 3; context-parallel ranks hold replicas.
 """
 
@@ -33,7 +33,8 @@ from ..errors import LayoutError
 
 FORMAT = "ckptkit-layout"
 SCHEMA_MAJOR = 1
-SCHEMA_VERSION = "1.2"  # 1.1: expert units (experts, {expert}); 1.2: per-layer units on some layers (layers)
+SCHEMA_VERSION = "1.3"  # 1.1: expert units (experts, {expert}); 1.2: per-layer units on some layers (layers);
+# 1.3: state groups named with a suffix (torch's optimizer state dict: <prefix>/<tensor>/<suffix>)
 LAYER = "{layer}"
 EXPERT = "{expert}"
 Axis = Literal["tp", "cp", "dp", "pp"]
@@ -80,10 +81,29 @@ class Unit(_Model):
 
 
 class StateGroup(_Model):
-    """Tensors saved once per logical tensor under `prefix`: parameters or optimizer state."""
+    """Tensors saved once per logical tensor under `prefix` (``<prefix>/<tensor>``), or with a
+    `suffix` as torch's optimizer state dict names them (``<prefix>/<tensor>/<suffix>``:
+    ``optim/state/layers/0/weight/exp_avg``): parameters or optimizer state."""
 
     prefix: str = Field(min_length=1)
     role: Literal["param", "optimizer"]
+    suffix: str | None = Field(default=None, min_length=1)  # new in layout schema 1.3
+
+    @property
+    def label(self) -> str:
+        """The group's name in messages and tables: its prefix, ``<prefix>/*/<suffix>`` with a suffix."""
+        return self.prefix if self.suffix is None else f"{self.prefix}/*/{self.suffix}"
+
+    def fqn(self, tensor: str) -> str:
+        """The checkpoint name of this group's `tensor`."""
+        return f"{self.prefix}/{tensor}" if self.suffix is None else f"{self.prefix}/{tensor}/{self.suffix}"
+
+    def tensor_of(self, fqn: str) -> str | None:
+        """The logical tensor `fqn` is this group's of, or None when it is not of this group."""
+        head, tail = f"{self.prefix}/", "" if self.suffix is None else f"/{self.suffix}"
+        if not fqn.startswith(head) or not fqn.endswith(tail) or len(fqn) <= len(head) + len(tail):
+            return None
+        return fqn[len(head): len(fqn) - len(tail)]
 
 
 class Zero(_Model):
@@ -155,7 +175,7 @@ class Layout(_Model):
     def tensor_groups(self) -> dict[str, list[str]]:
         """Every tensor (fqn) the layout places, in groups a checkpoint holds whole or not at all."""
         names = list(self.tensors())
-        return {g.prefix: [f"{g.prefix}/{n}" for n in names] for g in self.states}
+        return {g.label: [g.fqn(n) for n in names] for g in self.states}
 
 
 def expand(name: str, layer: int | None, expert: int | None = None) -> str:
@@ -206,9 +226,9 @@ def _semantic_problems(layout: Layout) -> list[str]:
         problems.append(f"mesh {list(layout.mesh)} must order each of {', '.join(AXES)} once")
     if layout.num_layers % layout.virtual_stages:
         problems.append(f"{layout.num_layers} layers are not divisible by {layout.virtual_stages} virtual stages")
-    prefixes = [g.prefix for g in layout.states]
-    if len(set(prefixes)) != len(prefixes):
-        problems.append(f"states: a prefix is listed twice: {prefixes}")
+    labels = [g.label for g in layout.states]
+    if len(set(labels)) != len(labels):
+        problems.append(f"states: a group is listed twice: {labels}")
     for c in layout.constraints:
         if (c.divides is None) == (c.at_most is None):
             problems.append(f"constraint on {c.axis} ({c.what}): give exactly one of divides, at_most")

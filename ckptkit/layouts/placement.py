@@ -18,7 +18,7 @@ from operator import add
 
 from ..boxes import Box, flat_range_to_boxes
 from ..manifest import Topology
-from .model import Layout, Param, Unit, expand
+from .model import Layout, Param, StateGroup, Unit, expand
 from .parts import ParamSpec, Part, partition, unit_offsets, vocab_rows
 
 Holders = dict[str, dict[Box, list[int]]]
@@ -62,15 +62,15 @@ def placed_tensors(layout: Layout, shapes: Mapping[str, tuple[int, ...]]) -> tup
     placed: set[str] = set()
     problems = []
     wanted = layout.tensors()
-    for group, names in layout.tensor_groups().items():
+    for group in layout.states:
+        names = {group.fqn(n): want for n, want in wanted.items()}
         missing = [n for n in names if n not in shapes]
         if len(missing) == len(names):
             continue
         if missing:
             shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-            problems.append(f"only part of {group!r} is there: missing {shown}")
-        for fqn in names:
-            want = wanted[fqn[len(group) + 1 :]]
+            problems.append(f"only part of {group.label!r} is there: missing {shown}")
+        for fqn, want in names.items():
             if fqn in shapes and tuple(shapes[fqn]) != want:
                 problems.append(f"{fqn}: the layout says shape {list(want)}, the tensor is {list(shapes[fqn])}")
             elif fqn in shapes:
@@ -224,10 +224,11 @@ def _sharded(role: str, zero: int) -> bool:
 
 
 def rank_boxes(layout: Layout, topology: Topology, rank: int) -> dict[str, dict[str, list[Box]]]:
-    """Return the boxes of every logical tensor that `rank` holds, by state prefix then name."""
+    """Return the boxes of every logical tensor that `rank` holds, by state group (its label:
+    the prefix, or ``<prefix>/*/<suffix>``) then name."""
     t = topology
     c = coordinates(layout, t, rank)
-    out: dict[str, dict[str, list[Box]]] = {g.prefix: {} for g in layout.states}
+    out: dict[str, dict[str, list[Box]]] = {g.label: {} for g in layout.states}
     placed = _stage(layout, t.tp, c["tp"], t.pp, c["pp"], t.ep, c["dp"] % t.ep)
     for params, quantum, expert in buffers(layout, placed):
         offsets, numel = unit_offsets(params)
@@ -236,12 +237,12 @@ def rank_boxes(layout: Layout, topology: Topology, rank: int) -> dict[str, dict[
         for group in layout.states:
             a, b = (lo, hi) if _sharded(group.role, topology.zero_stage) else (0, numel)
             for part, boxes in range_boxes(params, offsets, a, b):
-                out[group.prefix].setdefault(part.name, []).extend(boxes)
+                out[group.label].setdefault(part.name, []).extend(boxes)
     return out
 
 
 def holders(layout: Layout, topology: Topology) -> Holders:
-    """Return, for every tensor (``<prefix>/<name>``), each distinct non-empty box any rank of
+    """Return, for every tensor (a state group's name of it, ``<prefix>/<name>``), each distinct non-empty box any rank of
     the topology holds, with the ranks holding it.
 
     The same boxes as `rank_boxes` over every rank, computed once per (tp, pp) coordinate: a
@@ -249,12 +250,12 @@ def holders(layout: Layout, topology: Topology) -> Holders:
     """
     t = topology
     out: Holders = {}
-    whole = [g.prefix for g in layout.states if not _sharded(g.role, t.zero_stage)]
-    split = [g.prefix for g in layout.states if _sharded(g.role, t.zero_stage)]
+    whole = [g for g in layout.states if not _sharded(g.role, t.zero_stage)]
+    split = [g for g in layout.states if _sharded(g.role, t.zero_stage)]
 
-    def add(prefixes: list[str], found: list[tuple[Part, list[Box]]], ranks: list[int]) -> None:
+    def add(groups: list[StateGroup], found: list[tuple[Part, list[Box]]], ranks: list[int]) -> None:
         for part, boxes in found:
-            tables = [out.setdefault(f"{prefix}/{part.name}", {}) for prefix in prefixes]
+            tables = [out.setdefault(group.fqn(part.name), {}) for group in groups]
             for box in boxes:
                 for table in tables:
                     table.setdefault(box, []).extend(ranks)

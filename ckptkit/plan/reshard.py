@@ -83,9 +83,9 @@ def unplaced_problems(layout: Layout, manifest: Manifest, placed: set[str]) -> l
     if not placed:
         return [f"the layout {layout.name!r} places none of the checkpoint's tensors "
                 f"(it names {', '.join(layout.tensor_groups())}/...; is it this model's layout?)"]
-    prefixes = tuple(f"{g.prefix}/" for g in layout.states)
     unplaced = sorted(fqn for fqn, t in manifest.tensors.items()
-                      if fqn.startswith(prefixes) and fqn not in placed and t.kind in ("param", "optimizer"))
+                      if fqn not in placed and t.kind in ("param", "optimizer")
+                      and any(g.tensor_of(fqn) is not None for g in layout.states))
     if not unplaced:
         return []
     shown = ", ".join(unplaced[:10]) + (f" and {len(unplaced) - 10} more" if len(unplaced) > 10 else "")

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptkit
 from ckptkit.errors import IntegrityError
+from ckptkit.manifest.shards import iter_shards
 from ckptkit.state.tree import split
 from ckptkit_adapters.dcp.reader import CONVERTER as DCP
 from ckptkit_adapters.common.dcp_read import dcp_key, fqn_of, kind_of, optimizer_prefixes
@@ -392,6 +393,31 @@ def test_an_fsdp2_save_goes_back_to_dcp_whole_and_its_job_resumes_as_from_the_or
     assert again["groups"] == original["groups"] and original["groups"][0]["lr"] == 1e-2  # the saved groups, not the job's
     assert (again["loss"], again["after"]) == (original["loss"], original["after"]) and again["after"] < again["loss"]
     assert sorted(again["state"]) == sorted(original["state"]) and len(original["state"]) == 3 * 8
+    assert [k for k, v in original["state"].items() if not torch.equal(again["state"][k], v)] == []
+
+
+@pytest.mark.multiprocess
+def test_an_fsdp2_save_reshards_without_a_layout_and_its_job_resumes_from_the_export(tmp_path: Path, run_ckptkit: Any) -> None:
+    # the converter records the FSDP2 view (every parameter and its moments cut on dim 0 over DP):
+    # reshard to dp 3 at ZeRO 3 (uneven and empty chunks: 11, 5 and 1 rows) with no --layout, then
+    # back to DCP; the job that saved the original resumes from it exactly as from the original
+    source, converted, resharded, out = (FIXTURES / "dcp-fsdp2-fp32", tmp_path / "converted", tmp_path / "dp3",
+                                         tmp_path / "dcp")
+    assert run_ckptkit("convert", str(source), str(converted)).returncode == 0
+    proc = run_ckptkit("reshard", str(converted), str(resharded), "--dp", "3", "--zero", "3")
+    assert proc.returncode == 0, proc.stderr
+    manifest = ckptkit.open(str(resharded)).manifest
+    assert manifest.layout is not None and manifest.layout["name"] == "fsdp2"
+    cuts = {fqn: sorted(s.box.lengths[0] for s in iter_shards(t)) for fqn, t in manifest.tensors.items() if t.shape}
+    assert cuts["model/embed/weight"] == cuts["optim/state/embed/weight/exp_avg_sq"] == [3, 4, 4]
+    assert cuts["model/head/weight"] == [1] and len(list(iter_shards(manifest.tensors["optim/state/head/weight/step"]))) == 1
+    assert run_ckptkit("diff", str(converted), str(resharded)).returncode == 0
+    assert run_ckptkit("reshard", str(converted), str(tmp_path / "tp2"), "--tp", "2").returncode == 1  # no TP cut known
+    proc = run_ckptkit("export", str(resharded), str(out), "--format", "dcp", "--include-optimizer")
+    assert proc.returncode == 0, proc.stderr
+    original, again = _resumed(source, tmp_path / "original"), _resumed(out, tmp_path / "again")
+    assert again["groups"] == original["groups"]
+    assert (again["loss"], again["after"]) == (original["loss"], original["after"]) and again["after"] < again["loss"]
     assert [k for k, v in original["state"].items() if not torch.equal(again["state"][k], v)] == []
 
 

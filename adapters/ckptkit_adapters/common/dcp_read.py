@@ -108,8 +108,7 @@ class LayoutNaming(Naming):
     (``model/decoder.layers.0.mlp.linear_fc1.weight``), every other key is split at every ``.``."""
 
     def __init__(self, layout: Layout) -> None:
-        self.known = {dcp_key(f"{state.prefix}/{escape(name)}"): f"{state.prefix}/{escape(name)}"
-                      for state in layout.states for name in layout.tensors()}
+        self.known = {dcp_key(state.fqn(escape(name))): state.fqn(escape(name)) for state in layout.states for name in layout.tensors()}
 
     def tensors(self, key: str, meta: TensorMeta) -> list[Named]:
         return [Named(self.known.get(key, fqn_of(key)), kind_of(key, self.optimizers), meta.shape,

@@ -44,6 +44,7 @@ from ckptkit_adapters.common.dcp_metadata import (
 )
 from ckptkit_adapters.common.dcp_read import LayoutNaming, plan_conversion, write_plan
 from ckptkit_adapters.dcp.hf_storage import is_safetensors_save, read_safetensors_save
+from ckptkit_adapters.dcp.layout import fsdp2_layout
 
 NAME = "dcp"
 # The file Megatron-Core's torch_dist format adds to a DCP directory (with common.pt before
@@ -78,9 +79,10 @@ class DcpConverter:
 
     def convert(self, src: str, dst: str, *, allow_skip: bool = False, progress: Progress | None = None,
                 layout: Layout | None = None) -> ConvertReport:
-        """Convert the DCP directory `src` into the committed ckptkit checkpoint `dst` (recording
-        `layout`, if given: DCP records none; the DCP keys of its tensors, whose names hold
-        ``.``, become those names).
+        """Convert the DCP directory `src` into the committed ckptkit checkpoint `dst`, recording
+        `layout` if given (DCP records none; the DCP keys of its tensors, whose names hold ``.``,
+        become those names), else the FSDP2 view of a save in ``get_state_dict``'s form
+        (``dcp.layout``: every parameter and its optimizer state cut on dim 0 over DP).
 
         Raises:
             ManifestError: ``.metadata`` refused (a class outside the allowlist, named) or
@@ -94,8 +96,10 @@ class DcpConverter:
             raise IntegrityError(f"{src}: no such directory")
         md = _metadata_of(src)
         naming = LayoutNaming(layout) if layout is not None else None
-        return write_plan(NAME, src, dst, md, plan_conversion(src, md, naming), allow_skip=allow_skip, progress=progress,
-                          started=started, layout=layout)
+        plan = plan_conversion(src, md, naming)
+        if layout is None:  # the FSDP2 view, when the save is in get_state_dict's form
+            layout = fsdp2_layout([t.spec for t in plan.tensors] + [t.spec for t in plan.assembled])
+        return write_plan(NAME, src, dst, md, plan, allow_skip=allow_skip, progress=progress, started=started, layout=layout)
 
 
 def _metadata_of(src: str) -> DcpMetadata:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ckptkit.boxes import Box, tiling_problems
 from ckptkit.errors import IntegrityError, ManifestError
-from ckptkit.layouts import Layout
+from ckptkit.layouts import Layout, StateGroup
 from ckptkit.layouts.model import expand
 from ckptkit.layouts.parts import ParamSpec, Part
 from ckptkit.layouts.placement import local_param
@@ -59,7 +59,7 @@ def join_model_parallel(ranks: Sequence[Sequence[tuple[TensorSpec, int]]], layou
     local = [{s.name: s for s, _ in specs} for specs in ranks]
     counts = [{s.name: n for s, n in specs} for specs in ranks]
     params = [local_params(layout, tp, r) for r in range(tp)]
-    prefixes = sorted((g.prefix for g in layout.states), key=len, reverse=True)
+    groups = sorted(layout.states, key=lambda g: len(g.prefix), reverse=True)  # the longest prefix first
     problems = [f"model-parallel rank {r} holds {n}, rank 0 does not" for r in range(1, tp) for n in local[r] if n not in local[0]]
     out: list[Joined] = []
     for name, spec in local[0].items():
@@ -67,9 +67,9 @@ def join_model_parallel(ranks: Sequence[Sequence[tuple[TensorSpec, int]]], layou
         if any(t is None or t.dtype != spec.dtype or t.kind != spec.kind for t in theirs):
             problems.append(f"{name}: not held alike by every model-parallel rank")
             continue
-        prefix = next((p for p in prefixes if name.startswith(f"{p}/")), None)
-        key = unescape(name[len(prefix) + 1:]) if prefix is not None else ""
-        held = [params[r].get(key) for r in range(tp)] if prefix is not None else [None]
+        group = next((g for g in groups if g.tensor_of(name) is not None), None)
+        key = unescape(group.tensor_of(name) or "") if group is not None else ""
+        held = [params[r].get(key) for r in range(tp)] if group is not None else [None]
         if held[0] is None:
             if any(t is not None and t.shape != spec.shape for t in theirs):
                 problems.append(f"{name}: of other shapes on other model-parallel ranks, and the layout does not cut it")
@@ -81,15 +81,15 @@ def join_model_parallel(ranks: Sequence[Sequence[tuple[TensorSpec, int]]], layou
         if shapes != want:
             problems.append(f"{name}: the ranks hold shapes {[list(s) for s in shapes]}, the layout says {[list(s) for s in want]}")
             continue
-        assert prefix is not None
-        out += _joined_parts(prefix, spec, theirs, held, read, problems, [c[name] for c in counts])  # type: ignore[arg-type]
+        assert group is not None
+        out += _joined_parts(group, spec, theirs, held, read, problems, [c[name] for c in counts])  # type: ignore[arg-type]
     if problems:
         raise ManifestError(f"the model-parallel ranks do not fit the layout {layout.name!r}: {len(problems)} problem(s): "
                             + "; ".join(problems[:10]))
     return out
 
 
-def _joined_parts(prefix: str, spec: TensorSpec, theirs: list[TensorSpec], held: list[ParamSpec], read: ReadLocal,
+def _joined_parts(group: StateGroup, spec: TensorSpec, theirs: list[TensorSpec], held: list[ParamSpec], read: ReadLocal,
                   problems: list[str], counts: list[int]) -> list[Joined]:
     """The logical tensors one local parameter holds parts of, each joined over the ranks."""
     out: list[Joined] = []
@@ -99,9 +99,9 @@ def _joined_parts(prefix: str, spec: TensorSpec, theirs: list[TensorSpec], held:
         shape = pieces[0][2].global_shape
         tiling = tiling_problems(shape, [Box(p.offsets, p.lengths) for _, _, p in kept])
         if tiling:
-            problems.append(f"{prefix}/{tensor}: {tiling[0]}")
+            problems.append(f"{group.fqn(tensor)}: {tiling[0]}")
             continue
-        joined = TensorSpec(name=f"{prefix}/{escape(tensor)}", source=f"{spec.source} of {len(held)} model-parallel ranks",
+        joined = TensorSpec(name=group.fqn(escape(tensor)), source=f"{spec.source} of {len(held)} model-parallel ranks",
                             dtype=spec.dtype, shape=shape, kind=spec.kind)
         replicas = [(r, s, p) for r, s, p in pieces if p.replicated and r]
         out.append((joined, partial(_join, read, joined, kept, replicas), sum(counts[r] for r in {r for r, _, _ in pieces})))
