@@ -158,3 +158,39 @@ def test_an_adapter_that_does_not_import_is_named_with_its_error(registered: lis
     assert "gone" not in adapters()
     with pytest.raises(ManifestError, match=r"^the gone adapter cannot be loaded \(No module named 'ckptkit_adapters_that_is_not"):
         load_converter("gone")
+
+
+# A writer that cannot write the model's tensors: an export through it must not pass for complete.
+def _model_less_writer(source: Any, options: ExportOptions) -> tuple[Any, str | None]:
+    from ckptkit.exports.source import Written
+
+    def write(source: Any, storage: Any, tmp: str) -> Any:
+        storage.write(f"{tmp}/nothing.txt", [b"no tensors\n"])
+        return Written([], [], sorted(source.manifest.tensors))
+
+    return write, None
+
+
+MODEL_LESS = Adapter(name="model-less", description="a writer that leaves the model out",
+                     formats=(ExportFormat("model-less", "writes no tensor", _model_less_writer, dtypes=()),))
+
+
+def test_an_export_leaving_out_a_kind_its_format_holds_fails_unless_allowed(registered: list[metadata.EntryPoint],
+                                                                            tmp_path: Path) -> None:
+    import torch
+
+    registered.append(metadata.EntryPoint("model-less", "tests.test_adapters:MODEL_LESS", registry.ENTRY_POINT_GROUP))
+    src = tmp_path / "ckpt"
+    ckptkit.save({"model": {"w": torch.ones(2, 3), "b": torch.zeros(3)}, "optimizer": {"exp_avg": {"w": torch.ones(2, 3)}},
+                  "rng": {"torch": torch.zeros(4, dtype=torch.uint8)}}, str(src), step=1)
+    with pytest.raises(LayoutError) as refused:
+        ckptkit.export(str(src), str(tmp_path / "out"), format="model-less")
+    assert str(refused.value) == (f"{src}: the model-less export would leave out 2 tensor(s) of kinds it holds (param): "
+                                  "model/b; model/w; pass --allow-skip to export without them")
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "latest"]  # nothing beside
+    report = ckptkit.export(str(src), str(tmp_path / "out"), format="model-less", allow_skip=True)
+    assert report.dropped == ["model/b", "model/w"] and report.not_held == {"optimizer": 1, "rng": 1}
+    assert sorted(report.skipped) == ["model/b", "model/w", "optimizer/exp_avg/w", "rng/torch"]
+    # with the optimizer asked for, its state is held too
+    with pytest.raises(LayoutError, match=r"leave out 3 tensor\(s\) of kinds it holds \(optimizer, param\)"):
+        ckptkit.export(str(src), str(tmp_path / "out2"), format="model-less", include_optimizer=True)

@@ -137,15 +137,19 @@ def _offered(values: Callable[[Any], tuple[str, ...]]) -> list[str]:
               help="dcp: fsdp2 (the default for the reference trainer's checkpoints): the state dict FSDP2's get_state_dict "
                    "gives for its model, which an FSDP2 job at any world size loads with dcp.load + set_state_dict; plain "
                    "(the default for any other): the checkpoint's own tensor names, for dcp.load into a plain state dict.")
+@click.option("--allow-skip", is_flag=True,
+              help="Export without the tensors of kinds the format holds that it cannot write, listing them "
+                   "(default: any such tensor fails the export). Kinds a format does not hold are always left out and counted.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the export report).")
 def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, layout_file: str | None,
-               tp: int, pp: int, ep: int, dcp_form: str | None, as_json: bool) -> None:
+               tp: int, pp: int, ep: int, dcp_form: str | None, allow_skip: bool, as_json: bool) -> None:
     """Export the checkpoint at SRC (any topology) to DST: a Hugging Face model directory, a
     torch DCP checkpoint, the zarr form (every tensor as a zarr v3 array, manifest beside it), a
     Megatron-Core torch_dist checkpoint, or a DeepSpeed universal checkpoint.
 
-    Exit 0 when DST is complete, 1 on a ckptkit error (unmapped or missing tensors, DST exists;
-    DST does not appear), 2 on bad usage or when SRC holds no committed checkpoint.
+    Exit 0 when DST is complete, 1 on a ckptkit error (unmapped or missing tensors, tensors of a
+    kind the format holds left out without --allow-skip, DST exists; DST does not appear), 2 on
+    bad usage or when SRC holds no committed checkpoint.
     """
     try:
         size = parse_size(max_shard_size)
@@ -158,7 +162,7 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     layout = _layout_of(layout_file, src)
     with progress("exporting", shows_progress(as_json)) as update:
         report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
-                                layout=layout, progress=update, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form)
+                                layout=layout, progress=update, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form, allow_skip=allow_skip)
     if as_json:
         emit_json(report)
         return
@@ -166,8 +170,15 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     click.echo(
         f"{report.destination}: {len(report.tensors)} tensors ({report.format}{f' {report.form}' if report.form else ''}, {report.dtype}) in "
         f"{len(report.files)} file(s), {total / 1e6:.1f} MB "
-        f"(step {report.step}; {len(report.skipped)} tensors not exported)"
+        f"(step {report.step}; {len(report.skipped)} tensors not exported{_not_held(report)})"
     )
+    for fqn in report.dropped:
+        click.echo(f"left out (--allow-skip): {fqn}")
+
+
+def _not_held(report: Any) -> str:
+    """The tensors of kinds the export does not hold, counted by kind: ``: 78 optimizer, 3 rng``."""
+    return ": " + ", ".join(f"{n} {kind}" for kind, n in report.not_held.items()) if report.not_held else ""
 
 
 @cli.command("convert")

@@ -52,6 +52,20 @@ class ExportFormat:
     layout: bool = False  # takes --layout (the model's names)
     pieces: bool = False  # takes --tp, --pp, --ep (the parallel pieces its files hold)
     forms: tuple[str, ...] = ()  # its forms (--dcp-form); (): one form
+    # The tensor kinds it holds besides the optimizer state (``optimizer``; ``*``: every kind): an
+    # export that leaves out a tensor of a kind it holds fails unless allowed; the others are
+    # listed as kinds the format does not hold.
+    holds: tuple[str, ...] = ("param", "buffer")
+    form_holds: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (form, kinds) where a form holds other kinds
+
+    def held(self, form: str | None, include_optimizer: bool) -> frozenset[str]:
+        """The tensor kinds an export in `form` holds (the optimizer's when it is written)."""
+        from ..manifest.model import KINDS
+
+        kinds = dict(self.form_holds).get(form or "", self.holds)
+        written = self.optimizer == "always" or (self.optimizer == "optional" and include_optimizer)
+        out = frozenset(KINDS if "*" in kinds else kinds) - {"optimizer"}
+        return out | ({"optimizer"} if written else frozenset())
 
     def options_problem(
         self, *, dtype: str | None = None, include_optimizer: bool = False, layout: bool = False, tp: int = 1, pp: int = 1,

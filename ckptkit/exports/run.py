@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 import os
 import time
 import uuid
+from collections import Counter
 
 from ..io.catalog import locate, refuse_nesting, still_committed
 from ..io.commit import REPORT_NAME, commit, discard, staging
 from ..io.checksum import checksum_of
-from ..errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError
+from ..errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError, summarize
 from .formats import CHUNK_BYTES, EXPORT_FORMATS, ExportFormat, ExportOptions
 from .source import ExportedFile, ExportReport, Source, report_bytes
 from ..layouts import Layout
@@ -52,6 +53,7 @@ def export(
     pp: int = 1,
     dcp_form: str | None = None,
     ep: int = 1,
+    allow_skip: bool = False,
 ) -> ExportReport:
     """Export the checkpoint at `src` to the directory `dst` in `format`.
 
@@ -97,12 +99,18 @@ def export(
 
     Every format writes ``export_report.json`` (each tensor's source, dtypes and checksum, each
     file, the tensors left out). Tensors stream one at a time; `dst` appears only when complete.
-    `progress` is called with (bytes read, bytes to read) as the source tensors are read.
+    `progress` is called with (bytes read, bytes to read) as the source tensors are read. A
+    tensor left out of a kind the format holds (``ExportFormat.held``: the model's tensors, the
+    optimizer's when it is written, everything for the plain DCP and zarr forms) fails the export
+    unless `allow_skip` (then it is listed as ``dropped``); tensors of kinds the format does not
+    hold (the optimizer state of a Hugging Face model, RNG states) are listed as ``skipped``.
 
     Raises:
         LayoutError: an unknown format or dtype, options the format does not take (its entry in
             ``EXPORT_FORMATS`` says which it takes; all are listed), a model family with no HF
-            export, or tensors that cannot be mapped (all are listed); nothing is written.
+            export, or tensors that cannot be mapped (all are listed); nothing is written. Tensors
+            of kinds the format holds that it would leave out, without `allow_skip` (all are
+            listed; `dst` does not appear).
         CheckpointExistsError: something exists at `dst`.
         IntegrityError, StorageError: reading or writing failed; `dst` does not appear.
     """
@@ -118,12 +126,12 @@ def export(
     started = time.perf_counter()
     src_loc, manifest = open_checkpoint(src, storage)
     with Source(src_loc, manifest, progress=progress) as source, still_committed(src_loc):
-        return _export(source, dst, fmt, options, dst_storage, started)
+        return _export(source, dst, fmt, options, dst_storage, started, allow_skip)
 
 
 def _export(
     source: Source, dst: str | os.PathLike[str], fmt: ExportFormat, options: ExportOptions, dst_storage: Storage | None,
-    started: float,
+    started: float, allow_skip: bool,
 ) -> ExportReport:
     src_loc, manifest = source.loc, source.manifest
     writer, form = fmt.build(source, options)
@@ -136,10 +144,17 @@ def _export(
     stage = staging(dst_loc, uuid.uuid4().hex[:12], fixed_paths=True)
     try:
         written = writer(source, dst_loc.storage, stage.root)
+        held = fmt.held(form, options.include_optimizer)
+        dropped = [fqn for fqn in written.skipped if manifest.tensors[fqn].kind in held]
+        if dropped and not allow_skip:
+            raise LayoutError(f"{src_loc}: the {fmt.name} export would leave out {len(dropped)} tensor(s) of kinds it holds "
+                              f"({', '.join(sorted({manifest.tensors[f].kind for f in dropped}))}): {summarize(dropped)}; "
+                              "pass --allow-skip to export without them")
         report = ExportReport(
             format=fmt.name, form=form, dtype=options.dtype or "saved", source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
             step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
             tensors=written.tensors, files=sorted(written.files, key=lambda f: f.path), skipped=written.skipped,
+            dropped=dropped, not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in written.skipped if f not in dropped).items())),
             seconds=round(time.perf_counter() - started, 3),
         )
         data = report_bytes(report)

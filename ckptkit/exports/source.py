@@ -154,7 +154,10 @@ class ExportReport(BaseModel):
     destination: str
     tensors: list[ExportedTensor]
     files: list[ExportedFile]
-    skipped: list[str]
+    skipped: list[str]  # every tensor not written: of kinds the format does not hold, and `dropped`
+    # the tensors of kinds the format holds that it could not write, left out only when allowed (--allow-skip)
+    dropped: list[str] = []
+    not_held: dict[str, int] = {}  # the other tensors not written, counted by kind (kinds the format does not hold)
     seconds: float = 0.0  # from opening the source to the last tensor written
 
 

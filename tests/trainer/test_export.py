@@ -79,6 +79,17 @@ def test_export_from_any_topology_gives_byte_identical_files(source: Path, tmp_p
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
+def test_the_command_counts_what_the_format_does_not_hold_by_kind(source: Path, tmp_path: Path, run_ckptkit: Callable) -> None:
+    done = run_ckptkit("export", str(source), str(tmp_path / "hf"), "--allow-skip")
+    manifest = ckptkit.open(str(source)).manifest
+    kinds = {k: sum(t.kind == k for t in manifest.tensors.values()) for k in ("optimizer", "rng")}
+    assert done.returncode == 0 and kinds["optimizer"] and kinds["rng"]
+    want = f"{kinds['optimizer'] + kinds['rng']} tensors not exported: {kinds['optimizer']} optimizer, {kinds['rng']} rng)\n"
+    assert done.stdout.endswith(want) and "left out" not in done.stdout  # nothing the hf format holds was left out
+    report = json.loads((tmp_path / "hf" / "export_report.json").read_text())
+    assert report["not_held"] == kinds and report["dropped"] == []
+
+
 def test_export_refuses_bad_input_before_writing(source: Path, tmp_path: Path, run_ckptkit: Callable) -> None:
     (tmp_path / "taken").mkdir()
     with pytest.raises(CheckpointExistsError):

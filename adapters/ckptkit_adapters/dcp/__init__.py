@@ -49,5 +49,6 @@ def _default_form(manifest: Manifest, where: str) -> str:
 
 ADAPTER = Adapter(
     name="dcp", description="torch.distributed.checkpoint (FSDP2, DTensor, no_dist saves)", converter=lazy("ckptkit_adapters.dcp.reader:CONVERTER"),
-    formats=(ExportFormat("dcp", "torch.distributed.checkpoint", _writer, forms=("fsdp2", "plain")),),
+    formats=(ExportFormat("dcp", "torch.distributed.checkpoint", _writer, forms=("fsdp2", "plain"),
+                          form_holds=(("plain", ("*",)),)),),
 )

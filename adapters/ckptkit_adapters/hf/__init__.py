@@ -63,7 +63,7 @@ ADAPTER = Adapter(
     name="hf", description="Hugging Face transformers (save_pretrained folders)", converter=lazy("ckptkit_adapters.hf.reader:CONVERTER"),
     formats=(ExportFormat("hf", "Hugging Face model directory", _writer, optimizer="never", layout=True),
              ExportFormat("hf-trainer", "a Hugging Face Trainer checkpoint folder (resume_from_checkpoint), from a checkpoint "
-                          "converted from one", _trainer_writer, dtypes=(), optimizer="always",
+                          "converted from one", _trainer_writer, dtypes=(), optimizer="always", holds=("param", "buffer", "rng"),
                           saved_dtype="a Trainer folder keeps the weights and the optimizer in their saved dtypes")),
     families=(
         Family("hf", layout=_hf),

@@ -19,6 +19,6 @@ def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]
 
 ADAPTER = Adapter(
     name="zarr", description="zarr v3 arrays (the topology-free form)",
-    formats=(ExportFormat("zarr", "the topology-free form", _writer, dtypes=(), optimizer="always",
+    formats=(ExportFormat("zarr", "the topology-free form", _writer, dtypes=(), optimizer="always", holds=("*",),
                           saved_dtype="the zarr form keeps every tensor in its saved dtype"),),
 )
