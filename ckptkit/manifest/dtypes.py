@@ -12,6 +12,7 @@ DTYPES: dict[str, tuple[int, str]] = {
     "bfloat16": (2, "BF16"),
     "float8_e4m3fn": (1, "F8_E4M3"),
     "float8_e5m2": (1, "F8_E5M2"),
+    "complex64": (8, "C64"),  # a complex rotary table (torchtitan's freqs_cis); safetensors reads it since 0.6
     "int64": (8, "I64"),
     "int32": (4, "I32"),
     "int16": (2, "I16"),

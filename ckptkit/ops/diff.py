@@ -126,12 +126,14 @@ def compare(name: str, x: np.ndarray[Any, Any], y: np.ndarray[Any, Any], dtype: 
 
 
 def _float64(data: np.ndarray[Any, Any], dtype: str) -> np.ndarray[Any, Any]:
-    """The values of tensor bytes (rows of `itemsize` bytes) as float64."""
+    """The values of tensor bytes (rows of `itemsize` bytes) as float64 (complex128 for a complex
+    dtype: differences are then distances in the plane)."""
+    wide: Any = np.complex128 if dtype == "complex64" else np.float64
     if dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
         import ml_dtypes
 
         kind: Any = getattr(ml_dtypes, dtype)
     else:
         kind = np.dtype(dtype)
-    out: np.ndarray[Any, Any] = np.ascontiguousarray(data).view(kind).reshape(-1).astype(np.float64)
+    out: np.ndarray[Any, Any] = np.ascontiguousarray(data).view(kind).reshape(-1).astype(wide)
     return out

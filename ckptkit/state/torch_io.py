@@ -21,6 +21,7 @@ _TO_NAME: dict[torch.dtype, str] = {
     torch.int8: "int8",
     torch.uint8: "uint8",
     torch.bool: "bool",
+    torch.complex64: "complex64",
 }
 for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
     if hasattr(torch, _name):

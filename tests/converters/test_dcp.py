@@ -268,7 +268,7 @@ def test_a_hostile_value_saved_by_dcp_is_refused_or_skipped_and_runs_nothing(tmp
 
 
 def test_entries_ckptkit_cannot_hold_are_skipped_only_when_allowed(tmp_path: Path, run_ckptkit: Any) -> None:
-    src = _save_dcp({"model": {"w": torch.ones(3), "z": torch.zeros(2, dtype=torch.complex64)},
+    src = _save_dcp({"model": {"w": torch.ones(3), "z": torch.zeros(2, dtype=torch.complex128)},
                      "extra": {"inf": float("inf"), "ok": 1}}, tmp_path / "src")
     refused = run_ckptkit("convert", str(src), str(tmp_path / "out"))
     assert refused.returncode == 1 and "2 entries cannot be converted" in refused.stderr
@@ -277,7 +277,7 @@ def test_entries_ckptkit_cannot_hold_are_skipped_only_when_allowed(tmp_path: Pat
     report = json.loads(allowed.stdout)
     reasons = {s["source"]: s["reason"] for s in report["skipped"]}
     assert sorted(reasons) == ["extra.inf", "model.z"]
-    assert "torch.complex64" in reasons["model.z"] and "not a finite number" in reasons["extra.inf"]
+    assert "torch.complex128" in reasons["model.z"] and "not a finite number" in reasons["extra.inf"]
     assert ckptkit.read_manifest(tmp_path / "out").objects == {"extra/ok": 1}
 
 
@@ -421,9 +421,9 @@ def test_an_fsdp2_save_reshards_without_a_layout_and_its_job_resumes_from_the_ex
     assert [k for k, v in original["state"].items() if not torch.equal(again["state"][k], v)] == []
 
 
-def test_bytes_values_come_in_and_go_back_and_a_complex_buffer_is_listed(tmp_path: Path, run_ckptkit: Any) -> None:
+def test_bytes_values_and_a_complex_buffer_come_in_and_go_back(tmp_path: Path, run_ckptkit: Any) -> None:
     # as a torchtitan-style save holds them: a dataloader's state as bytes (pickled through
-    # _codecs.encode), a complex64 rotary table (no safetensors dtype: listed, converted with --allow-skip)
+    # _codecs.encode), a complex64 rotary table (safetensors' C64)
     save, converted, out = tmp_path / "save", tmp_path / "converted", tmp_path / "dcp"
     blob = bytes(range(256)) + b"\x00tail"
     state = {"model": {"w": torch.randn(3, 4), "freqs_cis": torch.polar(torch.ones(4, 2), torch.randn(4, 2))},
@@ -432,12 +432,24 @@ def test_bytes_values_come_in_and_go_back_and_a_complex_buffer_is_listed(tmp_pat
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(save), no_dist=True)
     proc = run_ckptkit("convert", "--from", "dcp", str(save), str(converted))
-    assert proc.returncode == 1 and "model.freqs_cis: dtype torch.complex64 has no ckptkit equivalent" in one_line_error(proc.stderr)
-    assert run_ckptkit("convert", "--allow-skip", str(save), str(converted)).returncode == 0
-    assert ckptkit.load(converted)["dataloader"] == {"state": blob, "step": 7}
+    assert proc.returncode == 0, proc.stderr
+    loaded = ckptkit.load(converted)
+    assert loaded["dataloader"] == {"state": blob, "step": 7}
+    assert loaded["model"]["freqs_cis"].dtype == torch.complex64 and torch.equal(loaded["model"]["freqs_cis"], state["model"]["freqs_cis"])
+    assert ckptkit.open(str(converted)).manifest.tensors["model/freqs_cis"].dtype == "complex64"
     assert run_ckptkit("export", str(converted), str(out), "--format", "dcp").returncode == 0
-    back: dict[str, Any] = {"dataloader": {"state": b"", "step": 0}, "model": {"w": torch.empty(3, 4)}}
+    back: dict[str, Any] = {"dataloader": {"state": b"", "step": 0},
+                            "model": {"w": torch.empty(3, 4), "freqs_cis": torch.empty(4, 2, dtype=torch.complex64)}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(back, checkpoint_id=str(out), no_dist=True)
     assert back["dataloader"] == {"state": blob, "step": 7} and torch.equal(back["model"]["w"], state["model"]["w"])
+    assert torch.equal(back["model"]["freqs_cis"], state["model"]["freqs_cis"])
+    # diff compares complex values as points of the plane
+    moved = tmp_path / "moved"
+    ckptkit.save({"model": {"w": loaded["model"]["w"], "freqs_cis": loaded["model"]["freqs_cis"] * 1j}}, str(moved), step=0)
+    same = tmp_path / "same"
+    ckptkit.save({"model": {"w": loaded["model"]["w"], "freqs_cis": loaded["model"]["freqs_cis"]}}, str(same), step=0)
+    report = ckptkit.diff(str(same), str(moved))
+    (only,) = report.differences
+    assert only.name == "model/freqs_cis" and only.mismatched == 8 and abs(only.max_abs - 2 ** 0.5) < 1e-6

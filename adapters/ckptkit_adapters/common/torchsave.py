@@ -37,10 +37,11 @@ TORCH_DTYPES: dict[str, str] = {
     "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
     "int64": "int64", "long": "int64", "int32": "int32", "int": "int32", "int16": "int16", "short": "int16",
     "int8": "int8", "uint64": "uint64", "uint32": "uint32", "uint16": "uint16", "uint8": "uint8", "bool": "bool",
+    "complex64": "complex64", "cfloat": "complex64",
 }
 # torch dtypes ckptkit has no name for: a tensor of one is listed as skipped, not refused.
 OTHER_TORCH_DTYPES = (
-    "complex128", "cdouble", "complex64", "cfloat", "complex32", "chalf", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "complex128", "cdouble", "complex32", "chalf", "float8_e4m3fnuz", "float8_e5m2fnuz",
     "float8_e8m0fnu", "float4_e2m1fn_x2", "qint8", "qint32", "quint8", "quint4x2", "quint2x4", "bits1x8", "bits2x4",
     "bits4x2", "bits8", "bits16", "bit", *(f"int{n}" for n in range(1, 8)), *(f"uint{n}" for n in range(1, 8)),
 )
@@ -48,7 +49,7 @@ OTHER_TORCH_DTYPES = (
 STORAGE_DTYPES: dict[str, str] = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
     "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
-    "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ByteStorage": "uint8", "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
 }
 
 
