@@ -264,9 +264,12 @@ def test_a_zero3_save_resumes_at_zero2_and_zero3_with_the_original_engines_state
     # engine at dp 1 load: every master and moment bitwise what the original engine holds after loading its save
     from .deepspeed_job import run
 
-    save, converted, out = FIXTURES / "deepspeed" / "zero3-fp32", tmp_path / "converted", tmp_path / "universal"
+    save, converted, resharded, out = (FIXTURES / "deepspeed" / "zero3-fp32", tmp_path / "converted", tmp_path / "dp3",
+                                       tmp_path / "universal")
     assert _run("convert", str(save), str(converted)).returncode == 0
-    proc = _run("export", str(converted), str(out), "--format", "deepspeed")
+    proc = _run("reshard", str(converted), str(resharded), "--dp", "3", "--zero", "3")  # on the way: another DP size
+    assert proc.returncode == 0, proc.stderr
+    proc = _run("export", str(resharded), str(out), "--format", "deepspeed")
     assert proc.returncode == 0, proc.stderr
     original = run(2, str(save), 3, False, str(tmp_path / "original"), _port(4))
     assert original["weight_decay"] == [0.1, 0.0]  # the fixture's two groups differ

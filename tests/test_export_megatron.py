@@ -80,6 +80,25 @@ def test_megatron_core_loads_the_export_with_equal_tensors_and_logits(export_at:
     assert json.loads((out / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
 
 
+def test_a_save_resharded_first_comes_back_with_every_tensor_megatron_core_saved(tmp_path: Path, run_ckptkit: Any) -> None:
+    # in at tp 2 x dp 2, resharded to tp 1 x dp 4 (ZeRO 1: the moments cut over DP), out at tp 2:
+    # megatron-core loads every parameter and optimizer state bitwise as it saved them
+    layout = _layout_file(tmp_path)
+    converted, resharded, out = tmp_path / "converted", tmp_path / "tp1-dp4", tmp_path / "megatron"
+    assert run_ckptkit("convert", str(FIXTURES / "gpt-tp2-dp2"), str(converted), "--layout", str(layout)).returncode == 0
+    proc = run_ckptkit("reshard", str(converted), str(resharded), "--tp", "1", "--dp", "4", "--zero", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert ckptkit.read_manifest(resharded).topology.dp == 4
+    proc = run_ckptkit("export", str(resharded), str(out), "--format", "megatron", "--include-optimizer", "--tp", "2")
+    assert proc.returncode == 0, proc.stderr
+    oracle = FIXTURES / "gpt-tp2-dp2.oracle"
+    logits, plain = _load_in_megatron(out, 2, "float32", tmp_path, oracle / "logits.safetensors")
+    assert (logits - load_file(str(oracle / "logits.safetensors"))["logits"]).abs().max().item() < 1e-4
+    want = load_file(str(oracle / "plain.safetensors"))
+    assert sorted(plain) == sorted(want)
+    assert [k for k, v in want.items() if not (plain[k].dtype == v.dtype and torch.equal(plain[k], v))] == []
+
+
 def test_a_dp_reshardable_save_comes_back_as_megatron_core_reads_it(tmp_path: Path, run_ckptkit: Any) -> None:
     # Megatron-LM's default optimizer form in, the reshardable form out: every state as megatron-core's own
     out = _convert_and_export("gpt-tp2-dp2-dpr-bf16", tmp_path, run_ckptkit, "--tp", "2")
