@@ -1,14 +1,21 @@
 # Two commands do all set-up from a fresh clone: `make demo` (the main job) and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 FRAMEWORKS := $(VENV)/.frameworks
 
 .PHONY: demo test test-fast bench bench-gpu schemas fixtures lint clean
 
-$(STAMP): pyproject.toml constraints.txt
+# What the demo needs: ckptkit with torch and safetensors, nothing of the development tools.
+$(RUNTIME): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[torch]'
+	touch $(RUNTIME)
+
+# The tests' and linters' dependencies on top (transformers, peft, tensorstore, zarr, boto3, mypy, ...).
+$(STAMP): $(RUNTIME)
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
@@ -18,7 +25,7 @@ $(FRAMEWORKS): $(STAMP)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt deepspeed  # the DeepSpeed export's tests load into DeepSpeed (pure-Python install; its CPU op is built at first use)
 	touch $(FRAMEWORKS)
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(VENV)/bin/ckptkit demo demo-out
 
 test: $(FRAMEWORKS)
