@@ -157,3 +157,36 @@ def test_a_library_warning_is_one_line(tmp_path: Path, run_ckptkit: Any) -> None
         f"ckptkit: warning: {GOLDEN_V1 / 'step_00000005'} was written before block checksums (schema 1.0); partial reads "
         "of its files are not checked (whole-file reads and `ckptkit verify` are)"
     ]
+
+
+def _commands() -> list[tuple[str, Any]]:
+    """Every command of the CLI by its full name (``layout show``), from the click group itself."""
+    import click
+
+    from ckptkit.cli import cli
+
+    out: list[tuple[str, Any]] = []
+
+    def walk(group: click.Group, prefix: str) -> None:
+        for name, command in sorted(group.commands.items()):
+            if isinstance(command, click.Group):
+                walk(command, f"{prefix}{name} ")
+            else:
+                out.append((f"{prefix}{name}", command))
+
+    walk(cli, "")
+    return out
+
+
+def test_every_command_has_examples_of_itself_and_no_untyped_text_value() -> None:
+    import click
+
+    from ckptkit.cli import cli
+
+    assert len(_commands()) == 14
+    for name, command in _commands():
+        with click.Context(command, info_name=f"ckptkit {name}", parent=click.Context(cli, info_name="ckptkit")) as ctx:
+            text = command.get_help(ctx)
+        examples = text.split("Examples:\n", 1)[1].split("\n\n", 1)[0].splitlines() if "Examples:\n" in text else []
+        assert examples and all(line.strip().startswith(f"ckptkit {name}") for line in examples), name
+        assert " TEXT " not in text, name  # every value says what it is (DIR, FILE, LAYOUT.json|NAME)

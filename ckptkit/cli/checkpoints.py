@@ -16,13 +16,19 @@ from .base import SHOWN, cli, emit_json, progress, shows_progress
 @cli.command("inspect")
 @click.argument("path")
 @click.option("--tensors", "show_tensors", is_flag=True, help="Also list every tensor: dtype, shape, kind, bytes, how it is cut.")
-@click.option("--match", "match", default="*", show_default=True, help="List only the tensors whose names match this glob (implies --tensors).")
+@click.option("--match", "match", metavar="GLOB", default="*", show_default=True, help="List only the tensors whose names match this glob (implies --tensors).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (it always lists the tensors).")
 def inspect_cmd(path: str, show_tensors: bool, match: str, as_json: bool) -> None:
     """Show what the checkpoint at PATH holds: step, topology, the model, tensors, bytes, assets, versions.
 
     Another tool's checkpoint is read through its adapter (what ``ckptkit convert`` would bring
     in, and what it would skip), nothing written.
+
+    \b
+    Examples:
+      ckptkit inspect demo-out/run
+      ckptkit inspect fixtures/deepspeed/zero3-fp32
+      ckptkit inspect demo-out/run --tensors --match 'optimizer/*'
     """
     report = ckptkit.inspect(path, match=match)
     if as_json:
@@ -44,6 +50,11 @@ def verify_cmd(path: str, quick: bool, as_json: bool, workers: int) -> None:
 
     Exit 0 when sound, 1 when problems were found, 2 on bad usage or when PATH holds no
     committed checkpoint.
+
+    \b
+    Examples:
+      ckptkit verify demo-out/run
+      ckptkit verify --quick --json demo-out/run/step_00000010
     """
     report = _withprogress(path, quick, workers, show=shows_progress(as_json))
     if as_json:
@@ -97,6 +108,11 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, include_rng: bool, limit:
 
     Bitwise by default; --atol/--rtol allow |a - b| <= atol + rtol * |b|. Exit 0 when equal,
     1 when different, 2 on bad usage or when A or B holds no committed checkpoint.
+
+    \b
+    Examples:
+      ckptkit diff demo-out/run/step_00000010 demo-out/run/step_00000020
+      ckptkit diff A B --atol 1e-6 --limit 5
     """
     kinds = ("param", "optimizer", "buffer", "other") + (("rng",) if include_rng else ())
     with progress("comparing", shows_progress(as_json)) as update:
@@ -130,6 +146,10 @@ def layout_show_cmd(path: str) -> None:
     The layout the checkpoint records, or for a checkpoint written before layouts were
     recorded, the built-in layout of the model family its manifest names. Exit 0, 1 when
     the checkpoint has no layout, 2 when PATH holds no committed checkpoint.
+
+    \b
+    Examples:
+      ckptkit layout show demo-out/run > layout.json
     """
     from ..layouts import layout_for
 
@@ -148,6 +168,10 @@ def layout_builtin_cmd(family: str, config: str) -> None:
     model.json > layout.json`, then `reshard --layout` or `export --layout`. Exit 0, 1 on an
     unknown family or a config that lacks what the layout needs, or a CONFIG that is not a JSON
     object.
+
+    \b
+    Examples:
+      ckptkit layout builtin megatron-gpt config.json > layout.json
     """
     from ..layouts import builtin
 
@@ -175,6 +199,10 @@ def layout_check_cmd(file: str, tp: int | None, pp: int | None, dp: int | None, 
 
     Prints one line per problem. Exit 0 when sound, 1 when problems were found or FILE
     cannot be read.
+
+    \b
+    Examples:
+      ckptkit layout check layout.json --tp 2 --pp 2 --dp 2 --zero 1
     """
     from ..layouts import layout_problems, parse_layout, topology_problems
 

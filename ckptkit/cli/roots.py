@@ -15,7 +15,13 @@ from .base import cli, emit_json
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def ls_cmd(root: str, as_json: bool) -> None:
     """List what ROOT holds: committed checkpoints (step, topology, size, time, latest), other
-    directories named for what they are, leftovers of interrupted saves, and warnings."""
+    directories named for what they are, leftovers of interrupted saves, and warnings.
+
+    \b
+    Examples:
+      ckptkit ls demo-out/run
+      ckptkit ls fixtures/megatron --json
+    """
     report = ckptkit.list_checkpoints(root)
     if as_json:
         emit_json(report)
@@ -45,6 +51,10 @@ def clean_cmd(root: str, dry_run: bool, as_json: bool) -> None:
     Never a committed checkpoint, one a live read lease holds, or a directory ckptkit does not
     know. Run it while no save into ROOT is in progress (a save being written looks like an
     interrupted one).
+
+    \b
+    Examples:
+      ckptkit clean demo-out/run --dry-run
     """
     report = ckptkit.clean(root, dry_run=dry_run)
     if as_json:
@@ -69,6 +79,10 @@ def prune_cmd(root: str, keep_last: int, keep_every: int | None, dry_run: bool, 
 
     The rules CheckpointManager applies after each save: never the checkpoint latest names,
     the newest, or one a live read lease holds.
+
+    \b
+    Examples:
+      ckptkit prune demo-out/run --keep-last 2 --keep-every 100 --dry-run
     """
     report = ckptkit.prune(root, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run)
     if as_json:

@@ -28,8 +28,8 @@ from .base import cli
               help="Compute dtype on fp32 master weights; fp16 with a dynamic loss scaler (checkpointed).")
 @click.option("--steps", default=10, show_default=True, type=click.IntRange(0), help="Global step to stop at.")
 @click.option("--save-every", default=0, show_default=True, type=click.IntRange(0), help="Save every K steps and at the end (0: never).")
-@click.option("--out", default="runs/train", show_default=True, help="Directory of the run's checkpoints.")
-@click.option("--resume", default=None, help="A checkpoint to resume from, or 'latest' (under --out); nothing to resume is an error.")
+@click.option("--out", metavar="DIR", default="runs/train", show_default=True, help="Directory of the run's checkpoints.")
+@click.option("--resume", metavar="PATH|latest", default=None, help="A checkpoint to resume from, or 'latest' (under --out); nothing to resume is an error.")
 @click.option("--resume-if-present", is_flag=True, help="With --resume latest: start a new run (from --init-from if given) when --out holds no checkpoint yet.")
 @click.option("--init-from", default=None, metavar="CKPT",
               help="Start a new run from the parameters of this checkpoint (any topology; a converted Hugging Face Llama too): "
@@ -38,13 +38,13 @@ from .base import cli
               help="Model size (default tiny; *-moe: a mixture of experts, 8 experts, top-2; with --init-from the "
                    "checkpoint's, which a given --model must match).")
 @click.option("--seed", default=1234, show_default=True, type=int)
-@click.option("--log-jsonl", default=None, help="Append one JSON object per step (and per save, with \"event\": \"save\") to this file.")
+@click.option("--log-jsonl", metavar="FILE", default=None, help="Append one JSON object per step (and per save, with \"event\": \"save\") to this file.")
 @click.option("--sync-save", is_flag=True, help="Save in the training loop instead of in the background (to compare stalls).")
 @click.option("--global-batch", default=8, show_default=True, type=click.IntRange(1), help="Samples per step.")
 @click.option("--micro-batches", default=2, show_default=True, type=click.IntRange(1), help="Micro-batches per step and rank.")
 @click.option("--seq-len", default=32, show_default=True, type=click.IntRange(1))
 @click.option("--lr", default=3e-3, show_default=True, type=float)
-@click.option("--corpus", default=None, help="A text file to train on (default: the generated corpus).")
+@click.option("--corpus", metavar="FILE", default=None, help="A text file to train on (default: the generated corpus).")
 @click.option("--tie-embeddings", is_flag=True, help="Share the embedding and output head weights (pp 1 only).")
 @click.option("--quiet", is_flag=True, help="Print nothing per step.")
 def train_cmd(**options: Any) -> None:
@@ -54,6 +54,11 @@ def train_cmd(**options: Any) -> None:
     A new run (no --resume) into an --out that holds checkpoints is refused before anything is
     written: continue that run with --resume latest, or choose another --out. --init-from starts
     a new run from another checkpoint's parameters alone.
+
+    \b
+    Examples:
+      ckptkit train --tp 2 --pp 2 --dp 2 --zero 1 --steps 20 --save-every 10 --out run
+      ckptkit train --tp 1 --pp 1 --dp 4 --zero 3 --steps 30 --save-every 10 --out run --resume latest
     """
     from ..trainer.train import config_from, launch, prepare
 
@@ -78,7 +83,13 @@ def train_cmd(**options: Any) -> None:
 @cli.command("demo")
 @click.argument("out_dir", default="demo-out", required=False)
 def demo_cmd(out_dir: str) -> None:
-    """Train the tiny model on 8 ranks (TP 2 x PP 2 x DP 2, ZeRO-1) into OUT_DIR, then list, inspect, verify, diff and reload what it saved."""
+    """Train the tiny model on 8 ranks (TP 2 x PP 2 x DP 2, ZeRO-1) into OUT_DIR, then list, inspect, verify, diff and reload what it saved.
+
+    \b
+    Examples:
+      ckptkit demo
+      ckptkit demo /tmp/demo
+    """
     from ..trainer.demo import run
 
     ok = run(out_dir, click.echo)

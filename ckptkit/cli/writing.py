@@ -29,7 +29,7 @@ from .base import cli, emit_json, init_torchrun, parse_size, progress, shows_pro
 @click.option("--no-check", is_flag=True, help="Do not check the source checksums while copying.")
 @click.option("--no-latest", is_flag=True,
               help="Leave the latest pointer of DST's root where it is (it only ever moves to a higher step, and only in a run root).")
-@click.option("--layout", "layout_file", default=None,
+@click.option("--layout", "layout_file", default=None, metavar="LAYOUT.json|NAME",
               help="The model's layout: a layout file, or a built-in layout's name built for SRC's model config "
                    "(default: the one SRC records).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
@@ -45,6 +45,11 @@ def reshard_cmd(
     Exit 0 when DST is committed, 1 on a ckptkit error (impossible target, a layout with
     mistakes, DST exists, source corrupt; nothing is committed), 2 on bad usage or when SRC
     holds no committed checkpoint.
+
+    \b
+    Examples:
+      ckptkit reshard demo-out/run dp4 --tp 1 --pp 1 --dp 4 --zero 3
+      ckptkit reshard converted tp1 --tp 1 --dp 2 --zero 1 --layout megatron-gpt
     """
     if zero not in (0, 1, 2, 3):
         usage(f"--zero: stage {zero} is not one of 0, 1, 2, 3")
@@ -122,9 +127,9 @@ def _offered(values: Callable[[Any], tuple[str, ...]]) -> list[str]:
               help="; ".join(f"{f.name}: {f.help}" for f in ckptkit.EXPORT_FORMATS.values()) + ".")
 @click.option("--dtype", default=None, type=click.Choice(_offered(lambda f: f.dtypes)),
               help="Output dtype. hf, dcp, megatron: default the saved dtype; zarr, deepspeed: always the saved dtype.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="hf: largest output file (5GB, 500MB, 2GiB, bytes).")
+@click.option("--max-shard-size", default="5GB", metavar="SIZE", show_default=True, help="hf: largest output file (5GB, 500MB, 2GiB, bytes).")
 @click.option("--include-optimizer", is_flag=True, help="dcp, megatron: also export the optimizer state (zarr and deepspeed always have it).")
-@click.option("--layout", "layout_file", default=None,
+@click.option("--layout", "layout_file", default=None, metavar="LAYOUT.json|NAME",
               help="hf, megatron: the model's layout: a layout file, or a built-in layout's name built for SRC's model config "
                    "(default: the one SRC records).")
 @click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1),
@@ -150,6 +155,12 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     Exit 0 when DST is complete, 1 on a ckptkit error (unmapped or missing tensors, tensors of a
     kind the format holds left out without --allow-skip, DST exists; DST does not appear), 2 on
     bad usage or when SRC holds no committed checkpoint.
+
+    \b
+    Examples:
+      ckptkit export demo-out/run hf-out --format hf --dtype bf16
+      ckptkit export converted universal --format deepspeed
+      ckptkit export converted mcore --format megatron --tp 2 --include-optimizer
     """
     try:
         size = parse_size(max_shard_size)
@@ -184,11 +195,11 @@ def _not_held(report: Any) -> str:
 @cli.command("convert")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--from", "source_format", default="auto", show_default=True,
+@click.option("--from", "source_format", metavar="FORMAT", default="auto", show_default=True,
               help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp, deepspeed, hf, megatron).")
 @click.option("--allow-skip", is_flag=True,
               help="Convert what can be converted and list the rest as skipped (default: any such entry fails).")
-@click.option("--layout", "layout_file", default=None,
+@click.option("--layout", "layout_file", default=None, metavar="LAYOUT.json|NAME",
               help="The model's layout, recorded in DST: a layout file, or a built-in layout's name built for "
                    "--model-config (default: the one the converter finds, if any).")
 @click.option("--model-config", "model_config", multiple=True, metavar="KEY=VALUE",
@@ -206,6 +217,11 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
     export need no --layout. Exit 0 when DST is committed, 1 on a ckptkit error (unknown
     format, unsafe or damaged source, a layout that does not fit, DST exists; DST does not
     appear), 2 on bad usage.
+
+    \b
+    Examples:
+      ckptkit convert fixtures/deepspeed/zero3-fp32 converted
+      ckptkit convert MCORE_SAVE converted --model-config num_attention_heads=32 --model-config num_query_groups=8
     """
     from ..layouts import named_layout
 
