@@ -4,8 +4,9 @@ PY := $(VENV)/bin/python
 RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 FRAMEWORKS := $(VENV)/.frameworks
+DOCS := $(VENV)/.docs
 
-.PHONY: demo test test-fast bench bench-gpu schemas fixtures lint clean
+.PHONY: demo docs test test-fast bench bench-gpu schemas fixtures lint clean
 
 # What the demo needs: ckptkit with torch and safetensors, nothing of the development tools.
 $(RUNTIME): pyproject.toml constraints.txt
@@ -25,6 +26,11 @@ $(FRAMEWORKS): $(STAMP)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt deepspeed  # the DeepSpeed export's tests load into DeepSpeed (pure-Python install; its CPU op is built at first use)
 	touch $(FRAMEWORKS)
 
+# The docs site's builder (mkdocs and its plugins), on top of the runtime: the API pages import ckptkit.
+$(DOCS): $(RUNTIME)
+	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
+	touch $(DOCS)
+
 demo: $(RUNTIME)
 	$(VENV)/bin/ckptkit demo demo-out
 
@@ -41,6 +47,10 @@ bench: $(STAMP)
 # Needs a CUDA device (exits 2 without one); see README, Development.
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/gpu.py
+
+# The docs site into site/; warnings (a broken link, anchor or API reference) fail the build.
+docs: $(DOCS)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 schemas: $(STAMP)
 	$(PY) -m ckptkit.schemas schemas
@@ -60,4 +70,4 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) demo-out bench-out
+	rm -rf $(VENV) demo-out bench-out site

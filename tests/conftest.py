@@ -23,8 +23,8 @@ def _ckptkit_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "ckptkit.cli"]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "CKPTKIT_DEBUG"}
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**{k: v for k, v in os.environ.items() if k != "CKPTKIT_DEBUG"}, **(env or {})}
     return subprocess.run(
         [*_ckptkit_command(), *args], capture_output=True, text=True, env=env, timeout=120, check=False
     )

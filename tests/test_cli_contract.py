@@ -4,6 +4,7 @@ with --json, a schema for every --json output, summaries instead of endless line
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from ckptkit import ShardedTensor
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "schemas" / "cli"
 GOLDEN_V1 = Path(__file__).resolve().parents[1] / "fixtures" / "v1"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 # Each command given a path that holds nothing (the same mistake): exit 2.
 MISSING = {
@@ -159,34 +161,33 @@ def test_a_library_warning_is_one_line(tmp_path: Path, run_ckptkit: Any) -> None
     ]
 
 
-def _commands() -> list[tuple[str, Any]]:
-    """Every command of the CLI by its full name (``layout show``), from the click group itself."""
-    import click
-
-    from ckptkit.cli import cli
-
-    out: list[tuple[str, Any]] = []
-
-    def walk(group: click.Group, prefix: str) -> None:
-        for name, command in sorted(group.commands.items()):
-            if isinstance(command, click.Group):
-                walk(command, f"{prefix}{name} ")
-            else:
-                out.append((f"{prefix}{name}", command))
-
-    walk(cli, "")
-    return out
-
-
 def test_every_command_has_examples_of_itself_and_no_untyped_text_value() -> None:
-    import click
+    from ckptkit.cli.reference import commands, help_text
 
-    from ckptkit.cli import cli
-
-    assert len(_commands()) == 14
-    for name, command in _commands():
-        with click.Context(command, info_name=f"ckptkit {name}", parent=click.Context(cli, info_name="ckptkit")) as ctx:
-            text = command.get_help(ctx)
+    assert len(commands()) == 14
+    for name, command in commands():
+        text = help_text(name, command)
         examples = text.split("Examples:\n", 1)[1].split("\n\n", 1)[0].splitlines() if "Examples:\n" in text else []
         assert examples and all(line.strip().startswith(f"ckptkit {name}") for line in examples), name
         assert " TEXT " not in text, name  # every value says what it is (DIR, FILE, LAYOUT.json|NAME)
+
+
+def test_the_reference_page_is_every_commands_help(run_ckptkit: Any) -> None:
+    """The docs site's command reference is made from the commands: each section is what
+    ``ckptkit NAME --help`` prints (at the page's width), for every command, in order."""
+    import importlib.util
+
+    from ckptkit.cli.reference import WIDTH, commands, help_text
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    assert spec and spec.loader
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = hooks.on_page_markdown((DOCS / "cli.md").read_text(encoding="utf-8"), page=None)
+    assert hooks.MARK not in page
+    sections = re.findall(r"^## `ckptkit ([a-z ]+)`\n\n.*?\n\n```text\n(.*?)\n```$", page, re.S | re.M)
+    assert [name for name, _ in sections] == [name for name, _ in commands()]
+    assert all(text == help_text(name, command, WIDTH) for (name, text), (_, command) in zip(sections, commands()))
+    for name, command in commands()[:2] + commands()[-2:]:  # and help_text is what the command prints
+        proc = run_ckptkit(*name.split(), "--help", env={"COLUMNS": "80"})
+        assert proc.returncode == 0 and proc.stdout.rstrip("\n") == help_text(name, command, 80), name

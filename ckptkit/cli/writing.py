@@ -209,7 +209,7 @@ def _not_held(report: Any) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the convert report).")
 def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout_file: str | None, model_config: tuple[str, ...],
                 as_json: bool) -> None:
-    """Convert another tool's checkpoint at SRC (a torch DCP, DeepSpeed, Hugging Face or Megatron-Core directory) into a ckptkit checkpoint at DST.
+    """Convert another tool's checkpoint at SRC (a DeepSpeed, Megatron, torch DCP, Hugging Face model or `Trainer`, or peft directory) into a ckptkit checkpoint at DST.
 
     Every tensor and value of SRC is converted or listed as skipped with a reason; an entry
     that cannot be converted fails the conversion unless --allow-skip. --layout records the

@@ -111,7 +111,8 @@ def reshard(
             directory that is not a run root (such as the working directory).
         layout: where the target's ranks hold which boxes (default: the layout the source records, or
             the built-in layout of the family its ``info.model`` names); the target records it.
-        storage, dst_storage: read `src` / write `dst` through these backends (names under their roots).
+        storage: read `src` through this backend (names under its root).
+        dst_storage: write `dst` through this backend (names under its root).
         progress: called with (bytes written, bytes this process writes) as the target files fill.
 
     Raises:
