@@ -56,6 +56,8 @@ def test_a_long_command_shows_progress_on_a_terminal(command: str, work: dict[st
     code, _, terminal = _in_pty(*_args(command, work, f"tty-{command}"))
     assert code in (0, 1), terminal  # diff of two different checkpoints exits 1
     assert f"{LABELS[command]}  [" in terminal and "100%" in terminal, terminal  # click's bar: label  [####]  100%
+    # its label before anything else of the work (before torch imports), the bar drawn over it
+    assert terminal.replace("\r\n", "\n").split("\r")[0].splitlines()[-1] == f"{LABELS[command]} ...", terminal
 
 
 @pytest.mark.parametrize("command", sorted(LABELS))

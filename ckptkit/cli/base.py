@@ -90,12 +90,18 @@ def usage(message: str) -> NoReturn:
 @contextlib.contextmanager
 def progress(label: str, show: bool) -> Iterator[Callable[[int, int], None] | None]:
     """A (done, total) callback drawing a progress bar on stderr, or None when `show` is False
-    (piped, or --json): long work shows progress on a terminal and stays quiet otherwise."""
+    (piped, or --json): long work shows progress on a terminal and stays quiet otherwise.
+
+    The label shows at once (``exporting ...``), before the work imports torch or plans, so a
+    terminal never sits blank; the bar draws over it, and it is cleared if no bar came."""
     if not show:
         yield None
         return
+    sys.stderr.write(f"{label} ...")
+    sys.stderr.flush()
     with contextlib.ExitStack() as stack:
         bar: list[Any] = []
+        stack.callback(lambda: None if bar else (sys.stderr.write("\r\033[K"), sys.stderr.flush()))
 
         def update(done: int, total: int) -> None:
             if not bar:

@@ -60,6 +60,8 @@ def train_cmd(**options: Any) -> None:
       ckptkit train --tp 2 --pp 2 --dp 2 --zero 1 --steps 20 --save-every 10 --out run
       ckptkit train --tp 1 --pp 1 --dp 4 --zero 3 --steps 30 --save-every 10 --out run --resume latest
     """
+    if not options["quiet"] and sys.stderr.isatty():  # before torch imports: a terminal never sits blank
+        click.echo("ckptkit: train: starting", err=True)
     from ..trainer.train import config_from, launch, prepare
 
     if options["init_from"] and options["resume"] and not options["resume_if_present"]:
@@ -90,6 +92,7 @@ def demo_cmd(out_dir: str) -> None:
       ckptkit demo
       ckptkit demo /tmp/demo
     """
+    click.echo(f"ckptkit demo: training the tiny model on 8 ranks into {out_dir}, then checking what it saved")
     from ..trainer.demo import run
 
     ok = run(out_dir, click.echo)

@@ -131,6 +131,7 @@ def test_cli_train_on_a_terminal_says_what_its_start_up_is_doing(trained: Path, 
     code, _, terminal = run_in_pty("train", "--resume", str(trained / "step_00000002"), "--out", str(tmp_path / "b"), "--steps", "3")
     assert code == 0, terminal
     lines = [line.strip() for line in terminal.splitlines()]
+    assert lines[0] == "ckptkit: train: starting"  # before torch imports
     assert BANNER.format(ckpt=trained / "step_00000002") in lines
     assert lines.index("ckptkit: train: preparing the data") < lines.index("ckptkit: train: building the tiny model on 1 rank(s)")
     assert f"ckptkit: train: loading {trained / 'step_00000002'}" in lines and "ckptkit: train: training steps 3-3" in lines
