@@ -54,3 +54,16 @@ def test_a_recipe_runs_as_written(index: int, tmp_path: Path) -> None:
             else:
                 report = json.loads((dst / "export_report.json").read_text())
                 assert report["format"] == args[args.index("--format") + 1]
+
+
+def test_the_library_recipe_runs_as_written(tmp_path: Path) -> None:
+    """The trainer author's recipe (the README's python block), run as a script: it saves, loads
+    at another sharding, verifies and keeps the last two saves, asserting each."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Saving and loading from your own trainer", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    script = tmp_path / "recipe.py"
+    script.write_text(block.replace(PLACE, str(tmp_path)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert [c.step for c in ckptkit.list_checkpoints(tmp_path / "ckpts").checkpoints] == [200, 300]
