@@ -248,7 +248,7 @@ def _ckptkit(src: str, out: str, source: str) -> dict[str, Any]:
     written = _tree_bytes(out)
     shutil.rmtree(out, ignore_errors=True)
     return {"seconds": seconds, "in_process_s": report["seconds"], "bytes_read": read, "bytes_written": written,
-            "payload_bytes_written": report["bytes_written"], "tensors": len(report["tensors"]),
+            "payload_bytes_written": report["bytes_written"], "tensors": report["tensors"],
             "skipped": len(report["skipped"]), "rss_peak_abs": peak, **cold}
 
 

@@ -120,6 +120,6 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 def _ckptkit(src: str, out: str) -> dict[str, Any]:
     seconds, report, peak = timed_command(["export", src, out, "--format", "hf", "--dtype", "bf16"],
                                         "ckptkit.exports.run, ckptkit_adapters.hf.writer")
-    written = sum(f["size"] for f in report["files"])
+    written = sum(f["size"] for f in report["file_list"])
     shutil.rmtree(out, ignore_errors=True)
     return {"seconds": seconds, "in_process_s": report["seconds"], "bytes_written": written, "rss_peak_abs": peak}

@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any
 
+from pydantic import BaseModel
+
 from .exports.run import ExportReport
 from .io.run_record import RunRecord
 from .ops.convert import ConvertReport
@@ -26,18 +28,31 @@ from .writer.clean import CleanReport
 from .writer.prune import PruneReport
 
 
+# Each command's --json report and the major version of its schema (`schemas/cli/<name>.v<N>.schema.json`).
+# A version goes up when a field is renamed or changes type; the older schemas stay in `schemas/cli/`, as
+# published, and docs/cli.md lists what changed.
+CLI_REPORTS: dict[str, tuple[int, type[BaseModel]]] = {
+    "verify": (2, VerifyReport), "inspect": (2, InspectReport), "ls": (2, ListingReport), "reshard": (2, ReshardReport),
+    "export": (2, ExportReport), "convert": (2, ConvertReport), "clean": (2, CleanReport), "prune": (2, PruneReport),
+    "diff": (2, DiffReport), "error": (1, ErrorReport),
+}
+
+
+def cli_schema_path(name: str) -> str:
+    """The current schema of command `name`'s --json report, relative to `schemas/`."""
+    return f"cli/{name}.v{CLI_REPORTS[name][0]}.schema.json"
+
+
 def all_schemas() -> dict[str, dict[str, Any]]:
     """Return relative file path -> JSON Schema for every published document."""
     out = {f"manifest/v{SCHEMA_MAJOR}.schema.json": manifest_json_schema(), "layout/v1.schema.json": layout_json_schema()}
     run = RunRecord.model_json_schema()
     run["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     out["run/v1.schema.json"] = run
-    for name, model in (("verify", VerifyReport), ("inspect", InspectReport), ("ls", ListingReport), ("reshard", ReshardReport),
-                        ("export", ExportReport), ("convert", ConvertReport), ("clean", CleanReport), ("prune", PruneReport), ("diff", DiffReport),
-                        ("error", ErrorReport)):
+    for name, (_, model) in CLI_REPORTS.items():
         schema = model.model_json_schema()
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-        out[f"cli/{name}.v1.schema.json"] = schema
+        out[cli_schema_path(name)] = schema
     return out
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -68,3 +70,10 @@ def run_ckptkit() -> Callable[..., subprocess.CompletedProcess[str]]:
 def make_fixtures() -> ModuleType:
     """Return fixtures/make_fixtures.py as a module (its expected values and ``main``)."""
     return fixture_script("make_fixtures")
+
+
+def cli_schema(name: str) -> dict[str, Any]:
+    """The current JSON Schema of command `name`'s --json report (``schemas/cli/<name>.v<N>.schema.json``)."""
+    from ckptkit.schemas import cli_schema_path
+
+    return json.loads((Path(__file__).resolve().parents[1] / "schemas" / cli_schema_path(name)).read_text(encoding="utf-8"))

@@ -15,6 +15,7 @@ from ckptkit.cli import cli
 from ckptkit.ops.inspect import InspectReport
 from ckptkit.ops.listing import ListingReport
 from ckptkit.ops.verify import VerifyReport
+from .conftest import cli_schema
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN_V1 = REPO / "fixtures" / "v1"
@@ -36,7 +37,7 @@ def _assert_one_line_error(stderr: str) -> None:
 
 def _assert_matches_schema(text: str, command: str) -> None:
     """Validate a command's JSON output against its published schema (with pydantic where jsonschema is absent)."""
-    schema = json.loads((SCHEMAS / f"{command}.v1.schema.json").read_text(encoding="utf-8"))
+    schema = cli_schema(command)
     doc = json.loads(text)
     try:
         import jsonschema

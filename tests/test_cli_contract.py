@@ -15,6 +15,8 @@ import torch
 
 import ckptkit
 from ckptkit import ShardedTensor
+from ckptkit.schemas import CLI_REPORTS
+from .conftest import cli_schema
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "schemas" / "cli"
 GOLDEN_V1 = Path(__file__).resolve().parents[1] / "fixtures" / "v1"
@@ -29,12 +31,13 @@ MISSING = {
     "reshard": ["reshard", "{p}", "{p}-out", "--tp", "2"],
     "export": ["export", "{p}", "{p}-out"],
     "clean": ["clean", "{p}"],
+    "convert": ["convert", "{p}", "{p}-out"],
     "prune": ["prune", "{p}", "--keep-last", "1"],
 }
 
 
 def _schema(name: str) -> dict[str, Any]:
-    return json.loads((SCHEMAS / f"{name}.v1.schema.json").read_text(encoding="utf-8"))
+    return cli_schema(name)
 
 
 def _one_line(stderr: str) -> str:
@@ -85,7 +88,7 @@ def test_diff_json_matches_its_schema_and_keeps_limit(tmp_path: Path, run_ckptki
     assert proc.returncode == 1
     doc = json.loads(proc.stdout)
     jsonschema.validate(doc, _schema("diff"))
-    assert (len(doc["differences"]), doc["differences_total"], doc["equal"]) == (2, 4, False)
+    assert (len(doc["differences"]), doc["differences_total"], doc["ok"]) == (2, 4, False)
     assert [d["name"] for d in doc["differences"]] == ["model/t3", "model/t2"]  # the largest first
 
 
@@ -191,3 +194,59 @@ def test_the_reference_page_is_every_commands_help(run_ckptkit: Any) -> None:
     for name, command in commands()[:2] + commands()[-2:]:  # and help_text is what the command prints
         proc = run_ckptkit(*name.split(), "--help", env={"COLUMNS": "80"})
         assert proc.returncode == 0 and proc.stdout.rstrip("\n") == help_text(name, command, 80), name
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The committed Hugging Face fixtures brought in: a model, a Trainer folder, a peft adapter."""
+    root = tmp_path_factory.mktemp("json")
+    out = {}
+    for name, src in (("llama", "hf/llama"), ("trainer", "hf/trainer/checkpoint-4"), ("lora", "hf/peft-lora")):
+        ckptkit.convert(FIXTURES / src, root / name)
+        out[name] = root / name
+    return out
+
+
+def _json_runs(converted: dict[str, Path], tmp: Path) -> list[tuple[str, list[str]]]:
+    """Every command that prints a --json report, each export format once, on real checkpoints."""
+    llama, run = str(converted["llama"]), tmp / "run"
+    for step in (1, 2, 3):
+        ckptkit.save({"model": {"w": torch.full((4,), float(step))}}, run / f"step_{step:08d}", step=step)
+    (run / ".step_00000009.tmp-0123456789ab").mkdir()  # a leftover for clean
+    runs = [("verify", [llama]), ("inspect", [llama, "--tensors"]), ("ls", [str(run)]),
+            ("diff", [str(run / "step_00000001"), str(run / "step_00000002")]),
+            ("reshard", [llama, str(tmp / "tp2"), "--tp", "2"]),
+            ("convert", [str(FIXTURES / "hf" / "llama"), str(tmp / "again")]),
+            ("clean", [str(run)]), ("prune", [str(run), "--keep-last", "1"])]
+    formats = [("hf", llama, []), ("megatron", str(converted["trainer"]), ["--include-optimizer"]), ("deepspeed", str(converted["trainer"]), []),
+               ("dcp", llama, []), ("zarr", llama, []), ("peft", str(converted["lora"]), []),
+               ("hf-trainer", str(converted["trainer"]), [])]
+    runs += [("export", [src, str(tmp / f"out-{fmt}"), "--format", fmt, *more]) for fmt, src, more in formats]
+    return runs
+
+
+def test_every_json_output_validates_against_its_schema(converted: dict[str, Path], tmp_path: Path) -> None:
+    """Each command's --json output (each export format's too, and export_report.json on disk) is
+    valid against its current schema, and says ok; a failing one prints the error object."""
+    from click.testing import CliRunner
+
+    from ckptkit.cli import cli
+
+    seen = set()
+    for command, args in _json_runs(converted, tmp_path):
+        result = CliRunner().invoke(cli, [command, *args, "--json"])
+        assert result.exit_code in (0, 1) and result.exception is None or isinstance(result.exception, SystemExit), (command, args, result.output)
+        doc = json.loads(result.stdout)
+        jsonschema.validate(doc, cli_schema(command))
+        assert doc["ok"] is (result.exit_code == 0), (command, doc)
+        if command == "export":
+            on_disk = json.loads((Path(args[1]) / "export_report.json").read_text(encoding="utf-8"))
+            jsonschema.validate(on_disk, cli_schema("export"))
+            assert on_disk["tensors"] == len(on_disk["tensor_list"]) > 0 and on_disk["files"] == len(on_disk["file_list"])
+        seen.add(command)
+    assert seen == {name for name in CLI_REPORTS if name != "error"}
+    failed = CliRunner().invoke(cli, ["convert", str(tmp_path / "nothing"), str(tmp_path / "x"), "--json"])
+    jsonschema.validate(json.loads(failed.stdout), cli_schema("error"))
+    assert failed.exit_code == 2

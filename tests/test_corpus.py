@@ -122,8 +122,8 @@ def test_cli_verify_of_checkpoint_without_manifest_exits_2_with_one_line_error(r
 
 def test_golden_v1_verifies_clean() -> None:
     report = verify(GOLDEN_V1)
-    assert (report.ok, report.findings, report.files_checked, report.tensors) == (True, [], 5, 7)
-    assert report.bytes_hashed == sum(
+    assert (report.ok, report.findings, report.files, report.tensors) == (True, [], 5, 7)
+    assert report.bytes_read == sum(
         p.stat().st_size for p in (GOLDEN_V1 / NAME).rglob("*") if p.name != "manifest.json" and p.is_file()
     )
 

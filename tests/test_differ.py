@@ -22,7 +22,7 @@ def test_same_logical_tensor_saved_with_different_shardings_is_equal(tmp_path: P
     _save(tmp_path / "a", w, split=1)
     _save(tmp_path / "b", w, split=4)
     report = diff(tmp_path / "a", tmp_path / "b")
-    assert report.equal and report.tensors_compared == 1
+    assert report.ok and report.tensors == 1
     result = CliRunner().invoke(cli, ["diff", str(tmp_path / "a"), str(tmp_path / "b")])
     assert result.exit_code == 0 and "equal (1 tensors compared)" in result.output
 
@@ -33,7 +33,7 @@ def test_a_changed_value_is_reported_with_its_size(tmp_path: Path) -> None:
     w[3, 2] = 0.5
     _save(tmp_path / "b", w, split=2)
     report = diff(tmp_path / "a", tmp_path / "b")
-    assert not report.equal
+    assert not report.ok
     (d,) = report.differences
     assert (d.name, d.mismatched, d.numel, d.max_abs) == ("model/w", 1, 32, 0.5)
     result = CliRunner().invoke(cli, ["diff", str(tmp_path / "a"), str(tmp_path / "b")])
@@ -44,9 +44,9 @@ def test_tolerances_accept_small_differences(tmp_path: Path) -> None:
     w = torch.ones(4, 4)
     _save(tmp_path / "a", w)
     _save(tmp_path / "b", w + 1e-6)
-    assert not diff(tmp_path / "a", tmp_path / "b").equal
-    assert diff(tmp_path / "a", tmp_path / "b", atol=1e-5).equal
-    assert diff(tmp_path / "a", tmp_path / "b", rtol=1e-5).equal
+    assert not diff(tmp_path / "a", tmp_path / "b").ok
+    assert diff(tmp_path / "a", tmp_path / "b", atol=1e-5).ok
+    assert diff(tmp_path / "a", tmp_path / "b", rtol=1e-5).ok
 
 
 def test_missing_tensors_and_json_values_make_a_difference(tmp_path: Path) -> None:

@@ -57,6 +57,21 @@ def test_published_schemas_match_the_models() -> None:
         assert path.read_text() == render(schema), f"{rel} is stale: run `make schemas`"
 
 
+def test_every_older_cli_report_schema_stays_published_and_documented() -> None:
+    """A report whose fields were renamed has a new major version; its older schemas stay as
+    published (valid JSON Schemas, no longer generated) and the reference page says what changed."""
+    import jsonschema
+
+    from ckptkit.schemas import CLI_REPORTS
+
+    page = (REPO / "docs" / "cli.md").read_text(encoding="utf-8")
+    for name, (version, _) in CLI_REPORTS.items():
+        for old in range(1, version):
+            doc = json.loads((REPO / "schemas" / "cli" / f"{name}.v{old}.schema.json").read_text(encoding="utf-8"))
+            jsonschema.Draft202012Validator.check_schema(doc)
+            assert f"`{name}.v{old}`" in page, name
+
+
 def test_newer_major_version_is_refused_with_upgrade_hint() -> None:
     raw = json.loads(manifest_to_json(_manifest()))
     raw["schema_version"] = "2.0"

@@ -273,7 +273,7 @@ def test_two_exports_to_one_destination_exactly_one_commits(s3_bucket: str, fmt:
     assert sorted(outcomes.values())[1].startswith("refused: "), outcomes  # the other wrote nothing
     storage = S3Storage(dst)
     report = json.loads(storage.read("export_report.json"))
-    listed = {f["path"]: f["checksum"] for f in report["files"]}
+    listed = {f["path"]: f["checksum"] for f in report["file_list"]}
     assert {path: checksum_of(storage.read(path)) for path in listed} == listed  # one writer's files, whole
     assert not storage.exists(".ckptkit-claim")
     if fmt == "zarr":

@@ -70,7 +70,7 @@ def verify_cmd(path: str, quick: bool, as_json: bool, workers: int) -> None:
         else:
             checks = (f"read through the {report.read_through} adapter: metadata" + ("" if quick else ", every tensor's bytes")
                       + "; the format has no checksums")
-        click.echo(f"{report.path}: {state} ({report.files_checked} files, {report.tensors} tensors; {checks})")
+        click.echo(f"{report.source}: {state} ({report.files} files, {report.tensors} tensors; {checks})")
         if report.skipped:
             click.echo(f"note: {len(report.skipped)} entr{'y' if len(report.skipped) == 1 else 'ies'} `ckptkit convert` would "
                        f"refuse without --allow-skip (ckptkit inspect lists them)")
@@ -127,9 +127,9 @@ def diff_cmd(a: str, b: str, atol: float, rtol: float, include_rng: bool, limit:
             click.echo(f"... and {len(report.differences) - limit} more")
         if not report.objects_equal:
             click.echo("non-tensor values differ")
-        verdict = "equal" if report.equal else f"{len(report.differences)} tensor(s) differ"
-        click.echo(f"{verdict} ({report.tensors_compared} tensors compared)")
-    sys.exit(0 if report.equal else 1)
+        verdict = "equal" if report.ok else f"{len(report.differences)} tensor(s) differ"
+        click.echo(f"{verdict} ({report.tensors} tensors compared)")
+    sys.exit(0 if report.ok else 1)
 
 
 

@@ -29,9 +29,9 @@ def ls_cmd(root: str, as_json: bool) -> None:
     if report.kind == "run-root" and not report.checkpoints:
         click.echo(f"no committed checkpoint under {root}")
     for c in report.checkpoints:
-        size = ckptkit.human_bytes(c.bytes) if c.bytes is not None else "?"
+        size = ckptkit.human_bytes(c.payload_bytes) if c.payload_bytes is not None else "?"
         topology = c.topology.describe() if c.topology is not None else "topology ?"
-        mark = "\t<- latest" if c.latest else f"\t(read through the {c.read_through} adapter)" if c.read_through else ""
+        mark = "\t<- latest" if c.is_latest else f"\t(read through the {c.read_through} adapter)" if c.read_through else ""
         click.echo(f"{c.name}\tstep {c.step}\t{topology}\t{size}\t{c.created_at or '?'}{mark}")
     for other in report.others:
         click.echo(f"{other.name}\t{other.kind}: {other.detail}")
@@ -63,8 +63,8 @@ def clean_cmd(root: str, dry_run: bool, as_json: bool) -> None:
     verb = "would remove" if dry_run else "removed"
     for item in report.removed:
         click.echo(f"{verb} {item.name}\t{item.reason}")
-    for item in report.kept:
-        click.echo(f"kept {item.name}\t{item.reason}")
+    for name in report.busy:
+        click.echo(f"kept {name}\ta live read lease holds it")
     click.echo(f"{root}: {verb} {len(report.removed)} leftover(s) and {report.stale_leases} stale lease(s)")
 
 
@@ -89,8 +89,8 @@ def prune_cmd(root: str, keep_last: int, keep_every: int | None, dry_run: bool, 
         emit_json(report)
         return
     verb = "would delete" if dry_run else "deleted"
-    for name in report.deleted:
-        click.echo(f"{verb} {name}")
+    for item in report.removed:
+        click.echo(f"{verb} {item.name}\t{item.reason}")
     for name in report.busy:
         click.echo(f"kept {name}\ta live read lease holds it")
-    click.echo(f"{root}: {verb} {len(report.deleted)} checkpoint(s), {len(report.kept)} kept")
+    click.echo(f"{root}: {verb} {len(report.removed)} checkpoint(s), {len(report.kept)} kept")

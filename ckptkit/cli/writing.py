@@ -75,8 +75,8 @@ def reshard_cmd(
         f"(from {report.source_topology.describe()}): {report.tensors} tensors, {report.files} files, "
         f"{mb:.1f} MB in {report.seconds:.2f} s ({mb / max(report.seconds, 1e-9):.0f} MB/s)"
     )
-    if report.kept:
-        click.echo(f"kept with their saved boxes: {', '.join(report.kept)}")
+    if report.unplaced:
+        click.echo(f"kept with their saved boxes: {', '.join(report.unplaced)}")
     click.echo(_latest_note(report, no_latest))
 
 
@@ -177,13 +177,13 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     if as_json:
         emit_json(report)
         return
-    total = sum(f.size for f in report.files)
+    total = sum(f.size for f in report.file_list)
     click.echo(
-        f"{report.destination}: {len(report.tensors)} tensors ({report.format}{f' {report.form}' if report.form else ''}, {report.dtype}) in "
-        f"{len(report.files)} file(s), {total / 1e6:.1f} MB "
+        f"{report.destination}: {report.tensors} tensors ({report.format}{f' {report.form}' if report.form else ''}, {report.dtype}) in "
+        f"{report.files} file(s), {total / 1e6:.1f} MB "
         f"(step {report.step}; {len(report.skipped)} tensors not exported{_not_held(report)})"
     )
-    for fqn in report.dropped:
+    for fqn in report.left_out:
         click.echo(f"left out (--allow-skip): {fqn}")
 
 
@@ -216,7 +216,7 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
     model's layout (e.g. `ckptkit layout builtin megatron-gpt model.json`), so that reshard and
     export need no --layout. Exit 0 when DST is committed, 1 on a ckptkit error (unknown
     format, unsafe or damaged source, a layout that does not fit, DST exists; DST does not
-    appear), 2 on bad usage.
+    appear), 2 on bad usage or when SRC is not a directory.
 
     \b
     Examples:
@@ -243,8 +243,8 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
         return
     click.echo(
         f"{report.destination}: committed step {report.step} from {report.format} {report.source}: "
-        f"{len(report.tensors)} tensors, {len(report.objects)} values, {report.files} file(s), "
+        f"{report.tensors} tensors, {len(report.objects)} values, {report.files} file(s), "
         f"{report.bytes_written / 1e6:.1f} MB in {report.seconds:.2f} s; {len(report.skipped)} skipped"
     )
     for skipped in report.skipped:
-        click.echo(f"skipped {skipped.source}: {skipped.reason}")
+        click.echo(f"skipped {skipped.name}: {skipped.reason}")

@@ -23,7 +23,8 @@ from ..io.commit import REPORT_NAME, commit, discard, staging
 from ..io.checksum import checksum_of
 from ..errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError, summarize
 from .formats import CHUNK_BYTES, EXPORT_FORMATS, ExportFormat, ExportOptions
-from .source import ExportedFile, ExportReport, Source, report_bytes
+from .source import LEFT_OUT, ExportedFile, ExportReport, Source, report_bytes
+from ..ops.reports import SkippedEntry
 from ..layouts import Layout
 from ..io.payload import open_checkpoint
 from ..storage import Storage
@@ -153,8 +154,12 @@ def _export(
         report = ExportReport(
             format=fmt.name, form=form, dtype=options.dtype or "saved", source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
             step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
-            tensors=written.tensors, files=sorted(written.files, key=lambda f: f.path), skipped=written.skipped,
-            dropped=dropped, not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in written.skipped if f not in dropped).items())),
+            tensors=len(written.tensors), tensor_list=written.tensors, files=len(written.files),
+            file_list=sorted(written.files, key=lambda f: f.path),
+            skipped=[SkippedEntry(name=f, reason=f"{LEFT_OUT} the {fmt.name} export holds {manifest.tensors[f].kind} tensors but could not write it"
+                                  if f in dropped else f"the {fmt.name} export holds no {manifest.tensors[f].kind} tensors")
+                     for f in written.skipped],
+            not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in written.skipped if f not in dropped).items())),
             seconds=round(time.perf_counter() - started, 3),
         )
         data = report_bytes(report)

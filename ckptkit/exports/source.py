@@ -22,6 +22,7 @@ from ..manifest import Manifest, Topology
 from ..boxes import Box
 from ..io.read import Reader, byte_shape
 from ..storage import Storage
+from ..ops.reports import SkippedEntry
 
 if TYPE_CHECKING:
     from ..ops.convert import Progress
@@ -140,10 +141,15 @@ class ExportedFile(BaseModel):
     checksum: str
 
 
+# The start of a skipped tensor's reason when the format holds its kind but could not write it.
+LEFT_OUT = "left out (--allow-skip):"
+
+
 class ExportReport(BaseModel):
     """What ``ckptkit export --json`` prints, also written as ``export_report.json`` in DST."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    ok: bool = True  # the command succeeded (every report has it; the error object's is false)
     format: str
     form: str | None = None  # dcp: "fsdp2" (what FSDP2's get_state_dict gives) or "plain" (the checkpoint's names)
     dtype: str
@@ -152,13 +158,20 @@ class ExportReport(BaseModel):
     step: int
     source_topology: Topology
     destination: str
-    tensors: list[ExportedTensor]
-    files: list[ExportedFile]
-    skipped: list[str]  # every tensor not written: of kinds the format does not hold, and `dropped`
-    # the tensors of kinds the format holds that it could not write, left out only when allowed (--allow-skip)
-    dropped: list[str] = []
+    tensors: int
+    tensor_list: list[ExportedTensor]
+    files: int
+    file_list: list[ExportedFile]
+    # every tensor not written, and why: of a kind the format does not hold, or (the reason starting
+    # with LEFT_OUT, `left_out`) of a kind it holds that it could not write, left out only when allowed
+    skipped: list[SkippedEntry]
     not_held: dict[str, int] = {}  # the other tensors not written, counted by kind (kinds the format does not hold)
     seconds: float = 0.0  # from opening the source to the last tensor written
+
+    @property
+    def left_out(self) -> list[str]:
+        """The tensors of kinds the format holds that it could not write (exported with --allow-skip)."""
+        return [e.name for e in self.skipped if e.reason.startswith(LEFT_OUT)]
 
 
 @dataclass

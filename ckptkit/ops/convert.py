@@ -36,9 +36,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, JsonValue
 
+from .reports import SkippedEntry as SkippedEntry  # part of the converter contract: what a converter skips
 from .. import __version__
 from ..boxes import full_box
-from ..errors import CheckpointExistsError, IntegrityError, LayoutError, ManifestError, summarize
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, IntegrityError, LayoutError, ManifestError, summarize
 from ..io.catalog import locate
 from ..io.commit import commit, discard, refuse_existing, staging
 from ..io.write import Written, write_safetensors, write_small
@@ -76,22 +77,17 @@ class ConvertedObject(_Report):
     name: str
 
 
-class SkippedEntry(_Report):
-    """An entry of the source that was not converted, and why."""
-
-    source: str
-    reason: str
-
-
 class ConvertReport(_Report):
-    """What ``ckptkit convert --json`` prints: every entry of the source is in ``tensors``,
+    """What ``ckptkit convert --json`` prints: every entry of the source is in ``tensor_list``,
     ``objects`` or ``skipped``."""
 
+    ok: bool = True  # the command succeeded (every report has it; the error object's is false)
     format: str
     source: str
     destination: str
     step: int
-    tensors: list[ConvertedTensor]
+    tensors: int
+    tensor_list: list[ConvertedTensor]
     objects: list[ConvertedObject]
     skipped: list[SkippedEntry]
     files: int
@@ -157,11 +153,12 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     """Return the name of the one converter that recognises the files at `path`.
 
     Raises:
-        ManifestError: none does (or several do: name one with ``--from``).
+        CheckpointNotFoundError: no directory at `path`.
+        ManifestError: no converter recognises it (or several do: name one with ``--from``).
     """
     text = os.fspath(path)
     if not os.path.isdir(text):
-        raise ManifestError(f"{text}: no such directory; a checkpoint to convert is a directory")
+        raise CheckpointNotFoundError(f"{text}: no such directory; a checkpoint to convert is a directory")
     found = [name for name in list_converters() if load_converter(name).detect(text)]
     if not found:
         raise ManifestError(f"{text}: not a checkpoint any converter recognises (tried: {', '.join(list_converters())})")
@@ -250,7 +247,7 @@ def refuse_skips(skipped: Sequence[SkippedEntry], *, allow_skip: bool, where: st
         ManifestError: there are some and `allow_skip` is False.
     """
     if skipped and not allow_skip:
-        shown = "; ".join(f"{s.source}: {s.reason}" for s in skipped[:10])
+        shown = "; ".join(f"{s.name}: {s.reason}" for s in skipped[:10])
         more = f"; and {len(skipped) - 10} more" if len(skipped) > 10 else ""
         raise ManifestError(
             f"{where}: {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} cannot be converted ({shown}{more}); "
@@ -464,7 +461,8 @@ def report_of(
         source=src,
         destination=committed.destination,
         step=committed.manifest.step,
-        tensors=[ConvertedTensor(source=t.source, name=t.name, kind=t.kind, dtype=t.dtype, shape=list(t.shape), chunks=n)
+        tensors=len(tensors),
+        tensor_list=[ConvertedTensor(source=t.source, name=t.name, kind=t.kind, dtype=t.dtype, shape=list(t.shape), chunks=n)
                  for t, n in tensors],
         objects=[ConvertedObject(source=source, name=name) for name, source in objects.items()],
         skipped=list(skipped),

@@ -28,16 +28,16 @@ class TensorDiff(BaseModel):
 
 
 class DiffReport(BaseModel):
-    """What ``ckptkit diff`` found; ``equal`` when no tensor and no JSON value differs."""
+    """What ``ckptkit diff`` found; ``ok`` when no tensor and no JSON value differs (the exit code 0)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     a: str
     b: str
-    equal: bool
+    ok: bool
     atol: float
     rtol: float
     kinds: list[str]
-    tensors_compared: int
+    tensors: int
     differences: list[TensorDiff]  # the largest first; ``ckptkit diff --json`` keeps the first --limit
     differences_total: int  # how many tensors differ (also those left out of `differences`)
     objects_equal: bool
@@ -87,8 +87,8 @@ def diff(
     diffs.sort(key=lambda d: (d.max_abs is not None, -(d.max_abs or 0.0), d.name))  # missing first, then largest
     objects_equal = man_a.objects == man_b.objects
     return DiffReport(
-        a=str(loc_a), b=str(loc_b), equal=not diffs and objects_equal, atol=atol, rtol=rtol, kinds=list(kinds),
-        tensors_compared=len(names_a & names_b), differences=diffs, differences_total=len(diffs),
+        a=str(loc_a), b=str(loc_b), ok=not diffs and objects_equal, atol=atol, rtol=rtol, kinds=list(kinds),
+        tensors=len(names_a & names_b), differences=diffs, differences_total=len(diffs),
         objects_equal=objects_equal,
     )
 

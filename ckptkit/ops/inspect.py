@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .reports import SkippedEntry
 from ..errors import ForeignCheckpointError
 from ..io.kinds import what
 from ..io.payload import open_checkpoint
@@ -91,7 +92,8 @@ class InspectReport(BaseModel):
     """What ``ckptkit inspect`` shows, as data."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    path: str
+    ok: bool = True  # the command succeeded (every report has it; the error object's is false)
+    source: str
     checkpoint_id: str  # "" for another tool's checkpoint (read_through), as created_at and schema_version
     step: int
     created_at: str
@@ -113,10 +115,10 @@ class InspectReport(BaseModel):
     model: ModelSummary | None
     tensor_list: list[TensorSummary]  # every tensor (matching the filter), by name
     # Another tool's checkpoint, read through its adapter (nothing converted): the adapter's name,
-    # what it is, the entries `ckptkit convert` would skip (each "entry: reason") and its warnings.
+    # what it is, the entries `ckptkit convert` would skip and its warnings.
     read_through: str | None = None
     kind: str | None = None
-    skipped: list[str] = []
+    skipped: list[SkippedEntry] = []
     warnings: list[str] = []
 
     def render(self, *, tensors: bool = False) -> str:
@@ -124,7 +126,7 @@ class InspectReport(BaseModel):
         report = self
         source = report.info.source
         if report.read_through is None:
-            lines = [f"checkpoint  {report.path}",
+            lines = [f"checkpoint  {report.source}",
                      f"step        {report.step}   (id {report.checkpoint_id[:12]}, {report.created_at}, schema {report.schema_version})",
                      f"topology    {_topology_words(report.topology)}"]
             if source is not None:
@@ -132,8 +134,8 @@ class InspectReport(BaseModel):
             lines.append(f"tensors     {report.tensors} ({report.shards} shards in {report.files} files, "
                          f"{human_bytes(report.payload_bytes)} on disk)")
         else:
-            lines = [f"checkpoint  {report.path}   ({report.kind}, read through the {report.read_through} adapter; "
-                     f"`ckptkit convert {report.path} DST` brings it in)",
+            lines = [f"checkpoint  {report.source}   ({report.kind}, read through the {report.read_through} adapter; "
+                     f"`ckptkit convert {report.source} DST` brings it in)",
                      f"step        {report.step}"]
             if source is not None:
                 lines.append(f"source      {_source_line(source, path=False)}")
@@ -164,7 +166,7 @@ class InspectReport(BaseModel):
             lines.append("objects     " + ", ".join(report.objects[:12]) + (" ..." if len(report.objects) > 12 else ""))
         if report.skipped:
             lines.append(f"skipped     {len(report.skipped)} entr{'y' if len(report.skipped) == 1 else 'ies'} convert would refuse "
-                         f"without --allow-skip: " + "; ".join(report.skipped[:5]) + (" ..." if len(report.skipped) > 5 else ""))
+                         f"without --allow-skip: " + "; ".join(f"{e.name}: {e.reason}" for e in report.skipped[:5]) + (" ..." if len(report.skipped) > 5 else ""))
         lines += [f"warning     {w}" for w in report.warnings]
         if tensors:
             lines += _tensor_lines(report.tensor_list)
@@ -229,7 +231,7 @@ def _foreign(exc: ForeignCheckpointError, match: str) -> InspectReport:
         "checkpoint_id": "", "created_at": "", "schema_version": "", "producer": None, "files": found.files,
         "payload_bytes": found.file_bytes, "shards": 0, "read_through": found.format,
         "kind": what(exc.kind), "warnings": found.report.warnings,
-        "skipped": [f"{e.source}: {e.reason}" for e in found.report.skipped]})
+        "skipped": list(found.report.skipped)})
 
 
 def _summary(path: str, m: Manifest, match: str) -> InspectReport:
@@ -248,7 +250,7 @@ def _summary(path: str, m: Manifest, match: str) -> InspectReport:
         if nbytes > largest[0] or largest[1] is None:
             largest = (nbytes, fqn)
     return InspectReport(
-        path=path,
+        source=path,
         checkpoint_id=m.checkpoint_id,
         step=m.step,
         created_at=m.created_at,

@@ -38,11 +38,11 @@ class ListedCheckpoint(_Report):
     name: str
     step: int | None
     topology: Topology | None  # None when the manifest does not hold a readable one
-    bytes: int | None  # the payload files' total size as the manifest lists them
+    payload_bytes: int | None  # the payload files' total size as the manifest lists them
     created_at: str | None
-    latest: bool  # the root's latest pointer names it
+    is_latest: bool  # the root's latest pointer names it
     # Another tool's checkpoint, given as ROOT and read through this adapter: its step and the
-    # topology it was saved at as the adapter reads them, bytes the folder's files.
+    # topology it was saved at as the adapter reads them, payload_bytes the folder's files.
     read_through: str | None = None
 
 
@@ -64,6 +64,7 @@ class Leftover(_Report):
 class ListingReport(_Report):
     """What ``ckptkit ls --json`` prints."""
 
+    ok: bool = True  # the command succeeded (every report has it; the error object's is false)
     root: str
     kind: Kind  # what ROOT itself is: a run root, or (given by mistake) a checkpoint, an export...
     latest: str | None  # the name ``latest`` holds (null: no pointer, or a damaged one)
@@ -150,8 +151,8 @@ def _checkpoint(storage: Storage, name: str, latest: str | None) -> tuple[Listed
     created = raw.get("created_at")
     return ListedCheckpoint(
         name=name, step=step if type(step) is int else None, topology=topology,
-        bytes=sum(n for n in sizes if type(n) is int) if sizes else None,
-        created_at=created if isinstance(created, str) else None, latest=name == latest,
+        payload_bytes=sum(n for n in sizes if type(n) is int) if sizes else None,
+        created_at=created if isinstance(created, str) else None, is_latest=name == latest,
     ), ""
 
 
@@ -167,8 +168,8 @@ def _foreign(path: str, warnings: list[str]) -> ListedCheckpoint | None:
         return None
     source = found.manifest.info.source
     return ListedCheckpoint(name=os.path.basename(os.path.normpath(path)), step=found.manifest.step,
-                            topology=source.topology if source else None, bytes=found.file_bytes, created_at=None,
-                            latest=False, read_through=found.format)
+                            topology=source.topology if source else None, payload_bytes=found.file_bytes, created_at=None,
+                            is_latest=False, read_through=found.format)
 
 
 def _latest(storage: Storage) -> tuple[str | None, list[str]]:

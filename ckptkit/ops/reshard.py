@@ -56,13 +56,14 @@ class ReshardReport(BaseModel):
     """What ``ckptkit reshard --json`` prints."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    ok: bool = True  # the command succeeded (every report has it; the error object's is false)
     source: str
     destination: str
     step: int
     source_topology: Topology
     topology: Topology
     tensors: int
-    kept: list[str]
+    unplaced: list[str]  # tensors the layout does not place, kept with their saved boxes (per-rank RNG states)
     files: int
     bytes_written: int
     bytes_read: int
@@ -181,7 +182,7 @@ def write_reshard(
         source_topology=manifest.topology,
         topology=topology,
         tensors=len(plan.save.tensors),
-        kept=list(plan.kept),
+        unplaced=list(plan.kept),
         files=len(plan.jobs),
         bytes_written=plan.nbytes,
         bytes_read=bytes_read,

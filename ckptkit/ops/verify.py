@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .reports import SkippedEntry
 from ..io.catalog import Location, manifest_bytes, removed, removed_error, resolve
 from ..io.checksum import BlockHasher, Hasher, hasher_for
 from ..manifest.consistency import Finding, manifest_findings
@@ -40,18 +41,18 @@ class VerifyReport(BaseModel):
     """What ``ckptkit verify`` found; ``ok`` is True when there is no finding."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    path: str
+    source: str
     ok: bool
     quick: bool
-    files_checked: int
-    bytes_hashed: int
+    files: int
+    bytes_read: int
     tensors: int
     findings: list[FindingModel]
     # Another tool's checkpoint, read through its adapter (nothing converted): the adapter's name,
-    # and the entries `ckptkit convert` would skip (each "entry: reason"). It has no checksums:
+    # and the entries `ckptkit convert` would skip. It has no checksums:
     # every tensor is read whole and its size checked against the format's metadata.
     read_through: str | None = None
-    skipped: list[str] = []
+    skipped: list[SkippedEntry] = []
 
 
 def verify(
@@ -120,12 +121,12 @@ def _foreign(exc: ForeignCheckpointError, quick: bool) -> VerifyReport:
         found = survey(exc.path, source_format=fmt, read=not quick)
     except CkptkitError as error:
         code = "integrity" if isinstance(error, IntegrityError) else "metadata"
-        return VerifyReport(path=exc.path, ok=False, quick=quick, files_checked=0, bytes_hashed=0, tensors=0,
+        return VerifyReport(source=exc.path, ok=False, quick=quick, files=0, bytes_read=0, tensors=0,
                             findings=[FindingModel(code=code, where=exc.path, message=str(error).removeprefix(f"{exc.path}: "))],
                             read_through=fmt)
-    return VerifyReport(path=exc.path, ok=True, quick=quick, files_checked=found.files, bytes_hashed=found.bytes_read,
+    return VerifyReport(source=exc.path, ok=True, quick=quick, files=found.files, bytes_read=found.bytes_read,
                         tensors=len(found.manifest.tensors), findings=[], read_through=found.format,
-                        skipped=[f"{e.source}: {e.reason}" for e in found.report.skipped])
+                        skipped=list(found.report.skipped))
 
 
 def _manifest(loc: Location, findings: list[Finding]) -> Manifest | None:
@@ -267,11 +268,11 @@ def _read_ahead(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Ite
 
 def _report(loc: Location, quick: bool, findings: list[Finding], files: int, hashed: int, tensors: int) -> VerifyReport:
     return VerifyReport(
-        path=str(loc),
+        source=str(loc),
         ok=not findings,
         quick=quick,
-        files_checked=files,
-        bytes_hashed=hashed,
+        files=files,
+        bytes_read=hashed,
         tensors=tensors,
         findings=[FindingModel(code=f.code, where=f.where, message=f.message) for f in findings],
     )

@@ -33,10 +33,10 @@ def run(out_dir: str, echo: Callable[[str], None]) -> bool:
     previous = os.path.join(run_dir, listing.checkpoints[-2].name) if len(listing.checkpoints) > 1 else latest
     echo(f"\n$ ckptkit inspect {latest}\n" + inspect(latest).render())
     report = verify(latest)
-    echo(f"\n$ ckptkit verify {latest}\n  {'sound' if report.ok else 'PROBLEMS'}: {report.files_checked} files, "
-         f"{report.bytes_hashed} bytes hashed, {len(report.findings)} findings")
+    echo(f"\n$ ckptkit verify {latest}\n  {'sound' if report.ok else 'PROBLEMS'}: {report.files} files, "
+         f"{report.bytes_read} bytes hashed, {len(report.findings)} findings")
     changed = diff(previous, latest)
-    echo(f"\n$ ckptkit diff {previous} {latest}\n  {len(changed.differences)} of {changed.tensors_compared} "
+    echo(f"\n$ ckptkit diff {previous} {latest}\n  {len(changed.differences)} of {changed.tensors} "
          "tensors changed between the two steps (training moved them)")
     same = _reload_with_other_sharding(latest, echo)
     echo("\nnext: ckptkit train --tp 2 --pp 2 --dp 2 --zero 1 --resume latest --out " + run_dir + f" --steps {cfg.steps + 10}"

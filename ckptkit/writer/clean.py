@@ -29,10 +29,11 @@ class CleanReport(BaseModel):
     """What ``ckptkit clean --json`` prints."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    ok: bool = True  # the command succeeded (every report has it; the error object's is false)
     root: str
     dry_run: bool
     removed: list[Removal]  # with dry_run: what would be removed
-    kept: list[Removal]  # leftovers left in place, and why (a live read lease holds them)
+    busy: list[str]  # leftovers left in place because a live read lease holds them
     stale_leases: int  # leases and marks of processes that no longer run, removed (or to remove), empty lease folders too
 
 
@@ -50,7 +51,7 @@ def clean(root: str | os.PathLike[str], *, dry_run: bool = False) -> CleanReport
     storage = open_storage(root)
     held = retention.busy(storage, [left.name for left in listing.leftovers])
     removed = [Removal(name=left.name, reason=left.reason) for left in listing.leftovers if left.name not in held]
-    kept = [Removal(name=name, reason="a live read lease holds it") for name in sorted(held)]
+    busy = sorted(held)
     stale = retention.stale(storage)
     if not dry_run:
         for item in removed:
@@ -60,4 +61,4 @@ def clean(root: str | os.PathLike[str], *, dry_run: bool = False) -> CleanReport
             storage.delete(key)
         for child in storage.list(LEASES_NAME, recursive=False):
             retention.drop_if_empty(storage, child.rstrip("/").rsplit("/", 1)[-1])
-    return CleanReport(root=str(root), dry_run=dry_run, removed=removed, kept=kept, stale_leases=len(stale))
+    return CleanReport(root=str(root), dry_run=dry_run, removed=removed, busy=busy, stale_leases=len(stale))

@@ -11,17 +11,19 @@ from . import retention
 from ..errors import CheckpointNotFoundError, LayoutError
 from ..ops.listing import list_root
 from ..storage import open_storage
+from .clean import Removal
 
 
 class PruneReport(BaseModel):
     """What ``ckptkit prune --json`` prints."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    ok: bool = True  # the command succeeded (every report has it; the error object's is false)
     root: str
     dry_run: bool
     keep_last: int
     keep_every: int | None
-    deleted: list[str]  # with dry_run: what would be deleted
+    removed: list[Removal]  # the checkpoints deleted, and why (with dry_run: what would be)
     kept: list[str]  # the committed checkpoints that stay, oldest first
     busy: list[str]  # the policy would delete them, but a live read lease holds them
 
@@ -50,5 +52,6 @@ def prune(
     deleted = free if dry_run else retention.apply(storage, free)
     busy = sorted(held | (set(free) - set(deleted)))
     kept = [c.name for c in listing.checkpoints if c.name not in deleted]
-    return PruneReport(root=str(root), dry_run=dry_run, keep_last=keep_last, keep_every=keep_every, deleted=deleted,
-                       kept=kept, busy=busy)
+    why = f"not among the newest {keep_last}" + (f" nor a step divisible by {keep_every}" if keep_every else "")
+    return PruneReport(root=str(root), dry_run=dry_run, keep_last=keep_last, keep_every=keep_every,
+                       removed=[Removal(name=name, reason=why) for name in deleted], kept=kept, busy=busy)

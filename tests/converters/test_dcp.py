@@ -19,6 +19,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptkit
+from ckptkit.schemas import cli_schema_path
 from ckptkit.errors import IntegrityError
 from ckptkit.manifest.shards import iter_shards
 from ckptkit.state.tree import split
@@ -30,7 +31,7 @@ from .checks import assert_nothing_written, one_line_error
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures"
 DCP_FIXTURES = ["dcp-fsdp2-fp32", "dcp-fsdp2-bf16", "dcp-nodist"]
-SCHEMA = REPO / "schemas" / "cli" / "convert.v1.schema.json"
+SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / cli_schema_path("convert")
 
 
 
@@ -108,15 +109,15 @@ def test_the_report_accounts_for_every_entry_and_matches_its_schema(name: str, t
     report = json.loads(proc.stdout)
     jsonschema.validate(report, json.loads(SCHEMA.read_text(encoding="utf-8")))
     assert report["skipped"] == []
-    sources = [t["source"] for t in report["tensors"]] + [o["source"] for o in report["objects"]]
+    sources = [t["source"] for t in report["tensor_list"]] + [o["source"] for o in report["objects"]]
     assert sorted(sources) == sorted(_oracle(FIXTURES / name, tmp_path))
-    assert all(t["name"] == fqn_of(t["source"]) for t in report["tensors"])
+    assert all(t["name"] == fqn_of(t["source"]) for t in report["tensor_list"])
 
 
 def test_fsdp2_fixtures_hold_uneven_and_empty_chunks_and_nonzero_moments(tmp_path: Path, run_ckptkit: Any) -> None:
     dst = tmp_path / "out"
     proc = run_ckptkit("convert", "--json", str(FIXTURES / "dcp-fsdp2-bf16"), str(dst))
-    chunks = {t["source"]: t["chunks"] for t in json.loads(proc.stdout)["tensors"]}
+    chunks = {t["source"]: t["chunks"] for t in json.loads(proc.stdout)["tensor_list"]}
     assert chunks["model.embed.weight"] == 2 and chunks["model.head.weight"] == 1  # 6 + 5 rows; 1 + 0 rows
     assert chunks["dtensor.cols"] == 2 and chunks["dtensor.replicated"] == 1  # 4 + 3 columns; saved once
     moment = ckptkit.load(dst)["optim"]["state"]["embed"]["weight"]["exp_avg"]
@@ -262,7 +263,7 @@ def test_a_hostile_value_saved_by_dcp_is_refused_or_skipped_and_runs_nothing(tmp
     allowed = run_ckptkit("convert", "--allow-skip", "--json", str(src), str(tmp_path / "out"))
     assert allowed.returncode == 0, allowed.stderr
     skipped = json.loads(allowed.stdout)["skipped"]
-    assert [s["source"] for s in skipped] == ["extra.evil"] and "posix.system" in skipped[0]["reason"]
+    assert [s["name"] for s in skipped] == ["extra.evil"] and "posix.system" in skipped[0]["reason"]
     assert not marker.exists()
     assert torch.equal(ckptkit.load(tmp_path / "out")["model"]["w"], torch.arange(6.0).view(2, 3))
 
@@ -275,7 +276,7 @@ def test_entries_ckptkit_cannot_hold_are_skipped_only_when_allowed(tmp_path: Pat
     allowed = run_ckptkit("convert", "--allow-skip", "--json", str(src), str(tmp_path / "out"))
     assert allowed.returncode == 0, allowed.stderr
     report = json.loads(allowed.stdout)
-    reasons = {s["source"]: s["reason"] for s in report["skipped"]}
+    reasons = {s["name"]: s["reason"] for s in report["skipped"]}
     assert sorted(reasons) == ["extra.inf", "model.z"]
     assert "torch.complex128" in reasons["model.z"] and "not a finite number" in reasons["extra.inf"]
     assert ckptkit.read_manifest(tmp_path / "out").objects == {"extra/ok": 1}
@@ -309,7 +310,7 @@ def test_a_huggingface_storage_writer_save_equals_torchs_reader(name: str, tmp_p
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
-    chunks = {t["source"]: t["chunks"] for t in json.loads(proc.stdout)["tensors"]}
+    chunks = {t["source"]: t["chunks"] for t in json.loads(proc.stdout)["tensor_list"]}
     if name == "dcp-hf-fsdp2":  # one chunk per rank: uneven rows, column chunks
         assert chunks["model.embed.weight"] == 2 and chunks["dtensor.cols"] == 2
 
@@ -347,7 +348,7 @@ def test_a_save_without_collectives_merges_the_ranks_metadata(tmp_path: Path, ru
             assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
         else:
             assert got[key] == (list(value) if isinstance(value, tuple) else value), key
-    chunks = {t["source"]: t["chunks"] for t in json.loads(proc.stdout)["tensors"]}
+    chunks = {t["source"]: t["chunks"] for t in json.loads(proc.stdout)["tensor_list"]}
     assert chunks["model.embed.weight"] == 2  # one from each rank's metadata
 
 

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckptkit
+from ckptkit.schemas import cli_schema_path
 from ckptkit.errors import IntegrityError, ManifestError
 from ckptkit_adapters.deepspeed.reader import CONVERTER, cast_float32, tag_directory
 
@@ -25,7 +26,7 @@ from .checks import assert_nothing_written, one_line_error
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures" / "deepspeed"
-SCHEMA = REPO / "schemas" / "cli" / "convert.v1.schema.json"
+SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / cli_schema_path("convert")
 # the model-parallel save (which needs its layout) has tests of its own: test_deepspeed_tp.py
 SAVES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and not p.name.endswith((".oracle", "-tp2")))
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -135,10 +136,10 @@ def test_values_come_across_as_json_and_info(tmp_path: Path) -> None:
     assert [len(g.params) for g in info.optimizer.param_groups] == [6, 6]
     assert info.config is not None and info.config["ds_config"]["zero_optimization"] == {"stage": 2}  # type: ignore[index]
     assert manifest.step == 3 and manifest.layout is not None
-    names = {t.name for t in report.tensors}
+    names = {t.name for t in report.tensor_list}
     assert {"model/blocks.0.fc1.weight", "optimizer/fp32/blocks.0.fc1.weight", "optimizer/exp_avg/blocks.0.fc1.weight",
             "optimizer/exp_avg_sq/blocks.0.fc1.weight"} <= names
-    pieces = {t.name: t.chunks for t in report.tensors}
+    pieces = {t.name: t.chunks for t in report.tensor_list}
     assert pieces["optimizer/exp_avg/blocks.0.fc2.weight"] == 2  # split between the two ranks' partitions
 
 
@@ -154,7 +155,7 @@ def test_the_cli_recognises_a_save_directory_or_a_tag_directory(where: str, tmp_
     report = json.loads(proc.stdout)
     jsonschema.validate(report, json.loads(SCHEMA.read_text(encoding="utf-8")))
     assert report["format"] == "deepspeed" and report["skipped"] == []
-    model = [t for t in report["tensors"] if t["name"].startswith("model/") and t["name"] != "model/scale"]
+    model = [t for t in report["tensor_list"] if t["name"].startswith("model/") and t["name"] != "model/scale"]
     assert model and all("fp32 master, cast to bfloat16" in t["source"] for t in model)  # ZeRO-3 saves no bf16 copy
 
 

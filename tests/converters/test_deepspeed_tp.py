@@ -65,7 +65,7 @@ def test_every_tensor_is_joined_over_tp_bitwise_against_deepspeeds_own_view(tmp_
         assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value), key
     assert state["model"]["blocks.1.fc1.weight"].shape == (12, 7)  # 6 rows on each of 2 ranks
     assert bool((state["optimizer"]["exp_avg_sq"]["blocks.0.fc2.weight"] != 0).all())
-    sources = {t.name: t for t in report.tensors}
+    sources = {t.name: t for t in report.tensor_list}
     assert sources["optimizer/fp32/blocks.0.fc2.weight"].chunks == 2 * 2  # 2 TP ranks x 2 DP partitions
     manifest = ckptkit.read_manifest(dst)
     assert manifest.layout is not None and manifest.layout["name"] == "tiny-tp"

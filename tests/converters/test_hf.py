@@ -67,7 +67,7 @@ def test_every_tensor_equals_the_models_state_dict_and_verifies(family: str, dty
     for key, tensor in got.items():
         assert tensor.dtype == want[key].dtype == dtype, key
         assert torch.equal(tensor, want[key]), key
-    assert all(t.name == fqn_of(t.source) and hf_key(t.name) == t.source and t.kind == "param" for t in report.tensors)
+    assert all(t.name == fqn_of(t.source) and hf_key(t.name) == t.source and t.kind == "param" for t in report.tensor_list)
 
 
 @pytest.mark.parametrize(("family", "layout"), [("llama", "hf-llama"), ("qwen2", "hf-qwen2"), ("gpt2", "hf-gpt2")])

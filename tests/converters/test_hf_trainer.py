@@ -66,7 +66,7 @@ def test_a_class_the_arguments_name_that_is_not_allowed_is_listed_and_fails_the_
         CONVERTER.convert(str(folder), str(tmp_path / "out"))
     assert_nothing_written(tmp_path, tmp_path / "out")
     report = CONVERTER.convert(str(folder), str(tmp_path / "out"), allow_skip=True)
-    assert [s.source for s in report.skipped] == ["training_args.bin"]
+    assert [s.name for s in report.skipped] == ["training_args.bin"]
 
 
 def test_the_optimizer_scheduler_step_and_state_come_in_as_trainer_keeps_them(folder: Path, tmp_path: Path,

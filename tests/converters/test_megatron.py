@@ -76,10 +76,10 @@ def test_values_and_info_come_from_common_pt(tmp_path: Path) -> None:
     assert manifest.objects["model/decoder.layers.1.mlp.linear_fc2._extra_state"] == [None]
     info = manifest.info.optimizer
     assert info is not None and info.step == 3 and [g.options["wd_mult"] for g in info.param_groups] == [1.0, 0.0]
-    sources = {t.name: t.source for t in report.tensors}
+    sources = {t.name: t.source for t in report.tensor_list}
     assert sources["model/decoder.layers.1.self_attention.linear_qkv.weight"] == "decoder.layers.self_attention.linear_qkv.weight[1:2, 0:32, 0:16]"
     assert sources["optimizer/fp32/embedding.word_embeddings.weight"] == "optimizer.state.param.embedding.word_embeddings.weight"
-    chunks = {t.name: t.chunks for t in report.tensors}
+    chunks = {t.name: t.chunks for t in report.tensor_list}
     assert chunks["model/decoder.layers.0.mlp.linear_fc1.weight"] == 4  # gate and up rows of each TP rank
 
 
@@ -99,7 +99,7 @@ def test_the_cli_recognises_a_checkpoint_or_a_megatron_lm_save_directory(where: 
     assert len(lines) == 2 and lines[1].startswith("ckptkit: warning: ") and "no Megatron-LM arguments" in lines[1]
     report = json.loads(proc.stdout)
     assert report["warnings"] == [lines[1].removeprefix("ckptkit: warning: ")]
-    assert report["format"] == "megatron" and report["skipped"] == [] and len(report["tensors"]) == 60
+    assert report["format"] == "megatron" and report["skipped"] == [] and report["tensors"] == len(report["tensor_list"]) == 60
 
 
 @needs_entry_point
@@ -227,7 +227,7 @@ def test_a_pipeline_parallel_save_comes_across_with_global_layer_numbers(tmp_pat
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     # layer 1 lives on the second pipeline stage, saved there at its global offset
-    assert "model/decoder.layers.1.mlp.linear_fc2.weight" in {t.name for t in report.tensors}
+    assert "model/decoder.layers.1.mlp.linear_fc2.weight" in {t.name for t in report.tensor_list}
 
 
 @needs_entry_point
@@ -274,7 +274,7 @@ def test_the_export_reads_each_fused_tensor_once(tmp_path: Path, run_ckptkit: An
 
     monkeypatch.setattr(Source, "read", counted)
     report = ckptkit.export(converted, tmp_path / "hf", format="hf", dtype="fp32", layout=layout)
-    assert len(report.tensors) == 21 and len(reads) == len(set(reads)) == 15  # q, k, v from one read; gate, up too
+    assert report.tensors == 21 and len(reads) == len(set(reads)) == 15  # q, k, v from one read; gate, up too
 
 
 def test_a_save_of_megatron_core_017_and_later_keeps_its_common_state_among_the_entries(tmp_path: Path) -> None:

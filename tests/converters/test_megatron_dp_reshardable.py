@@ -70,7 +70,7 @@ def test_every_parameter_master_and_moment_equals_megatrons_own_state_and_verifi
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
     assert bool((got["optimizer/exp_avg_sq/decoder.layers.1.mlp.linear_fc1.weight"] != 0).all())
     # fc1 is [gate; up] on each TP rank: rank 1's up rows come from its own bucket, after rank 0's
-    sources = {t.name: t for t in report.tensors}
+    sources = {t.name: t for t in report.tensor_list}
     fc1 = sources["optimizer/exp_avg/decoder.layers.0.mlp.linear_fc1.weight"]
     assert fc1.chunks == 2 and "bucket_idx_1.exp_avg[576:960]" in fc1.source
 

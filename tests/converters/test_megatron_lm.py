@@ -90,12 +90,12 @@ def test_every_tensor_equals_the_live_model_and_megatrons_optimizer_state_bitwis
 
 def test_the_pipeline_stages_give_global_layer_numbers_and_the_plain_optimizer_no_master(tmp_path: Path) -> None:
     report = CONVERTER.convert(str(FIXTURES / PIPELINE), str(tmp_path / "out"))
-    sources = {t.name: t.source for t in report.tensors}
+    sources = {t.name: t.source for t in report.tensor_list}
     assert sources["model/decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"] == \
         "mp_rank_00_001/model_optim_rng.pt:model/decoder.layers.0.input_layernorm.weight"  # stage 1's local layer 0
     assert sources["optimizer/exp_avg/output_layer.weight"] == "mp_rank_00_001/model_optim_rng.pt:optimizer/state/4/exp_avg"
     assert not [n for n in sources if n.startswith("optimizer/fp32/")]  # FP32Optimizer updates the parameters themselves
-    assert {t.name: t.chunks for t in report.tensors}["model/decoder.layers.0.mlp.linear_fc1.weight"] == 4  # gate, up x TP 2
+    assert {t.name: t.chunks for t in report.tensor_list}["model/decoder.layers.0.mlp.linear_fc1.weight"] == 4  # gate, up x TP 2
 
 
 def test_values_rng_states_and_info_come_from_every_rank_file(tmp_path: Path) -> None:
@@ -117,7 +117,7 @@ def test_values_rng_states_and_info_come_from_every_rank_file(tmp_path: Path) ->
     assert [g.options["wd_mult"] for g in manifest.info.optimizer.param_groups] == [1.0, 0.0]
     assert manifest.objects["model/decoder.layers.1.mlp.linear_fc2._extra_state"] is None
     assert manifest.layout is not None and manifest.layout["name"] == "megatron-gpt"
-    listed = {o.name for o in report.objects} | {t.name for t in report.tensors}
+    listed = {o.name for o in report.objects} | {t.name for t in report.tensor_list}
     assert listed == set(manifest.objects) | set(manifest.tensors)  # nothing written that the report does not list
 
 
@@ -274,4 +274,4 @@ def test_a_file_the_converter_does_not_read_is_listed_not_dropped(tmp_path: Path
         CONVERTER.convert(str(src), str(tmp_path / "out"))
     assert_nothing_written(tmp_path, tmp_path / "out")
     report = CONVERTER.convert(str(src), str(tmp_path / "out"), allow_skip=True)
-    assert [s.source for s in report.skipped] == ["mp_rank_01/layer_wise_optimizer_0.pt"]
+    assert [s.name for s in report.skipped] == ["mp_rank_01/layer_wise_optimizer_0.pt"]

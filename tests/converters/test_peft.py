@@ -82,7 +82,7 @@ def test_inspect_and_verify_read_the_folder_and_name_what_convert_would_skip(ada
     shutil.copytree(adapter, src)
     (src / "notes.txt").write_text("not the adapter's")
     report = ckptkit.inspect(src)
-    assert (report.read_through, report.skipped) == ("peft", ["notes.txt: not part of a peft adapter folder"])
+    assert (report.read_through, [(e.name, e.reason) for e in report.skipped]) == ("peft", [("notes.txt", "not part of a peft adapter folder")])
     assert [t.name for t in report.tensor_list] == sorted(f"model/{k}" for k in load_file(src / "adapter_model.safetensors"))
     result = CliRunner().invoke(cli, ["verify", str(src)])
     assert result.exit_code == 0, result.output

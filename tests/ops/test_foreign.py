@@ -18,6 +18,7 @@ from click.testing import CliRunner
 import ckptkit
 from ckptkit.cli import cli
 from ckptkit.manifest.dtypes import itemsize
+from ..conftest import cli_schema
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas" / "cli"
@@ -64,7 +65,7 @@ def test_inspect_reads_another_tools_checkpoint_as_convert_would_and_writes_noth
     result = CliRunner().invoke(cli, ["inspect", "--json", str(path)])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    jsonschema.validate(doc, json.loads((SCHEMAS / "inspect.v1.schema.json").read_text()))
+    jsonschema.validate(doc, cli_schema("inspect"))
     assert _tree(path) == before
     assert (doc["read_through"], doc["step"], doc["producer"], doc["checkpoint_id"]) == (adapter, step, None, "")
     assert doc["files"] == len(before) and doc["payload_bytes"] == sum((path / f).stat().st_size for f in before)
@@ -98,9 +99,9 @@ def test_verify_reads_every_tensor_of_another_tools_checkpoint(converted: dict[s
         report = ckptkit.verify(FIXTURES / src)
         manifest = ckptkit.read_manifest(converted[src])
         nbytes = sum(math.prod(t.shape) * itemsize(t.dtype) for t in manifest.tensors.values())
-        assert (report.ok, report.read_through, report.tensors, report.bytes_hashed) == (True, adapter, len(manifest.tensors), nbytes)
+        assert (report.ok, report.read_through, report.tensors, report.bytes_read) == (True, adapter, len(manifest.tensors), nbytes)
         quick = ckptkit.verify(FIXTURES / src, quick=True)
-        assert quick.ok and quick.bytes_hashed < nbytes
+        assert quick.ok and quick.bytes_read < nbytes
 
 
 def test_verify_of_a_truncated_foreign_file_is_a_problem_named_in_one_line(tmp_path: Path) -> None:

@@ -11,11 +11,12 @@ import torch
 from click.testing import CliRunner
 
 import ckptkit
+from ckptkit.schemas import cli_schema_path
 from ckptkit import CheckpointInfo, ModelInfo, ShardedTensor
 from ckptkit.cli import cli
 from ckptkit.ops.inspect import model_summary
 
-SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / "cli" / "inspect.v1.schema.json"
+SCHEMA = Path(__file__).resolve().parents[2] / "schemas" / cli_schema_path("inspect")
 CONFIG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4}
 
 

@@ -17,6 +17,7 @@ import ckptkit
 from ckptkit.cli import cli
 from ckptkit.io.kinds import classify
 from ckptkit.trainer.train import config_from, launch, prepare
+from ..conftest import cli_schema
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas" / "cli"
 
@@ -46,10 +47,10 @@ def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_ls_lists_checkpoints_with_step_topology_size_time_and_latest(run_root: Path) -> None:
     report = ckptkit.list_checkpoints(run_root)
-    assert [(c.name, c.step, c.latest) for c in report.checkpoints] == [("step_00000001", 1, False), ("step_00000002", 2, True)]
+    assert [(c.name, c.step, c.is_latest) for c in report.checkpoints] == [("step_00000001", 1, False), ("step_00000002", 2, True)]
     for c in report.checkpoints:
         manifest = ckptkit.read_manifest(run_root / c.name)
-        assert (c.topology, c.bytes, c.created_at) == (manifest.topology, sum(f.size for f in manifest.files), manifest.created_at)
+        assert (c.topology, c.payload_bytes, c.created_at) == (manifest.topology, sum(f.size for f in manifest.files), manifest.created_at)
     assert report.run is not None and report.run.model == "llama tiny"
 
 
@@ -110,7 +111,7 @@ def test_ls_json_has_null_latest_and_matches_its_schema(tmp_path: Path) -> None:
     ckptkit.save({"w": torch.ones(2)}, tmp_path / "step_1", step=1, update_latest=False)
     result = CliRunner().invoke(cli, ["ls", "--json", str(tmp_path)])
     doc = json.loads(result.stdout)
-    jsonschema.validate(doc, json.loads((SCHEMAS / "ls.v1.schema.json").read_text()))
+    jsonschema.validate(doc, cli_schema("ls"))
     assert doc["latest"] is None and doc["run"] is None
     assert doc["warnings"] == ["no latest pointer, though 1 checkpoint(s) are committed: resume one by its path"]
 

@@ -71,11 +71,11 @@ def test_fp32_export_loads_as_mixtral_with_thetrainer_logits(source: Path, tmp_p
     assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "float32"
     # Under the on-disk names of the Mixtral checkpoints on the Hub: each expert's w1, w2, w3.
     names = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
-    assert sorted(names) == sorted(t.name for t in report.tensors) and len(names) == 3 + 2 * (6 + 1 + 8 * 3)
+    assert sorted(names) == sorted(t.name for t in report.tensor_list) and len(names) == 3 + 2 * (6 + 1 + 8 * 3)
     assert {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.7.w2.weight",
             "model.layers.0.self_attn.k_proj.weight", "model.layers.0.post_attention_layernorm.weight"} <= set(names)
     assert not [n for n in names if ".mlp." in n]
-    assert set(report.skipped) == {f for f in ckptkit.read_manifest(str(source)).tensors if not f.startswith("model/")}
+    assert {e.name for e in report.skipped} == {f for f in ckptkit.read_manifest(str(source)).tensors if not f.startswith("model/")}
     assert json.loads((dst / REPORT_NAME).read_text()) == json.loads(report.model_dump_json())
 
 
@@ -98,7 +98,7 @@ def test_tied_export_has_no_head_and_thetrainer_logits(tied_source: Path, tmp_pa
     dst = tmp_path / "hf"
     report = export(tied_source, dst, dtype="fp32")
     assert json.loads((dst / "config.json").read_text())["tie_word_embeddings"] is True
-    assert "lm_head.weight" not in {t.name for t in report.tensors}
+    assert "lm_head.weight" not in {t.name for t in report.tensor_list}
     theirs, ids = _hf_logits(dst)
     assert (theirs - trainer_logits(tied_source, ids)).abs().max().item() <= 1e-4
 

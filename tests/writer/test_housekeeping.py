@@ -17,6 +17,7 @@ import torch
 import ckptkit
 from ckptkit.storage import open_storage
 from ckptkit.writer import retention
+from ..conftest import cli_schema
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas" / "cli"
 
@@ -56,7 +57,7 @@ def test_clean_dry_run_lists_the_leftovers_and_removes_nothing(root: Path, run_c
     proc = run_ckptkit("clean", str(root), "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    jsonschema.validate(doc, json.loads((SCHEMAS / "clean.v1.schema.json").read_text()))
+    jsonschema.validate(doc, cli_schema("clean"))
     assert [r["name"] for r in doc["removed"]] == [".step_00000006.tmp-abc123", "step_00000007"]
     assert doc["stale_leases"] == 1 and doc["dry_run"] is True
     assert _tree(root) == before
@@ -79,7 +80,7 @@ def test_clean_keeps_a_leftover_a_live_lease_holds(root: Path) -> None:
     with retention.lease(storage, "step_00000007"):
         (root / "step_00000007" / "manifest.json").unlink()  # then the checkpoint loses it: a leftover, being read
         report = ckptkit.clean(root)
-    assert [k.name for k in report.kept] == ["step_00000007"]
+    assert report.busy == ["step_00000007"]
     assert (root / "step_00000007" / "rank00000.safetensors").exists()
     assert not (root / ".step_00000006.tmp-abc123").exists()
 
@@ -103,15 +104,17 @@ def test_prune_dry_run_lists_and_deletes_nothing(root: Path, run_ckptkit: Any) -
     proc = run_ckptkit("prune", str(root), "--keep-last", "2", "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    jsonschema.validate(doc, json.loads((SCHEMAS / "prune.v1.schema.json").read_text()))
-    assert doc["deleted"] == ["step_00000001", "step_00000002", "step_00000003"]
+    jsonschema.validate(doc, cli_schema("prune"))
+    assert [e["name"] for e in doc["removed"]] == ["step_00000001", "step_00000002", "step_00000003"]
+    assert doc["removed"][0]["reason"] == "not among the newest 2"
     assert _tree(root) == before
 
 
 def test_prune_deletes_what_the_policy_does_not_keep(root: Path, run_ckptkit: Any) -> None:
     proc = run_ckptkit("prune", str(root), "--keep-last", "2", "--keep-every", "2")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["deleted step_00000001", "deleted step_00000003", f"{root}: deleted 2 checkpoint(s), 3 kept"]
+    assert proc.stdout.splitlines() == ["deleted step_00000001\tnot among the newest 2 nor a step divisible by 2",
+                                       "deleted step_00000003\tnot among the newest 2 nor a step divisible by 2", f"{root}: deleted 2 checkpoint(s), 3 kept"]
     assert [c.name for c in ckptkit.list_checkpoints(root).checkpoints] == ["step_00000002", "step_00000004", "step_00000005"]
 
 
@@ -119,7 +122,7 @@ def test_prune_keeps_a_checkpoint_a_live_lease_holds(root: Path) -> None:
     with retention.lease(open_storage(root), "step_00000001"):
         report = ckptkit.prune(root, keep_last=1)
         assert ckptkit.verify(root / "step_00000001").ok
-    assert report.deleted == ["step_00000002", "step_00000003", "step_00000004"]
+    assert [e.name for e in report.removed] == ["step_00000002", "step_00000003", "step_00000004"]
     assert report.busy == ["step_00000001"]
     assert [c.name for c in ckptkit.list_checkpoints(root).checkpoints] == ["step_00000001", "step_00000005"]
 
@@ -128,4 +131,4 @@ def test_prune_never_deletes_the_checkpoint_latest_names(tmp_path: Path) -> None
     for step in (1, 2, 3):
         ckptkit.save({"w": torch.ones(2)}, tmp_path / f"s{step}", step=step, update_latest=step == 1)
     report = ckptkit.prune(tmp_path, keep_last=1)
-    assert report.deleted == ["s2"] and report.kept == ["s1", "s3"]
+    assert [e.name for e in report.removed] == ["s2"] and report.kept == ["s1", "s3"]

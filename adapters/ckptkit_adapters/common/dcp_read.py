@@ -220,7 +220,7 @@ def plan_conversion(src: str, md: DcpMetadata, naming: Naming | None = None) -> 
     for index in md.storage:
         if index not in chunk_keys and index not in value_keys:
             where = index[0] if index[1] is None else f"{index[0]} at {list(index[1])}"
-            plan.skipped.append(SkippedEntry(source=where, reason="stored bytes that the metadata lists under no entry"))
+            plan.skipped.append(SkippedEntry(name=where, reason="stored bytes that the metadata lists under no entry"))
     return plan
 
 
@@ -240,7 +240,7 @@ def _file_sizes(src: str, md: DcpMetadata, problems: list[str]) -> dict[str, int
 def _plan_tensor(md: DcpMetadata, key: str, meta: TensorMeta, named: list[Named], plan: Plan) -> None:
     dtype = meta.dtype.dtype
     if dtype is None:
-        plan.skipped.append(SkippedEntry(source=key, reason=f"dtype torch.{meta.dtype.name} has no ckptkit equivalent"))
+        plan.skipped.append(SkippedEntry(name=key, reason=f"dtype torch.{meta.dtype.name} has no ckptkit equivalent"))
         return
     boxes = [Box(c.offsets, c.sizes) for c in meta.chunks]
     plan.problems += [f"{key}: {p}" for p in tiling_problems(meta.shape, boxes)]
@@ -250,7 +250,7 @@ def _plan_tensor(md: DcpMetadata, key: str, meta: TensorMeta, named: list[Named]
             plan.problems.append(f"{key}: the chunk at {list(chunk.offsets)} has no storage entry")
         elif ref.transforms:
             plan.skipped.append(SkippedEntry(
-                source=key, reason=f"stored with stream transforms {list(ref.transforms)}, which this converter does not read"))
+                name=key, reason=f"stored with stream transforms {list(ref.transforms)}, which this converter does not read"))
             return
     for n in named:
         source = key if n.region.lengths == meta.shape else f"{key}[{', '.join(f'{o}:{o + k}' for o, k in zip(n.region.offsets, n.region.lengths))}]"
@@ -266,17 +266,17 @@ def _plan_value(src: str, md: DcpMetadata, key: str, name: str, plan: Plan, size
     if ref.path not in sizes or ref.offset + ref.length > sizes[ref.path]:
         return  # already a problem
     if ref.transforms:
-        plan.skipped.append(SkippedEntry(source=key, reason=f"stored with stream transforms {list(ref.transforms)}"))
+        plan.skipped.append(SkippedEntry(name=key, reason=f"stored with stream transforms {list(ref.transforms)}"))
         return
     try:
         with entry_archive(src, ref, key) as archive:
             value = stored_value(archive)
     except ManifestError as exc:  # a class outside the builtins: skipped (and refused without allow_skip)
-        plan.skipped.append(SkippedEntry(source=key, reason=str(exc)))
+        plan.skipped.append(SkippedEntry(name=key, reason=str(exc)))
         return
     converted, problem = _to_json(value, key)
     if problem:
-        plan.skipped.append(SkippedEntry(source=key, reason=f"not a JSON value ({problem})"))
+        plan.skipped.append(SkippedEntry(name=key, reason=f"not a JSON value ({problem})"))
         return
     plan.objects[name] = converted
     plan.object_sources[name] = key

@@ -189,7 +189,7 @@ class _Plan:
         converted = plain(value)
         problems = json_problems({name: converted})
         if problems:
-            self.skipped.append(SkippedEntry(source=source, reason=f"not a tensor or a JSON value ({problems[0]})"))
+            self.skipped.append(SkippedEntry(name=source, reason=f"not a tensor or a JSON value ({problems[0]})"))
             return
         self.objects[name] = converted
         self.object_sources[name] = source
@@ -345,7 +345,7 @@ class DeepSpeedConverter:
             ranks = model_parallel_ranks(tag_dir)
             plans = [plan_conversion(tag_dir, files, mp) for mp in ranks]
             plan = plans[0]
-            skipped = list({s.source: s for p in plans for s in p.skipped}.values())
+            skipped = list({s.name: s for p in plans for s in p.skipped}.values())
             refuse_skips(skipped, allow_skip=allow_skip, where=src)
             tensors = _tensors(plans, files, layout, src)
             readers = {spec.name: read for spec, read, _ in tensors}

@@ -125,12 +125,12 @@ def _read_files(src: str, names: set[str], config: Mapping[str, Any], weights: M
         if isinstance(value, dict) and not json_problems({"s": value}):
             out.scheduler = value
         else:
-            out.skipped.append(SkippedEntry(source=SCHEDULER, reason="the scheduler's state is not plain values"))
+            out.skipped.append(SkippedEntry(name=SCHEDULER, reason="the scheduler's state is not plain values"))
     if OPTIMIZER in names:
         _read_optimizer(src, config, weights, out)
     if ARGS in names:
         _read_args(src, out)
-    out.skipped += [SkippedEntry(source=n, reason=NOT_READ[n]) for n in sorted(names & set(NOT_READ))]
+    out.skipped += [SkippedEntry(name=n, reason=NOT_READ[n]) for n in sorted(names & set(NOT_READ))]
     for name in sorted(n for n in names if n.startswith("rng_state") and n.endswith(".pth")):
         _read_rng(src, name, out)
 
@@ -144,7 +144,7 @@ def _read_rng(src: str, name: str, out: TrainerState) -> None:
     states = stored_object(archive, {**STATE_DICT_ALLOWED, **NUMPY_ALLOWED})
     stem = name.removesuffix(".pth")
     if not isinstance(states, dict):
-        out.skipped.append(SkippedEntry(source=name, reason="not a dict of RNG states"))
+        out.skipped.append(SkippedEntry(name=name, reason="not a dict of RNG states"))
         return
     for key, value in states.items():
         where = f"{name}:{key}"
@@ -162,7 +162,7 @@ def _read_rng(src: str, name: str, out: TrainerState) -> None:
             value = None if words is None else [value[0], words, *value[2:]]
         converted = plain(value)
         if value is None or json_problems({"v": converted}):
-            out.skipped.append(SkippedEntry(source=where, reason="an RNG state that is neither a tensor nor plain values"))
+            out.skipped.append(SkippedEntry(name=where, reason="an RNG state that is neither a tensor nor plain values"))
             continue
         out.objects[f"trainer/{stem}/{escape(str(key))}"], out.sources[f"trainer/{stem}/{escape(str(key))}"] = converted, where
 
@@ -175,11 +175,11 @@ def _read_args(src: str, out: TrainerState) -> None:
         args = stored_object(_archive(src, ARGS, out), ARGS_ALLOWED)
     except ManifestError as exc:
         message = str(exc)
-        out.skipped.append(SkippedEntry(source=ARGS, reason=message[message.find("refused"):] if "refused" in message else message))
+        out.skipped.append(SkippedEntry(name=ARGS, reason=message[message.find("refused"):] if "refused" in message else message))
         return
     value = plain(_values(args))
     if not isinstance(value, dict) or json_problems({"v": value}):
-        out.skipped.append(SkippedEntry(source=ARGS, reason="TrainingArguments whose fields are not plain values"))
+        out.skipped.append(SkippedEntry(name=ARGS, reason="TrainingArguments whose fields are not plain values"))
         return
     out.objects["trainer/training_args"], out.sources["trainer/training_args"] = value, ARGS
 
@@ -214,7 +214,7 @@ def _read_optimizer(src: str, config: Mapping[str, Any], weights: Mapping[str, t
         raise IntegrityError(f"{archive.where}: not a torch optimizer's state dict (state, param_groups)")
 
     def skip(reason: str) -> None:
-        out.skipped.append(SkippedEntry(source=OPTIMIZER, reason=reason))
+        out.skipped.append(SkippedEntry(name=OPTIMIZER, reason=reason))
 
     if any(set(s) != {"step", *MOMENTS} for s in state.values() if isinstance(s, dict)):
         return skip("not an AdamW state (each parameter's step, exp_avg and exp_avg_sq)")

@@ -283,7 +283,7 @@ def convert_legacy(path: str, dst: str, *, allow_skip: bool = False, progress: P
     broken = coverage_problems(conv.planned)
     if broken:
         raise IntegrityError(f"{path}: the rank files do not hold the whole of {len(broken)} tensor(s): {', '.join(broken[:10])}")
-    skipped = [SkippedEntry(source=s, reason=r) for s, r in conv.skipped]
+    skipped = [SkippedEntry(name=s, reason=r) for s, r in conv.skipped]
     refuse_skips(skipped, allow_skip=allow_skip, where=path)
     specs = [TensorSpec(name, conv.planned.sources[name], pieces[0].stored.dtype, pieces[0].part.global_shape,
                         conv.planned.kinds[name]) for name, pieces in conv.planned.pieces.items()]

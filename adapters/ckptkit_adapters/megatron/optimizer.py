@@ -57,7 +57,7 @@ def bucket_values(path: str, md: DcpMetadata, plan: Plan) -> Any:
         sizes[key] = value
         name = f"megatron/{escape(key)}"
         plan.objects[name], plan.object_sources[name] = _sizes_json(value, key), key
-        plan.skipped[:] = [s for s in plan.skipped if s.source != key]
+        plan.skipped[:] = [s for s in plan.skipped if s.name != key]
     buckets, _ = buckets_of(md.entries)
     for (g, k, b), bucket in sorted(buckets.items()):
         saved = _saved_size(sizes.get(f"optimizer.distributed.dp_group_idx_{g}.per_bucket_numel_unpadded/shard_0_1"), k, b)

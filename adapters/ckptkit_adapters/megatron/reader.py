@@ -436,7 +436,7 @@ def _common(path: str, md: DcpMetadata, plan: Plan) -> dict[str, Any]:
             held = stored_object(archive, COMMON_ALLOWED)
         tree = held[0] if isinstance(held, list) and len(held) == 1 else held  # a sharded object: the list of its pieces
         where = f"{path} ({COMMON_STATE})"
-        plan.skipped[:] = [s for s in plan.skipped if s.source != COMMON_STATE]
+        plan.skipped[:] = [s for s in plan.skipped if s.name != COMMON_STATE]
         for name in [n for n, source in plan.object_sources.items() if source == COMMON_STATE]:
             del plan.objects[name], plan.object_sources[name]
     if not isinstance(tree, dict):
@@ -463,7 +463,7 @@ def _info(common: dict[str, Any], objects: dict[str, JsonValue], sources: dict[s
         name, converted = f"megatron/{escape(str(key))}", plain(value)
         problems = json_problems({name: converted})
         if problems:
-            skipped.append(SkippedEntry(source=f"{COMMON}:{key}", reason=f"not a JSON value ({problems[0]})"))
+            skipped.append(SkippedEntry(name=f"{COMMON}:{key}", reason=f"not a JSON value ({problems[0]})"))
             continue
         objects[name], sources[name] = converted, f"{COMMON}:{key}"
     fields: dict[str, Any] = {}

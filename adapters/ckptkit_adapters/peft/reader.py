@@ -75,7 +75,7 @@ class PeftConverter:
         objects: dict[str, JsonValue] = {}
         if CARD in names:
             objects[f"{NAME}/{CARD}"] = read_small(os.path.join(src, CARD), LIMIT, "the model card").decode("utf-8", "replace")
-        skipped = [SkippedEntry(source=n, reason="not part of a peft adapter folder") for n in sorted(names - {CONFIG, WEIGHTS, CARD})]
+        skipped = [SkippedEntry(name=n, reason="not part of a peft adapter folder") for n in sorted(names - {CONFIG, WEIGHTS, CARD})]
         refuse_skips(skipped, allow_skip=allow_skip, where=src)
         fd, _ = open_regular(path)
 
