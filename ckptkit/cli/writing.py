@@ -181,10 +181,17 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     click.echo(
         f"{report.destination}: {report.tensors} tensors ({report.format}{f' {report.form}' if report.form else ''}, {report.dtype}) in "
         f"{report.files} file(s), {total / 1e6:.1f} MB "
-        f"(step {report.step}; {len(report.skipped)} tensors not exported{_not_held(report)})"
+        f"(step {report.step}; {_not_exported(report)})"
     )
     for fqn in report.left_out:
         click.echo(f"left out (--allow-skip): {fqn}")
+
+
+def _not_exported(report: Any) -> str:
+    """``81 tensors not exported: 78 optimizer, 3 rng``, and the values left out, if any."""
+    tensors = sum(report.not_held.values()) + len(report.left_out)
+    values = len(report.skipped) - tensors
+    return f"{tensors} tensors{f' and {values} values' if values else ''} not exported{_not_held(report)}"
 
 
 def _not_held(report: Any) -> str:

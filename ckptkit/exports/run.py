@@ -26,6 +26,7 @@ from .formats import CHUNK_BYTES, EXPORT_FORMATS, ExportFormat, ExportOptions
 from .source import LEFT_OUT, ExportedFile, ExportReport, Source, report_bytes
 from ..ops.reports import SkippedEntry
 from ..layouts import Layout
+from ..manifest import Manifest
 from ..io.payload import open_checkpoint
 from ..storage import Storage
 
@@ -146,7 +147,8 @@ def _export(
     try:
         written = writer(source, dst_loc.storage, stage.root)
         held = fmt.held(form, options.include_optimizer)
-        dropped = [fqn for fqn in written.skipped if manifest.tensors[fqn].kind in held]
+        left = [name for name in written.skipped if name in manifest.tensors]  # the rest: values the writer leaves out
+        dropped = [fqn for fqn in left if manifest.tensors[fqn].kind in held]
         if dropped and not allow_skip:
             raise LayoutError(f"{src_loc}: the {fmt.name} export would leave out {len(dropped)} tensor(s) of kinds it holds "
                               f"({', '.join(sorted({manifest.tensors[f].kind for f in dropped}))}): {summarize(dropped)}; "
@@ -156,10 +158,8 @@ def _export(
             step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
             tensors=len(written.tensors), tensor_list=written.tensors, files=len(written.files),
             file_list=sorted(written.files, key=lambda f: f.path),
-            skipped=[SkippedEntry(name=f, reason=f"{LEFT_OUT} the {fmt.name} export holds {manifest.tensors[f].kind} tensors but could not write it"
-                                  if f in dropped else f"the {fmt.name} export holds no {manifest.tensors[f].kind} tensors")
-                     for f in written.skipped],
-            not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in written.skipped if f not in dropped).items())),
+            skipped=[SkippedEntry(name=f, reason=_why_skipped(f, fmt.name, manifest, dropped)) for f in written.skipped],
+            not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in left if f not in dropped).items())),
             seconds=round(time.perf_counter() - started, 3),
         )
         data = report_bytes(report)
@@ -175,3 +175,12 @@ def _export(
             raise StorageError(f"{dst_loc}: export failed, nothing written: {exc}") from exc
         raise
     return report
+
+
+def _why_skipped(name: str, fmt: str, manifest: Manifest, dropped: list[str]) -> str:
+    """Why an export left an entry of the checkpoint out: a tensor of a kind it holds but could
+    not write (allowed by --allow-skip), a tensor of a kind it does not hold, or a value."""
+    if name not in manifest.tensors:
+        return f"a value the {fmt} export does not write"
+    kind = manifest.tensors[name].kind
+    return f"{LEFT_OUT} the {fmt} export holds {kind} tensors but could not write it" if name in dropped else f"the {fmt} export holds no {kind} tensors"

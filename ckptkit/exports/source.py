@@ -176,8 +176,9 @@ class ExportReport(BaseModel):
 
 @dataclass
 class Written:
-    """What a format's writer wrote: the report's tensors and files, the tensors left out, and
-    for a format that is also a checkpoint (the zarr form), its manifest given the report's file."""
+    """What a format's writer wrote: the report's tensors and files, the tensors left out (and
+    the values, for a writer that writes some values and not others), and for a format that is
+    also a checkpoint (the zarr form), its manifest given the report's file."""
 
     tensors: list[ExportedTensor]
     files: list[ExportedFile]

@@ -397,6 +397,22 @@ def test_an_fsdp2_save_goes_back_to_dcp_whole_and_its_job_resumes_as_from_the_or
     assert [k for k, v in original["state"].items() if not torch.equal(again["state"][k], v)] == []
 
 
+def test_without_the_optimizer_the_plain_form_lists_the_values_it_leaves_out(tmp_path: Path, run_ckptkit: Any) -> None:
+    # the optimizer's parameter groups are values, not tensors: left out with its moments, each
+    # listed with its reason (this was an internal error)
+    converted, out = tmp_path / "converted", tmp_path / "dcp"
+    assert run_ckptkit("convert", str(FIXTURES / "dcp-fsdp2-fp32"), str(converted)).returncode == 0
+    proc = run_ckptkit("export", str(converted), str(out), "--format", "dcp", "--dcp-form", "plain", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    values = {e["name"] for e in report["skipped"] if e["reason"] == "a value the dcp export does not write"}
+    assert values == set(ckptkit.read_manifest(converted).objects) and "optim/param_groups/0/lr" in values
+    assert report["not_held"] == {"optimizer": 24} and len(report["skipped"]) == 24 + len(values)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert not any(k.startswith("optim") for k in FileSystemReader(str(out)).read_metadata().state_dict_metadata)
+
+
 @pytest.mark.multiprocess
 def test_an_fsdp2_save_reshards_without_a_layout_and_its_job_resumes_from_the_export(tmp_path: Path, run_ckptkit: Any) -> None:
     # the converter records the FSDP2 view (every parameter and its moments cut on dim 0 over DP):
