@@ -160,15 +160,20 @@ def test_an_adapter_that_does_not_import_is_named_with_its_error(registered: lis
         load_converter("gone")
 
 
-# A writer that cannot write the model's tensors: an export through it must not pass for complete.
+# A writer that cannot write the model's tensors: an export through it must not pass for complete,
+# and is refused from its plan, before it writes (WRITES counts its writes).
+WRITES: list[str] = []
+
+
 def _model_less_writer(source: Any, options: ExportOptions) -> tuple[Any, str | None]:
-    from ckptkit.exports.source import Written
+    from ckptkit.exports.source import Writer, Written
 
     def write(source: Any, storage: Any, tmp: str) -> Any:
+        WRITES.append(tmp)
         storage.write(f"{tmp}/nothing.txt", [b"no tensors\n"])
-        return Written([], [], sorted(source.manifest.tensors))
+        return Written([], [])
 
-    return write, None
+    return Writer(sorted(source.manifest.tensors), write), None
 
 
 MODEL_LESS = Adapter(name="model-less", description="a writer that leaves the model out",
@@ -188,7 +193,9 @@ def test_an_export_leaving_out_a_kind_its_format_holds_fails_unless_allowed(regi
     assert str(refused.value) == (f"{src}: the model-less export would leave out 2 tensor(s) of kinds it holds (param): "
                                   "model/b; model/w; pass --allow-skip to export without them")
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "latest"]  # nothing beside
+    assert WRITES == []  # refused before its writer ran
     report = ckptkit.export(str(src), str(tmp_path / "out"), format="model-less", allow_skip=True)
+    assert len(WRITES) == 1
     assert report.left_out == ["model/b", "model/w"] and report.not_held == {"optimizer": 1, "rng": 1}
     assert sorted(e.name for e in report.skipped) == ["model/b", "model/w", "optimizer/exp_avg/w", "rng/torch"]
     # with the optimizer asked for, its state is held too

@@ -167,7 +167,7 @@ def test_dcp_export_loads_with_torch_dcp_bitwise(source: Path, tmp_path: Path) -
     # Without --include-optimizer all but the optimizer's; with --dtype the floats are converted.
     kinds = {fqn.replace("/", "."): e.kind for fqn, e in ckptkit.read_manifest(source).tensors.items()}
     small = export(source, tmp_path / "dcp16", format="dcp", dcp_form="plain", dtype="bf16")
-    assert {t.name for t in small.tensors} == {k for k, kind in kinds.items() if kind != "optimizer"} and small.dtype == "bfloat16"
+    assert {t.name for t in small.tensor_list} == {k for k, kind in kinds.items() if kind != "optimizer"} and small.dtype == "bfloat16"
     assert {e.name for e in small.skipped} == {f for f, e in ckptkit.read_manifest(source).tensors.items() if e.kind == "optimizer"}
     metadata = FileSystemReader(str(tmp_path / "dcp16")).read_metadata()
     dtypes = {k: v.properties.dtype for k, v in metadata.state_dict_metadata.items() if k != "step"}

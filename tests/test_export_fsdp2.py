@@ -135,9 +135,9 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_plain_form(tmp_path
 def test_the_default_form_is_fsdp2_for_the_trainers_model_and_plain_for_any_other(tmp_path: Path) -> None:
     ckptkit.save({"model": {"w": torch.ones(3, 2)}}, tmp_path / "src", step=1)
     other = export(tmp_path / "src", tmp_path / "out", format="dcp")
-    assert other.form == "plain" and [t.name for t in other.tensors] == ["model.w"]
+    assert other.form == "plain" and [t.name for t in other.tensor_list] == ["model.w"]
     trainer = export(LLAMA, tmp_path / "llama", format="dcp")
-    assert trainer.form == "fsdp2" and "model.layers.0.attn.qkv.weight" in {t.name for t in trainer.tensors}
+    assert trainer.form == "fsdp2" and "model.layers.0.attn.qkv.weight" in {t.name for t in trainer.tensor_list}
 
 
 def test_the_next_learning_rate_follows_the_trainers_schedule() -> None:

@@ -141,24 +141,24 @@ def _export(
     refuse_nesting(src_loc, dst_loc)
     if dst_loc.storage.exists(dst_loc.name):
         raise CheckpointExistsError(f"{dst_loc}: already exists; choose another path or remove it")
+    held = fmt.held(form, options.include_optimizer)
+    left = [name for name in writer.skipped if name in manifest.tensors]  # the rest: values the writer leaves out
+    dropped = [fqn for fqn in left if manifest.tensors[fqn].kind in held]
+    if dropped and not allow_skip:  # refused from the plan, before a byte is written
+        raise LayoutError(f"{src_loc}: the {fmt.name} export would leave out {len(dropped)} tensor(s) of kinds it holds "
+                          f"({', '.join(sorted({manifest.tensors[f].kind for f in dropped}))}): {summarize(dropped)}; "
+                          "pass --allow-skip to export without them")
     # Staged and committed as a checkpoint is, the files keeping their paths: under a temporary
     # name renamed at the end, or on an object store in place under this writer's claim.
     stage = staging(dst_loc, uuid.uuid4().hex[:12], fixed_paths=True)
     try:
-        written = writer(source, dst_loc.storage, stage.root)
-        held = fmt.held(form, options.include_optimizer)
-        left = [name for name in written.skipped if name in manifest.tensors]  # the rest: values the writer leaves out
-        dropped = [fqn for fqn in left if manifest.tensors[fqn].kind in held]
-        if dropped and not allow_skip:
-            raise LayoutError(f"{src_loc}: the {fmt.name} export would leave out {len(dropped)} tensor(s) of kinds it holds "
-                              f"({', '.join(sorted({manifest.tensors[f].kind for f in dropped}))}): {summarize(dropped)}; "
-                              "pass --allow-skip to export without them")
+        written = writer.write(source, dst_loc.storage, stage.root)
         report = ExportReport(
             format=fmt.name, form=form, dtype=options.dtype or "saved", source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
             step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
             tensors=len(written.tensors), tensor_list=written.tensors, files=len(written.files),
             file_list=sorted(written.files, key=lambda f: f.path),
-            skipped=[SkippedEntry(name=f, reason=_why_skipped(f, fmt.name, manifest, dropped)) for f in written.skipped],
+            skipped=[SkippedEntry(name=f, reason=_why_skipped(f, fmt.name, manifest, dropped)) for f in writer.skipped],
             not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in left if f not in dropped).items())),
             seconds=round(time.perf_counter() - started, 3),
         )

@@ -176,18 +176,23 @@ class ExportReport(BaseModel):
 
 @dataclass
 class Written:
-    """What a format's writer wrote: the report's tensors and files, the tensors left out (and
-    the values, for a writer that writes some values and not others), and for a format that is
+    """What a format's writer wrote: the report's tensors and files, and for a format that is
     also a checkpoint (the zarr form), its manifest given the report's file."""
 
     tensors: list[ExportedTensor]
     files: list[ExportedFile]
-    skipped: list[str]
     manifest: Callable[[ExportedFile], bytes] | None = None
 
 
-# A format's writer: (source, destination storage, temporary name) -> what it wrote.
-Writer = Callable[[Source, Storage, str], Written]
+@dataclass(frozen=True)
+class Writer:
+    """A format's export, planned: the checkpoint's tensors it leaves out (and the values, for a
+    writer that writes some values and not others), known before a byte is written, so that an
+    export leaving out what its format holds is refused before it writes; and `write`, (source,
+    destination storage, temporary name) -> what it wrote."""
+
+    skipped: list[str]
+    write: Callable[[Source, Storage, str], Written]
 
 
 def report_bytes(report: ExportReport) -> bytes:

@@ -44,14 +44,13 @@ def write_dcp(state: dict[str, Any], planner: DefaultSavePlanner, dst: Storage, 
     return {(index.fqn, tuple(index.offset or ())): info.relative_path for index, info in metadata.storage_data.items()}
 
 
-def save_dcp(state: dict[str, Any], planner: DefaultSavePlanner, report: list[ExportedTensor], dst: Storage, tmp: str,
-             skipped: list[str]) -> Written:
+def save_dcp(state: dict[str, Any], planner: DefaultSavePlanner, report: list[ExportedTensor], dst: Storage, tmp: str) -> Written:
     """Save `state` (whole tensors, one item each) with `write_dcp` through `planner` (which
     fills `report` as it resolves tensors); return what was written."""
     where = {key: path for (key, _), path in write_dcp(state, planner, dst, tmp).items()}
     tensors = sorted((t.model_copy(update={"file": where[t.name]}) for t in report), key=lambda t: t.name)
     files = [file_entry(dst, tmp, key) for key in sorted(dst.list(tmp))]
-    return Written(tensors, files, skipped)
+    return Written(tensors, files)
 
 
 class StreamingPlanner(DefaultSavePlanner):

@@ -165,9 +165,9 @@ def fsdp2_writer(source: Source, layout: Layout, out_dtype: str | None, include_
         state: dict[str, Any] = {t.key: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta") for t in plan.tensors}
         state.update(plan.values)
         source.expect(name for t in plan.tensors for name, _ in t.pieces)
-        return save_dcp(state, _StackingPlanner(source, plan.tensors, report), report, dst, tmp, plan.skipped)
+        return save_dcp(state, _StackingPlanner(source, plan.tensors, report), report, dst, tmp)
 
-    return write
+    return Writer(plan.skipped, write)
 
 
 class _StackingPlanner(DefaultSavePlanner):

@@ -68,6 +68,6 @@ def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -
             state[key] = torch.empty(entry.shape, dtype=torch_dtype(output_dtype(entry.dtype, out_dtype)), device="meta")
         state.update({dcp_key(name): from_json(manifest.objects[name]) for name in values})  # bytes as bytes again
         source.expect(tensor_keys.values())
-        return save_dcp(state, StreamingPlanner(source, tensor_keys, out_dtype, report), report, dst, tmp, skipped)
+        return save_dcp(state, StreamingPlanner(source, tensor_keys, out_dtype, report), report, dst, tmp)
 
-    return write
+    return Writer(skipped, write)

@@ -96,7 +96,19 @@ def deepspeed_writer(source: Source) -> Writer:
     def write(source: Source, dst: Storage, tmp: str) -> Written:
         return _write(source, plan, dst, tmp)
 
-    return write
+    used = {r.fqn for key in _wanted(plan) for r in _runs(plan, source.manifest, key)}
+    return Writer(sorted(fqn for fqn in source.manifest.tensors if fqn not in used), write)
+
+
+def _wanted(plan: UniversalPlan) -> list[str]:
+    """Every checkpoint tensor the universal checkpoint is made of, by the key the plan reads it under."""
+    return ([f"optimizer/{s}/{n}" for g in plan.groups for n in g for s in STATES]
+            + [f"model/{n}" for n in plan.others] + plan.module + [fqn for _, fqn in plan.extra_tensors])
+
+
+def _runs(plan: UniversalPlan, manifest: Manifest, key: str) -> list[Run]:
+    """The runs of checkpoint rows a key of the plan is read from (a tensor whole, unless the plan cuts it)."""
+    return plan.runs.get(key) or [Run(0, (manifest.tensors[key].shape or (1,))[0], key, 0)]
 
 
 def plan_universal(manifest: Manifest, where: str) -> UniversalPlan:
@@ -317,7 +329,6 @@ def _write(source: Source, plan: UniversalPlan, dst: Storage, tmp: str) -> Writt
     manifest = source.manifest
     tensors: list[ExportedTensor] = []
     files: list[ExportedFile] = []
-    used: set[str] = set()
 
     def save(path: str, value: Any) -> None:
         out = io.BytesIO()
@@ -327,20 +338,17 @@ def _write(source: Source, plan: UniversalPlan, dst: Storage, tmp: str) -> Writt
         files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
 
     def read(key: str, name: str, path: str, dtype: str | None = None) -> torch.Tensor:
-        runs = plan.runs.get(key) or [Run(0, (manifest.tensors[key].shape or (1,))[0], key, 0)]
+        runs = _runs(plan, manifest, key)
         entry = manifest.tensors[runs[0].fqn]
         shape = plan.shapes.get(key, entry.shape)
         saved = torch.from_numpy(source.read_runs(runs)).view(torch_dtype(entry.dtype)).reshape(shape)
         tensor = saved if dtype is None else saved.to(torch_dtype(dtype))
         fqns = list(dict.fromkeys(r.fqn for r in runs))
-        used.update(fqns)
         tensors.append(exported(source, name, fqns[0], byte_view(tensor), dtype or entry.dtype, path, shape, " + ".join(fqns)))
         return tensor
 
     zero = f"{plan.tag}/zero"
-    wanted = ([f"optimizer/{s}/{n}" for g in plan.groups for n in g for s in STATES]
-              + [f"model/{n}" for n in plan.others] + plan.module + [fqn for _, fqn in plan.extra_tensors])
-    source.expect(r.fqn for key in wanted for r in plan.runs.get(key, [Run(0, 0, key, 0)]))
+    source.expect(r.fqn for key in _wanted(plan) for r in plan.runs.get(key, [Run(0, 0, key, 0)]))
     for group, step in zip(plan.groups, plan.steps):
         for name in group:
             for state in STATES:
@@ -366,7 +374,7 @@ def _write(source: Source, plan: UniversalPlan, dst: Storage, tmp: str) -> Writt
     data = plan.tag.encode()  # DeepSpeed writes the tag alone, no newline
     dst.write(f"{tmp}/{LATEST}", [data])
     files.append(ExportedFile(path=LATEST, size=len(data), checksum=checksum_of(data)))
-    return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in used))
+    return Written(tensors, files)
 
 
 def _with_zero3_view(plan: UniversalPlan) -> dict[str, Any]:

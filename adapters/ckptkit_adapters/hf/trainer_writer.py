@@ -59,7 +59,7 @@ def trainer_folder_writer(source: Source, max_shard_bytes: int) -> Writer:
     weights = hf_writer(source, None, max_shard_bytes)
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
-        written = weights(source, dst, tmp)
+        written = weights.write(source, dst, tmp)
         tensors, files = list(written.tensors), list(written.files)
 
         def save(path: str, data: bytes) -> None:
@@ -88,10 +88,11 @@ def trainer_folder_writer(source: Source, max_shard_bytes: int) -> Writer:
                 else:
                     rng[head] = tensor
             save(f"{stem}.pth", _torch_bytes(rng))
-        used = {t.source for t in tensors}
-        return Written(tensors, files, [fqn for fqn in written.skipped if fqn not in used])
+        return Written(tensors, files)
 
-    return write
+    used = ({f"optimizer/{m}/{escape(name)}" for name in plan.params for m in MOMENTS}
+            | {fqn for keys in plan.rng_tensors.values() for fqn in keys.values()})
+    return Writer([fqn for fqn in weights.skipped if fqn not in used], write)
 
 
 def plan_trainer(source: Source) -> TrainerPlan:

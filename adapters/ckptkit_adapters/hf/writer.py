@@ -73,9 +73,9 @@ def hf_writer(source: Source, dtype: str | None, max_shard_bytes: int, layout: L
             data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
             dst.write(f"{tmp}/{path}", [data])
             files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
-        return Written(tensors, files, sorted(fqn for fqn in manifest.tensors if fqn not in sources))
+        return Written(tensors, files)
 
-    return write
+    return Writer(sorted(fqn for fqn in manifest.tensors if fqn not in sources), write)
 
 
 def _saved_dtype(source: Source, fqns: set[str]) -> str:

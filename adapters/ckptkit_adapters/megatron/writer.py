@@ -125,9 +125,9 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
             dst.write(f"{tmp}/{name}", [data])
             files.append(ExportedFile(path=name, size=len(data), checksum=checksum_of(data)))
         files += [file_entry(dst, tmp, key) for key in sorted(dst.list(tmp)) if key.rpartition("/")[2] not in extra]
-        return Written(sorted(tensors, key=lambda t: t.name), files, skipped)
+        return Written(sorted(tensors, key=lambda t: t.name), files)
 
-    return write
+    return Writer(skipped, write)
 
 
 # Megatron-LM's arguments of the parallel sizes, set to the export's

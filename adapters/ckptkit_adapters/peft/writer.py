@@ -50,6 +50,6 @@ def peft_writer(source: Source) -> Writer:
         for path, data in extra.items():
             dst.write(f"{tmp}/{path}", [data])
             files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
-        return Written(report, files, sorted(set(manifest.tensors) - set(names)))
+        return Written(report, files)
 
-    return write
+    return Writer(sorted(set(manifest.tensors) - set(names)), write)

@@ -294,6 +294,6 @@ def zarr_writer(source: Source, chunk_bytes: int = CHUNK_BYTES) -> Writer:
             return manifest_to_json(form)
 
         out = [ExportedFile(path=f.path, size=f.size, checksum=f.checksum) for f in files]
-        return Written(report, out, [], manifest_of)
+        return Written(report, out, manifest_of)
 
-    return write
+    return Writer([], write)
