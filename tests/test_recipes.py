@@ -67,3 +67,14 @@ def test_the_library_recipe_runs_as_written(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert [c.step for c in ckptkit.list_checkpoints(tmp_path / "ckpts").checkpoints] == [200, 300]
+
+
+def test_the_readme_names_every_command() -> None:
+    """The front page's command table has a row for every command (layout's three in one row)."""
+    from ckptkit.cli.reference import commands
+
+    table = (REPO / "README.md").read_text().split("## Commands", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1].strip().strip("`") for line in table.splitlines() if line.startswith("| `ckptkit ")]
+    for name, _ in commands():
+        group, _, sub = name.partition(" ")  # `ckptkit layout show / builtin / check`
+        assert any(row.split()[1] == group and sub in row for row in rows), name
