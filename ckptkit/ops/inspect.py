@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .reports import SkippedEntry
 from ..errors import ForeignCheckpointError
-from ..io.kinds import what
+from ..io.kinds import Kind, what
 from ..io.payload import open_checkpoint
 from ..manifest.dtypes import itemsize
 from ..manifest import CheckpointInfo, Manifest, Producer, SourceInfo, TensorEntry, Topology
@@ -115,9 +115,9 @@ class InspectReport(BaseModel):
     model: ModelSummary | None
     tensor_list: list[TensorSummary]  # every tensor (matching the filter), by name
     # Another tool's checkpoint, read through its adapter (nothing converted): the adapter's name,
-    # what it is, the entries `ckptkit convert` would skip and its warnings.
+    # what it is (the kind `ls` names it by), the entries `ckptkit convert` would skip and its warnings.
     read_through: str | None = None
-    kind: str | None = None
+    kind: Kind | None = None
     skipped: list[SkippedEntry] = []
     warnings: list[str] = []
 
@@ -134,7 +134,7 @@ class InspectReport(BaseModel):
             lines.append(f"tensors     {report.tensors} ({report.shards} shards in {report.files} files, "
                          f"{human_bytes(report.payload_bytes)} on disk)")
         else:
-            lines = [f"checkpoint  {report.source}   ({report.kind}, read through the {report.read_through} adapter; "
+            lines = [f"checkpoint  {report.source}   ({what(report.kind or 'unknown')}, read through the {report.read_through} adapter; "
                      f"`ckptkit convert {report.source} DST` brings it in)",
                      f"step        {report.step}"]
             if source is not None:
@@ -230,7 +230,7 @@ def _foreign(exc: ForeignCheckpointError, match: str) -> InspectReport:
     return report.model_copy(update={
         "checkpoint_id": "", "created_at": "", "schema_version": "", "producer": None, "files": found.files,
         "payload_bytes": found.file_bytes, "shards": 0, "read_through": found.format,
-        "kind": what(exc.kind), "warnings": found.report.warnings,
+        "kind": exc.kind, "warnings": found.report.warnings,
         "skipped": list(found.report.skipped)})
 
 

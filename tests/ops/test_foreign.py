@@ -68,6 +68,7 @@ def test_inspect_reads_another_tools_checkpoint_as_convert_would_and_writes_noth
     jsonschema.validate(doc, cli_schema("inspect"))
     assert _tree(path) == before
     assert (doc["read_through"], doc["step"], doc["producer"], doc["checkpoint_id"]) == (adapter, step, None, "")
+    assert doc["kind"] == ckptkit.list_checkpoints(path).kind  # the kind ls names the folder by
     assert doc["files"] == len(before) and doc["payload_bytes"] == sum((path / f).stat().st_size for f in before)
     same = ckptkit.inspect(converted[src])
     assert doc["tensor_list"] == [t.model_dump() for t in same.tensor_list]
