@@ -9,10 +9,22 @@ DOCS := $(VENV)/.docs
 .PHONY: demo docs test test-fast bench bench-gpu schemas fixtures lint clean
 
 # Packages are installed with uv (into the venv, by pip, first): torch unpacks in seconds rather than
-# half a minute. It takes pip's --find-links from PIP_FIND_LINKS, where a local torch wheel may be.
+# half a minute. uv reads no pip.conf; it takes pip's find-links and indexes from the PIP_FIND_LINKS,
+# PIP_INDEX_URL and PIP_EXTRA_INDEX_URL variables (where a local torch wheel or a mirror may be).
 UV := $(VENV)/bin/uv
 UV_INSTALL := $(UV) pip install -q --python $(PY) -c constraints.txt
-export UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
+empty :=
+space := $(empty) $(empty)
+comma := ,
+ifneq ($(strip $(PIP_FIND_LINKS)),)
+export UV_FIND_LINKS ?= $(subst $(space),$(comma),$(strip $(PIP_FIND_LINKS)))
+endif
+ifneq ($(strip $(PIP_INDEX_URL)),)
+export UV_INDEX_URL ?= $(PIP_INDEX_URL)
+endif
+ifneq ($(strip $(PIP_EXTRA_INDEX_URL)),)
+export UV_EXTRA_INDEX_URL ?= $(PIP_EXTRA_INDEX_URL)
+endif
 
 # What the demo needs: ckptkit with torch and safetensors, nothing of the development tools.
 $(RUNTIME): pyproject.toml constraints.txt
