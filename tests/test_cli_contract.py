@@ -32,6 +32,7 @@ MISSING = {
     "export": ["export", "{p}", "{p}-out"],
     "clean": ["clean", "{p}"],
     "convert": ["convert", "{p}", "{p}-out"],
+    "convert --from": ["convert", "{p}", "{p}-out", "--from", "deepspeed"],
     "prune": ["prune", "{p}", "--keep-last", "1"],
 }
 
@@ -173,6 +174,17 @@ def test_every_command_has_examples_of_itself_and_no_untyped_text_value() -> Non
         examples = text.split("Examples:\n", 1)[1].split("\n\n", 1)[0].splitlines() if "Examples:\n" in text else []
         assert examples and all(line.strip().startswith(f"ckptkit {name}") for line in examples), name
         assert " TEXT " not in text, name  # every value says what it is (DIR, FILE, LAYOUT.json|NAME)
+
+
+def test_convert_and_export_help_name_every_converter_and_format() -> None:
+    from ckptkit.cli.reference import commands, help_text
+    from ckptkit.ops.convert import list_converters
+
+    helps = {name: " ".join(help_text(name, command, 1000).split()) for name, command in commands()}
+    named = helps["convert"].split("--from FORMAT", 1)[1].split("--", 1)[0]
+    assert all(re.search(rf"\b{c}\b", named) for c in list_converters()), named
+    assert all(f"{f}:" in helps["export"] for f in ckptkit.EXPORT_FORMATS), helps["export"]
+    assert all(what in helps["export"].split("Exit 0")[0] for what in ("Trainer", "peft", "zarr", "Megatron", "DeepSpeed", "DCP"))
 
 
 def test_the_reference_page_is_every_commands_help(run_ckptkit: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -74,3 +75,19 @@ def test_json_on_a_terminal_shows_no_progress_and_matches_its_schema(command: st
     assert code in (0, 1), terminal
     jsonschema.validate(json.loads(out), cli_schema(command))
     assert f"{LABELS[command]}  [" not in terminal and "%" not in terminal
+
+
+def test_a_warning_while_the_label_shows_gets_its_own_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptkit.cli.base import progress
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *_a, **_k: print(f"warning: {message}", file=sys.stderr)  # as on stderr
+        before = warnings.showwarning
+        with progress("exporting", True) as update:
+            warnings.warn("a tensor is odd", UserWarning, stacklevel=1)
+            assert update is not None
+        assert warnings.showwarning is before  # put back when the work ends
+    err = capsys.readouterr().err
+    # the label cleared, the warning on its own line, the label again; no bar came: cleared at the end
+    assert err == "exporting ...\r\033[Kwarning: a tensor is odd\nexporting ...\r\033[K"

@@ -93,7 +93,8 @@ def progress(label: str, show: bool) -> Iterator[Callable[[int, int], None] | No
     (piped, or --json): long work shows progress on a terminal and stays quiet otherwise.
 
     The label shows at once (``exporting ...``), before the work imports torch or plans, so a
-    terminal never sits blank; the bar draws over it, and it is cleared if no bar came."""
+    terminal never sits blank; the bar draws over it, and it is cleared if no bar came. A warning
+    raised meanwhile gets a line of its own (the label is drawn again after it)."""
     if not show:
         yield None
         return
@@ -102,6 +103,17 @@ def progress(label: str, show: bool) -> Iterator[Callable[[int, int], None] | No
     with contextlib.ExitStack() as stack:
         bar: list[Any] = []
         stack.callback(lambda: None if bar else (sys.stderr.write("\r\033[K"), sys.stderr.flush()))
+        shown = warnings.showwarning
+
+        def show_apart(*args: Any, **kwargs: Any) -> None:
+            sys.stderr.write("\n" if bar else "\r\033[K")
+            shown(*args, **kwargs)
+            if not bar:
+                sys.stderr.write(f"{label} ...")
+            sys.stderr.flush()
+
+        warnings.showwarning = show_apart
+        stack.callback(setattr, warnings, "showwarning", shown)
 
         def update(done: int, total: int) -> None:
             if not bar:

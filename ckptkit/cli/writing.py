@@ -149,8 +149,9 @@ def _offered(values: Callable[[Any], tuple[str, ...]]) -> list[str]:
 def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, layout_file: str | None,
                tp: int, pp: int, ep: int, dcp_form: str | None, allow_skip: bool, as_json: bool) -> None:
     """Export the checkpoint at SRC (any topology) to DST: a Hugging Face model directory, a
-    torch DCP checkpoint, the zarr form (every tensor as a zarr v3 array, manifest beside it), a
-    Megatron-Core torch_dist checkpoint, or a DeepSpeed universal checkpoint.
+    Trainer checkpoint folder, a peft adapter folder, a torch DCP checkpoint, the zarr form
+    (every tensor as a zarr v3 array, manifest beside it), a Megatron-Core torch_dist
+    checkpoint, or a DeepSpeed universal checkpoint.
 
     Exit 0 when DST is complete, 1 on a ckptkit error (unmapped or missing tensors, tensors of a
     kind the format holds left out without --allow-skip, DST exists; DST does not appear), 2 on
@@ -203,7 +204,7 @@ def _not_held(report: Any) -> str:
 @click.argument("src")
 @click.argument("dst")
 @click.option("--from", "source_format", metavar="FORMAT", default="auto", show_default=True,
-              help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp, deepspeed, hf, megatron).")
+              help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp, deepspeed, hf, megatron, peft).")
 @click.option("--allow-skip", is_flag=True,
               help="Convert what can be converted and list the rest as skipped (default: any such entry fails).")
 @click.option("--layout", "layout_file", default=None, metavar="LAYOUT.json|NAME",

@@ -23,7 +23,7 @@ from ..io.commit import REPORT_NAME, commit, discard, staging
 from ..io.checksum import checksum_of
 from ..errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError, summarize
 from .formats import CHUNK_BYTES, EXPORT_FORMATS, ExportFormat, ExportOptions
-from .source import LEFT_OUT, ExportedFile, ExportReport, Source, report_bytes
+from .source import LEFT_OUT, OPTIMIZER_PARTS, ExportedFile, ExportReport, Source, report_bytes
 from ..ops.reports import SkippedEntry
 from ..layouts import Layout
 from ..manifest import Manifest
@@ -104,8 +104,10 @@ def export(
     `progress` is called with (bytes read, bytes to read) as the source tensors are read. A
     tensor left out of a kind the format holds (``ExportFormat.held``: the model's tensors, the
     optimizer's when it is written, everything for the plain DCP and zarr forms) fails the export
-    unless `allow_skip` (then it is listed as ``dropped``); tensors of kinds the format does not
-    hold (the optimizer state of a Hugging Face model, RNG states) are listed as ``skipped``.
+    before anything is written unless `allow_skip`; every tensor or value left out is listed in
+    ``skipped`` as ``{name, reason}``, those of held kinds with a reason starting ``left out
+    (--allow-skip):`` (``ExportReport.left_out``), the others (the optimizer state of a Hugging
+    Face model, RNG states) with why the format does not hold them.
 
     Raises:
         LayoutError: an unknown format or dtype, options the format does not take (its entry in
@@ -158,7 +160,7 @@ def _export(
             step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
             tensors=len(written.tensors), tensor_list=written.tensors, files=len(written.files),
             file_list=sorted(written.files, key=lambda f: f.path),
-            skipped=[SkippedEntry(name=f, reason=_why_skipped(f, fmt.name, manifest, dropped)) for f in writer.skipped],
+            skipped=[SkippedEntry(name=f, reason=_why_skipped(f, fmt, options.include_optimizer, manifest, dropped)) for f in writer.skipped],
             not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in left if f not in dropped).items())),
             seconds=round(time.perf_counter() - started, 3),
         )
@@ -177,10 +179,15 @@ def _export(
     return report
 
 
-def _why_skipped(name: str, fmt: str, manifest: Manifest, dropped: list[str]) -> str:
+def _why_skipped(name: str, fmt: ExportFormat, include_optimizer: bool, manifest: Manifest, dropped: list[str]) -> str:
     """Why an export left an entry of the checkpoint out: a tensor of a kind it holds but could
-    not write (allowed by --allow-skip), a tensor of a kind it does not hold, or a value."""
+    not write (allowed by --allow-skip), the optimizer's when it was not asked for, a tensor of a
+    kind it does not hold, or a value."""
+    asked = "" if include_optimizer or fmt.optimizer != "optional" else " without --include-optimizer"
     if name not in manifest.tensors:
-        return f"a value the {fmt} export does not write"
+        of_optimizer = asked and name.split("/")[0] in OPTIMIZER_PARTS
+        return f"an optimizer value, which the {fmt.name} export writes only with --include-optimizer" if of_optimizer else f"a value the {fmt.name} export does not write"
     kind = manifest.tensors[name].kind
-    return f"{LEFT_OUT} the {fmt} export holds {kind} tensors but could not write it" if name in dropped else f"the {fmt} export holds no {kind} tensors"
+    if name in dropped:
+        return f"{LEFT_OUT} the {fmt.name} export holds {kind} tensors but could not write it"
+    return f"the {fmt.name} export holds no {kind} tensors{asked if kind == 'optimizer' else ''}"

@@ -143,6 +143,8 @@ class ExportedFile(BaseModel):
 
 # The start of a skipped tensor's reason when the format holds its kind but could not write it.
 LEFT_OUT = "left out (--allow-skip):"
+# A value under these (a DCP save's param groups) is the optimizer's: written with --include-optimizer.
+OPTIMIZER_PARTS = ("optim", "optimizer")
 
 
 class ExportReport(BaseModel):

@@ -191,12 +191,15 @@ def convert(
             cannot be converted (all are listed), a `config` its converter does not take.
         LayoutError: `layout` does not fit the converted tensors (nothing is written).
         IntegrityError: source files missing, truncated or inconsistent with their metadata.
+        CheckpointNotFoundError: no directory at `src`.
         CheckpointExistsError: something exists at `dst`, or `dst` lies inside `src`.
         StorageError: a read or write failed; nothing was committed.
     """
-    name = detect_format(src) if source_format == "auto" else source_format
-    converter = load_converter(name)
     src_text, dst_text = os.fspath(src), os.fspath(dst)
+    if source_format != "auto" and not os.path.isdir(src_text):
+        raise CheckpointNotFoundError(f"{src_text}: no such directory; a checkpoint to convert is a directory")
+    name = detect_format(src_text) if source_format == "auto" else source_format
+    converter = load_converter(name)
     if "://" not in dst_text:
         a, b = os.path.realpath(src_text), os.path.realpath(dst_text)
         if b == a or b.startswith(a.rstrip("/") + "/"):

@@ -19,6 +19,7 @@ import torch
 from ckptkit.errors import LayoutError, summarize
 from ckptkit.exports.convert import output_dtype
 from ckptkit.exports.source import (
+    OPTIMIZER_PARTS,
     ExportedTensor,
     Source,
     Writer,
@@ -31,7 +32,6 @@ from ckptkit_adapters.common.dcp_read import dcp_key
 from ckptkit_adapters.common.dcp_write import StreamingPlanner, save_dcp
 
 
-OPTIMIZER_PARTS = ("optim", "optimizer")  # a value under these (a DCP save's param groups) is the optimizer's
 
 
 def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -> Writer:
