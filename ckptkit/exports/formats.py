@@ -35,6 +35,7 @@ class ExportOptions:
     form: str | None  # the form asked for; None: the format's default for the checkpoint
     max_shard_bytes: int
     chunk_bytes: int
+    dp: int | None = None  # the data-parallel size of per-rank files (deepspeed's ZeRO-3 form); None: not asked
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ExportFormat:
     layout: bool = False  # takes --layout (the model's names)
     pieces: bool = False  # takes --tp, --pp, --ep (the parallel pieces its files hold)
     forms: tuple[str, ...] = ()  # its forms (--dcp-form); (): one form
+    dp: bool = False  # takes --dp (writes per-rank files at that data-parallel size)
     # The tensor kinds it holds besides the optimizer state (``optimizer``; ``*``: every kind): an
     # export that leaves out a tensor of a kind it holds fails unless allowed; the others are
     # listed as kinds the format does not hold.
@@ -69,7 +71,7 @@ class ExportFormat:
 
     def options_problem(
         self, *, dtype: str | None = None, include_optimizer: bool = False, layout: bool = False, tp: int = 1, pp: int = 1,
-        ep: int = 1, dcp_form: str | None = None,
+        ep: int = 1, dcp_form: str | None = None, dp: int | None = None,
     ) -> str | None:
         """Say which of the asked options this format does not take, each named by its flag, in one line.
 
@@ -79,6 +81,7 @@ class ExportFormat:
             layout: whether a layout is given.
             tp, pp, ep: the parallel sizes asked (1: none).
             dcp_form: the form asked, or None.
+            dp: the data-parallel size asked for per-rank files, or None.
 
         Returns:
             The problems joined in one message, or None when the format takes every option asked.
@@ -102,6 +105,11 @@ class ExportFormat:
                             "(the other formats have one form)")
         elif dcp_form is not None and dcp_form not in self.forms:
             problems.append(f"--dcp-form: {dcp_form!r} is not a form of --format {self.name} (its forms are {', '.join(self.forms)})")
+        if dp is not None and not self.dp:
+            problems.append(f"--dp: sets the data-parallel size of --format {_listed(lambda f: f.dp)}'s per-rank files "
+                            "(the other formats are loaded at any size)")
+        elif dp is not None and dp < 1:
+            problems.append(f"--dp: {dp} is not a data-parallel size (1 or more)")
         return "; ".join(problems) or None  # each problem names its flag first, and holds no "; " itself
 
     def out_dtype(self, dtype: str | None) -> str | None:

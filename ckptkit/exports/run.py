@@ -56,6 +56,7 @@ def export(
     dcp_form: str | None = None,
     ep: int = 1,
     allow_skip: bool = False,
+    dp: int | None = None,
 ) -> ExportReport:
     """Export the checkpoint at `src` to the directory `dst` in `format`.
 
@@ -95,7 +96,10 @@ def export(
       {"load_universal": true}`` loads at ZeRO 1 or 2 and any data-parallel size; the source
       is a checkpoint converted from DeepSpeed, or one of a model whose modules are known
       (``models.modules_of``) with its AdamW state, each parameter under its module name; the
-      optimizer state always comes along, `dtype` must be None.
+      optimizer state always comes along, `dtype` must be None. With `dp`, instead, a ZeRO-3
+      save's own per-rank files at that data-parallel size (see ``ckptkit_adapters.deepspeed.zero3``),
+      which a ZeRO-3 engine of `dp` ranks loads as it loads its own save, each parameter group
+      with its own hyper-parameters; the source is a checkpoint converted from DeepSpeed.
     - ``zarr``: the topology-free form (see ``ckptkit_adapters.zarr.writer``): every tensor as a zarr v3
       array with the manifest beside it, bit for bit; `dtype` must be None.
 
@@ -122,11 +126,11 @@ def export(
     if fmt is None:
         raise LayoutError(f"export format {format!r} is not available; available: {', '.join(EXPORT_FORMATS)}")
     problem = fmt.options_problem(dtype=dtype, include_optimizer=include_optimizer, layout=layout is not None, tp=tp, pp=pp, ep=ep,
-                                  dcp_form=dcp_form)
+                                  dcp_form=dcp_form, dp=dp)
     if problem:
         raise LayoutError(problem)
     options = ExportOptions(dtype=fmt.out_dtype(dtype), include_optimizer=include_optimizer, layout=layout, tp=tp, pp=pp, ep=ep,
-                            form=dcp_form, max_shard_bytes=max_shard_bytes, chunk_bytes=chunk_bytes)
+                            form=dcp_form, max_shard_bytes=max_shard_bytes, chunk_bytes=chunk_bytes, dp=dp)
     started = time.perf_counter()
     src_loc, manifest = open_checkpoint(src, storage)
     with Source(src_loc, manifest, progress=progress) as source, still_committed(src_loc):
@@ -144,7 +148,8 @@ def _export(
     if dst_loc.storage.exists(dst_loc.name):
         raise CheckpointExistsError(f"{dst_loc}: already exists; choose another path or remove it")
     held = fmt.held(form, options.include_optimizer)
-    left = [name for name in writer.skipped if name in manifest.tensors]  # the rest: values the writer leaves out
+    left = [name for name in writer.skipped if name in manifest.tensors]
+    skipped = sorted({*left, *(set(manifest.objects) - writer.values)})  # and every value the writer does not carry
     dropped = [fqn for fqn in left if manifest.tensors[fqn].kind in held]
     if dropped and not allow_skip:  # refused from the plan, before a byte is written
         raise LayoutError(f"{src_loc}: the {fmt.name} export would leave out {len(dropped)} tensor(s) of kinds it holds "
@@ -160,7 +165,7 @@ def _export(
             step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
             tensors=len(written.tensors), tensor_list=written.tensors, files=len(written.files),
             file_list=sorted(written.files, key=lambda f: f.path),
-            skipped=[SkippedEntry(name=f, reason=_why_skipped(f, fmt, options.include_optimizer, manifest, dropped)) for f in writer.skipped],
+            skipped=[SkippedEntry(name=f, reason=_why_skipped(f, fmt, options.include_optimizer, manifest, dropped)) for f in skipped],
             not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in left if f not in dropped).items())),
             seconds=round(time.perf_counter() - started, 3),
         )

@@ -188,13 +188,15 @@ class Written:
 
 @dataclass(frozen=True)
 class Writer:
-    """A format's export, planned: the checkpoint's tensors it leaves out (and the values, for a
-    writer that writes some values and not others), known before a byte is written, so that an
-    export leaving out what its format holds is refused before it writes; and `write`, (source,
-    destination storage, temporary name) -> what it wrote."""
+    """A format's export, planned, before a byte is written: the checkpoint's tensors it leaves
+    out (so that an export leaving out what its format holds is refused before it writes);
+    `write`, (source, destination storage, temporary name) -> what it wrote; and the checkpoint's
+    values it carries, as saved or as what stands for them in the format (Megatron's arguments
+    with the export's parallel sizes). Every other value is listed as skipped in the report."""
 
     skipped: list[str]
     write: Callable[[Source, Storage, str], Written]
+    values: frozenset[str] = frozenset()
 
 
 def report_bytes(report: ExportReport) -> bytes:

@@ -41,7 +41,7 @@ from ckptkit.boxes import Box
 from ckptkit.errors import LayoutError, summarize
 from ckptkit.exports.adamw import adamw_of, decay_groups
 from ckptkit.exports.convert import output_dtype
-from ckptkit.exports.source import ExportedTensor, Source, Writer, Written
+from ckptkit.exports.source import OPTIMIZER_PARTS, ExportedTensor, Source, Writer, Written
 from ckptkit.io.checksum import checksum_of
 from ckptkit.layouts import Layout
 from ckptkit.models import ModelSpec, View, compose, modules_of, placed
@@ -167,7 +167,9 @@ def fsdp2_writer(source: Source, layout: Layout, out_dtype: str | None, include_
         source.expect(name for t in plan.tensors for name, _ in t.pieces)
         return save_dcp(state, _StackingPlanner(source, plan.tensors, report), report, dst, tmp)
 
-    return Writer(plan.skipped, write)
+    # the optimizer's parameter groups are written again from the AdamW the checkpoint records
+    carried = frozenset(k for k in source.manifest.objects if include_optimizer and k.split("/")[0] in OPTIMIZER_PARTS)
+    return Writer(plan.skipped, write, carried)
 
 
 class _StackingPlanner(DefaultSavePlanner):

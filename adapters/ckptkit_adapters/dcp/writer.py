@@ -58,7 +58,7 @@ def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -
     if clashes:
         raise LayoutError("names collide as DCP keys: " + summarize(clashes))
     tensor_keys = {key: fqn for key, fqn in keys.items() if fqn in manifest.tensors}
-    skipped = sorted((set(manifest.tensors) - set(chosen)) | (set(manifest.objects) - set(values)))
+    skipped = sorted(set(manifest.tensors) - set(chosen))
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
         report: list[ExportedTensor] = []
@@ -70,4 +70,4 @@ def dcp_writer(source: Source, out_dtype: str | None, include_optimizer: bool) -
         source.expect(tensor_keys.values())
         return save_dcp(state, StreamingPlanner(source, tensor_keys, out_dtype, report), report, dst, tmp)
 
-    return Writer(skipped, write)
+    return Writer(skipped, write, frozenset(values))

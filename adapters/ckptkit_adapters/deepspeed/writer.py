@@ -97,7 +97,16 @@ def deepspeed_writer(source: Source) -> Writer:
         return _write(source, plan, dst, tmp)
 
     used = {r.fqn for key in _wanted(plan) for r in _runs(plan, source.manifest, key)}
-    return Writer(sorted(fqn for fqn in source.manifest.tensors if fqn not in used), write)
+    carried = universal_values(manifest.objects) if "deepspeed/param_shapes" in manifest.objects else frozenset()
+    return Writer(sorted(fqn for fqn in source.manifest.tensors if fqn not in used), write, carried)
+
+
+def universal_values(objects: dict[str, Any]) -> frozenset[str]:
+    """The values of a DeepSpeed save the universal checkpoint carries: the model states file's
+    records, the optimizer file's values its universal loader reads, the client state."""
+    optimizer = {f"deepspeed/optimizer/{key}" for key in (*OPTIMIZER_VALUES, "param_groups", "ds_version", "step")}
+    return frozenset(key for key in objects if key in optimizer or key.startswith("client/")
+                     or (key.startswith("deepspeed/") and "/" not in key[len("deepspeed/"):]))
 
 
 def _wanted(plan: UniversalPlan) -> list[str]:
@@ -324,31 +333,50 @@ def _model_states(manifest: Manifest, problems: list[str]) -> dict[str, Any]:
     return out
 
 
-def _write(source: Source, plan: UniversalPlan, dst: Storage, tmp: str) -> Written:
-    """Write the plan's files under `tmp`; the export report's tensors and files."""
-    manifest = source.manifest
-    tensors: list[ExportedTensor] = []
-    files: list[ExportedFile] = []
+class Files:
+    """What a DeepSpeed export writes under `tmp`, and its report: `read` a tensor of the plan,
+    `save` a ``torch.save`` archive (`pickler`: the pickle module it is written with)."""
 
-    def save(path: str, value: Any) -> None:
+    def __init__(self, source: Source, plan: UniversalPlan, dst: Storage, tmp: str, pickler: Any = None) -> None:
+        self.source, self.plan, self.dst, self.tmp, self.pickler = source, plan, dst, tmp, pickler
+        self.tensors: list[ExportedTensor] = []
+        self.files: list[ExportedFile] = []
+
+    def save(self, path: str, value: Any) -> None:
         out = io.BytesIO()
-        torch.save(value, out)
-        data = out.getvalue()
-        dst.write(f"{tmp}/{path}", [data])
-        files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
+        torch.save(value, out) if self.pickler is None else torch.save(value, out, pickle_module=self.pickler)
+        self.write(path, out.getvalue())
 
-    def read(key: str, name: str, path: str, dtype: str | None = None) -> torch.Tensor:
-        runs = _runs(plan, manifest, key)
+    def write(self, path: str, data: bytes) -> None:
+        self.dst.write(f"{self.tmp}/{path}", [data])
+        self.files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
+
+    def read(self, key: str, name: str, path: str, dtype: str | None = None) -> torch.Tensor:
+        """The plan's tensor `key` (in `dtype`; default its saved one), reported as `name` in `path`."""
+        manifest = self.source.manifest
+        runs = _runs(self.plan, manifest, key)
         entry = manifest.tensors[runs[0].fqn]
-        shape = plan.shapes.get(key, entry.shape)
-        saved = torch.from_numpy(source.read_runs(runs)).view(torch_dtype(entry.dtype)).reshape(shape)
+        shape = self.plan.shapes.get(key, entry.shape)
+        saved = torch.from_numpy(self.source.read_runs(runs)).view(torch_dtype(entry.dtype)).reshape(shape)
         tensor = saved if dtype is None else saved.to(torch_dtype(dtype))
         fqns = list(dict.fromkeys(r.fqn for r in runs))
-        tensors.append(exported(source, name, fqns[0], byte_view(tensor), dtype or entry.dtype, path, shape, " + ".join(fqns)))
+        self.tensors.append(exported(self.source, name, fqns[0], byte_view(tensor), dtype or entry.dtype, path, shape, " + ".join(fqns)))
         return tensor
 
+    def expect(self) -> None:
+        """Tell the source every tensor the plan reads, in order (its read-ahead)."""
+        self.source.expect(r.fqn for key in _wanted(self.plan) for r in self.plan.runs.get(key, [Run(0, 0, key, 0)]))
+
+    def written(self) -> Written:
+        return Written(self.tensors, self.files)
+
+
+def _write(source: Source, plan: UniversalPlan, dst: Storage, tmp: str) -> Written:
+    """Write the plan's files under `tmp`; the export report's tensors and files."""
+    out = Files(source, plan, dst, tmp)
+    save, read = out.save, out.read
     zero = f"{plan.tag}/zero"
-    source.expect(r.fqn for key in _wanted(plan) for r in plan.runs.get(key, [Run(0, 0, key, 0)]))
+    out.expect()
     for group, step in zip(plan.groups, plan.steps):
         for name in group:
             for state in STATES:
@@ -364,17 +392,21 @@ def _write(source: Source, plan: UniversalPlan, dst: Storage, tmp: str) -> Writt
     states = {"module": OrderedDict((name, read(f"model/{name}", f"module/{name}", states_path)) for name in names),
               **plan.model_states}
     for keys, fqn in plan.extra_tensors:
-        _put(states, keys, read(fqn, "/".join(keys), states_path))
+        put(states, keys, read(fqn, "/".join(keys), states_path))
     save(states_path, states)
     # A ZeRO-3 engine reads rank 0's file of its own name, its parameters placeholders as it saves them
     # (their values come from zero/); its buffers whole. A ZeRO-1/2 engine reads MODEL_STATES.
+    save(f"{plan.tag}/{ZERO3_MODEL_STATES}", zero3_model_states(plan, states))
+    out.write(LATEST, plan.tag.encode())  # DeepSpeed writes the tag alone, no newline
+    return out.written()
+
+
+def zero3_model_states(plan: UniversalPlan, states: dict[str, Any]) -> dict[str, Any]:
+    """The model-states file as a ZeRO-3 engine saves it: its parameters placeholders (empty
+    tensors of their dtype; their values are in the optimizer's partitions), its buffers whole."""
     buffers = set(_list(plan.model_states.get("buffer_names")))
     placeheld = OrderedDict((name, tensor if name in buffers else tensor.new_empty(0)) for name, tensor in states["module"].items())
-    save(f"{plan.tag}/{ZERO3_MODEL_STATES}", {**states, "module": placeheld})
-    data = plan.tag.encode()  # DeepSpeed writes the tag alone, no newline
-    dst.write(f"{tmp}/{LATEST}", [data])
-    files.append(ExportedFile(path=LATEST, size=len(data), checksum=checksum_of(data)))
-    return Written(tensors, files)
+    return {**states, "module": placeheld}
 
 
 def _with_zero3_view(plan: UniversalPlan) -> dict[str, Any]:
@@ -388,7 +420,7 @@ def _with_zero3_view(plan: UniversalPlan) -> dict[str, Any]:
         "state": {0: {"step": torch.tensor(plan.steps[0], dtype=torch.float32)}}, "param_groups": groups}}
 
 
-def _put(tree: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
+def put(tree: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
     for key in keys[:-1]:
         tree = tree.setdefault(key, {})
     tree[keys[-1]] = value

@@ -46,7 +46,7 @@ from ckptkit.storage.local import open_regular
 from ckptkit_adapters.common.files import read_small, safetensors_header
 from ckptkit_adapters.common.torchsave import STATE_DICT_ALLOWED, StoredTensor, contiguous_range, open_archive, stored_object
 from ckptkit_adapters.hf.trainer import TrainerState, is_trainer_folder, read_trainer
-from ckptkit_adapters.hf.view import hf_layout, tied_heads
+from ckptkit_adapters.hf.view import TIED_WEIGHTS, hf_layout, tied_heads
 
 NAME = "hf"
 CONFIG = "config.json"
@@ -148,7 +148,7 @@ class HfConverter:
             return read_range(fds[where.file], where.begin, where.end, os.path.join(src, where.file))
 
         found = None if layout is not None else layout_of(source.config)
-        objects: dict[str, JsonValue] = {"hf/tied_weights": dict(source.tied)} if source.tied else {}
+        objects: dict[str, JsonValue] = {TIED_WEIGHTS: dict(source.tied)} if source.tied else {}
         objects |= trainer.objects
         info = info_of(source, layout or found).model_copy(update={"optimizer": trainer.optimizer, "scheduler": trainer.scheduler})
         specs = [spec for spec, _ in source.tensors] + [spec for spec, _ in trainer.tensors]
@@ -160,7 +160,7 @@ class HfConverter:
         finally:
             for fd in [*fds.values(), *trainer.fds]:
                 os.close(fd)
-        sources = {"hf/tied_weights": f"{CONFIG}:tie_word_embeddings"} if source.tied else {}
+        sources = {TIED_WEIGHTS: f"{CONFIG}:tie_word_embeddings"} if source.tied else {}
         return report_of(NAME, src, committed, [(spec, 1) for spec in specs], sources | trainer.sources, trainer.skipped, started)
 
 

@@ -92,7 +92,8 @@ def trainer_folder_writer(source: Source, max_shard_bytes: int) -> Writer:
 
     used = ({f"optimizer/{m}/{escape(name)}" for name in plan.params for m in MOMENTS}
             | {fqn for keys in plan.rng_tensors.values() for fqn in keys.values()})
-    return Writer([fqn for fqn in weights.skipped if fqn not in used], write)
+    carried = {"trainer/state"} | {f"trainer/{stem}/{key}" for stem, keys in plan.rng_values.items() for key in keys}
+    return Writer([fqn for fqn in weights.skipped if fqn not in used], write, weights.values | carried)
 
 
 def plan_trainer(source: Source) -> TrainerPlan:

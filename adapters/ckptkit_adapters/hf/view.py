@@ -33,6 +33,7 @@ LLAMA_NAMES: dict[str, str] = {
     **{f"mlp.shared.{x}.weight": f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")},
     "mlp.shared_gate.weight": "mlp.shared_expert_gate.weight",
 }
+TIED_WEIGHTS = "hf/tied_weights"  # the value a converted model's tied tensors are recorded in (head -> embedding)
 LLAMA_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
 EXPERT_NAMES = {f"{x}.weight": f"{x}_proj.weight" for x in ("gate", "up", "down")}
 # Each member's names where they are not the Llama's.

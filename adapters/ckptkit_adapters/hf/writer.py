@@ -27,6 +27,7 @@ from ckptkit.models.compose import Run
 from ckptkit.models.reference import model_of
 from ckptkit.storage import Storage
 from ckptkit_adapters.hf import mapping as hf
+from ckptkit_adapters.hf.view import TIED_WEIGHTS
 
 
 def hf_writer(source: Source, dtype: str | None, max_shard_bytes: int, layout: Layout | None = None) -> Writer:
@@ -75,7 +76,8 @@ def hf_writer(source: Source, dtype: str | None, max_shard_bytes: int, layout: L
             files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
         return Written(tensors, files)
 
-    return Writer(sorted(fqn for fqn in manifest.tensors if fqn not in sources), write)
+    tied = frozenset({TIED_WEIGHTS} & set(manifest.objects))  # the tie is the config's tie_word_embeddings
+    return Writer(sorted(fqn for fqn in manifest.tensors if fqn not in sources), write, tied)
 
 
 def _saved_dtype(source: Source, fqns: set[str]) -> str:

@@ -18,7 +18,12 @@ naming the backend. Keys follow Megatron-Core (layout ``megatron-gpt``):
   ``optimizer.state.exp_avg.<key>``, ``optimizer.state.exp_avg_sq.<key>``, the parameter groups
   in ``common.pt``;
 - each linear module's extra state (``<module>._extra_state/shard_<layer>_<layers>``: ``None``
-  in the local layer spec) as megatron-core asks for it.
+  in the local layer spec) as megatron-core asks for it;
+- in ``common.pt``, what Megatron-LM's ``load_checkpoint`` reads besides: ``args`` (the model's
+  arguments with the export's parallel sizes), ``iteration`` (the step), ``checkpoint_version``,
+  and a Megatron save's ``num_floating_point_operations_so_far`` and, with the optimizer, its
+  ``opt_param_scheduler``. Per-rank RNG states are not carried to a new topology (Megatron-LM
+  resumes from the export with ``--no-load-rng``); every value not written is listed as skipped.
 
 Each chunk is one TP rank's piece of one layer (and expert), as megatron-core at the target TP would write
 it (the layout says the pieces; the target must be one the layout allows): a reader of the
@@ -47,7 +52,7 @@ from ckptkit.exports.source import ExportedFile, ExportedTensor, Source, Writer,
 from ckptkit.io.checksum import checksum_of
 from ckptkit.layouts import Layout, builtin
 from ckptkit.layouts.placement import local_param, topology_problems
-from ckptkit.manifest import Topology
+from ckptkit.manifest import Manifest, Topology
 from ckptkit.models.compose import Run, compose
 from ckptkit.models.reference import model_of
 from ckptkit.state.torch_io import byte_view, torch_dtype
@@ -108,13 +113,15 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
     chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces if fqn}
     skipped = sorted(set(source.manifest.tensors) - chosen)
     args = export_args(source, layout, target, tp, pp, ep)
+    counters = _counters(source.manifest, include_optimizer)
+    carried = _carried(source.manifest, layout, target) | {f"megatron/{key}" for key in counters}
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
         source.expect(sorted(chosen))
         report: dict[tuple[str, tuple[int, ...]], ExportedTensor] = {}
         where = write_dcp({}, _Planner(source, entries, _extra_states(target), report), dst, tmp)
         tensors = [t.model_copy(update={"file": where[at]}) for at, t in report.items()]
-        common: dict[str, Any] = {"args": argparse.Namespace(**args)}
+        common: dict[str, Any] = {"args": argparse.Namespace(**args), **counters}
         if groups is not None:
             # one state per optimizer; a mixture of experts' is megatron-core's ChainedOptimizer of two (dense, experts)
             states = [{"param_state_sharding_type": "fully_reshardable", "optimizer": {"param_groups": g}} for g in groups]
@@ -127,7 +134,33 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
         files += [file_entry(dst, tmp, key) for key in sorted(dst.list(tmp)) if key.rpartition("/")[2] not in extra]
         return Written(sorted(tensors, key=lambda t: t.name), files)
 
-    return Writer(skipped, write)
+    return Writer(skipped, write, carried)
+
+
+def _counters(manifest: Manifest, include_optimizer: bool) -> dict[str, Any]:
+    """What Megatron-LM's ``load_checkpoint`` reads from ``common.pt`` beside the arguments: the
+    iteration (the checkpoint's step; it stops without one unless ``--finetune``), the checkpoint
+    version (3.0, the current layout of the files), and a Megatron save's floating-point operation
+    count and, with the optimizer, its scheduler state (which it loads with the optimizer)."""
+    objects = manifest.objects
+    out: dict[str, Any] = {"iteration": manifest.step, "checkpoint_version": 3.0}
+    if isinstance(objects.get("megatron/num_floating_point_operations_so_far"), (int, float)):
+        out["num_floating_point_operations_so_far"] = objects["megatron/num_floating_point_operations_so_far"]
+    if include_optimizer and isinstance(objects.get("megatron/opt_param_scheduler"), dict):
+        out["opt_param_scheduler"] = objects["megatron/opt_param_scheduler"]
+    return out
+
+
+def _carried(manifest: Manifest, layout: Layout, target: Layout) -> frozenset[str]:
+    """The checkpoint's values the export carries: a Megatron save's arguments (written with the
+    export's parallel sizes), and its layers' empty extra states (megatron-core's without
+    Transformer Engine), which the export writes empty for every layer again."""
+    n, experts = target.num_layers, target.experts
+    modules = [f"{i}.{m}" for i in range(n) for m in (MEGATRON_MOE_EXTRA_STATE if experts else MEGATRON_EXTRA_STATE)]
+    modules += [f"{i}.{MEGATRON_LOCAL_EXPERTS}.{e}.linear_fc{k}" for i in range(n) for e in range(experts or 0) for k in (1, 2)]
+    empty = {f"model/decoder.layers.{m}._extra_state" for m in modules}
+    args = layout.name == "megatron-gpt" and isinstance((manifest.info.config or {}).get("args"), dict)
+    return frozenset(k for k, v in manifest.objects.items() if (k in empty and v in (None, [None])) or (args and k == "megatron/args"))
 
 
 # Megatron-LM's arguments of the parallel sizes, set to the export's

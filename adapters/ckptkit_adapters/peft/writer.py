@@ -52,4 +52,4 @@ def peft_writer(source: Source) -> Writer:
             files.append(ExportedFile(path=path, size=len(data), checksum=checksum_of(data)))
         return Written(report, files)
 
-    return Writer(sorted(set(manifest.tensors) - set(names)), write)
+    return Writer(sorted(set(manifest.tensors) - set(names)), write, frozenset({f"{NAME}/{CARD}"} if isinstance(card, str) else ()))

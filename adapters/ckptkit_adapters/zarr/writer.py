@@ -296,4 +296,4 @@ def zarr_writer(source: Source, chunk_bytes: int = CHUNK_BYTES) -> Writer:
         out = [ExportedFile(path=f.path, size=f.size, checksum=f.checksum) for f in files]
         return Written(report, out, manifest_of)
 
-    return Writer([], write)
+    return Writer([], write, frozenset(source.manifest.objects))
