@@ -312,3 +312,94 @@ def test_every_missing_or_odd_state_is_listed_before_anything_is_written(tmp_pat
     assert "optimizer/fp32/norm.bias is bfloat16 [7], DeepSpeed's [7] in float32" in str(err.value)
     with pytest.raises(LayoutError, match="a model-parallel save .mp_world_size 2."):
         plan_universal(manifest.model_copy(update={"objects": {**manifest.objects, "deepspeed/mp_world_size": 2}}), "src")
+
+
+def _partitioned(names: list[str], shapes: dict[str, tuple[int, ...]], dp: int) -> list[tuple[int, int]]:
+    """The (start, length) of each parameter's own elements in a ZeRO-3 rank's flat group (the
+    rest is padding), for rank dp - 1, whose partitions hold the padding."""
+    out, at = [], 0
+    for name in names:
+        numel = int(torch.tensor(shapes[name]).prod()) if shapes[name] else 1
+        part = -(-numel // dp)
+        out.append((at, numel - (dp - 1) * part))
+        at += part
+    return out
+
+
+@pytest.mark.parametrize(("name", "dp"), [("zero3-bf16-dp3", 3), ("zero3-fp16", 2)])
+def test_the_zero3_files_are_what_deepspeed_saved_of_the_same_state(name: str, dp: int, deepspeed_env: None, tmp_path: Path) -> None:
+    # a ZeRO-3 save converted and written back at its own size: every file DeepSpeed wrote, every
+    # value and tensor equal (DeepSpeed's loss scaler and ZeRO stage objects too), but the padding
+    # of the last rank's partitions, which DeepSpeed leaves uninitialised and ckptkit writes as zeros
+    save, converted, out = FIXTURES / "deepspeed" / name, tmp_path / "converted", tmp_path / "zero3"
+    assert _run("convert", str(save), str(converted)).returncode == 0
+    proc = _run("export", str(converted), str(out), "--format", "deepspeed", "--dp", str(dp), "--json")
+    assert proc.returncode == 0, proc.stderr
+    theirs = save / "global_step3"
+    files = sorted(p.name for p in theirs.iterdir())
+    assert files == sorted(p.name for p in (out / "global_step3").iterdir()) and len(files) == 2 * dp
+    assert (out / "latest").read_text() == (save / "latest").read_text() == "global_step3"
+    manifest = ckptkit.read_manifest(converted)
+    shapes = {n: tuple(s) for g in manifest.objects["deepspeed/param_shapes"] for n, s in g.items()}
+    groups = [list(g) for g in manifest.objects["deepspeed/param_shapes"]]
+    for path in files:
+        ours, want = _load(out / "global_step3" / path), _load(theirs / path)
+        if "optim_states" in path and path.split("zero_pp_rank_")[1].startswith(f"{dp - 1}_"):
+            flats = [ours["optimizer_state_dict"]["fp32_flat_groups"], want["optimizer_state_dict"]["fp32_flat_groups"]]
+            for g, names in enumerate(groups):
+                kept = torch.zeros(flats[1][g].numel(), dtype=torch.bool)
+                for start, length in _partitioned(names, shapes, dp):
+                    kept[start:start + length] = True
+                assert torch.equal(flats[0][g][kept], flats[1][g][kept]) and not flats[0][g][~kept].any(), (path, g)
+                assert bool((~kept).any())
+            del ours["optimizer_state_dict"]["fp32_flat_groups"], want["optimizer_state_dict"]["fp32_flat_groups"]  # compared
+        _assert_deepspeed_same(ours, want, path)
+
+
+def _assert_deepspeed_same(ours: Any, theirs: Any, where: str) -> None:
+    """`_assert_same`, with DeepSpeed's objects (its loss scaler, its ZeRO stage) compared by class and state."""
+    if isinstance(theirs, dict):
+        assert type(ours) is type(theirs) and sorted(map(str, ours)) == sorted(map(str, theirs)), where
+        for key in theirs:
+            _assert_deepspeed_same(ours[key], theirs[key], f"{where}/{key}")
+    elif isinstance(theirs, (list, tuple)):
+        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            _assert_deepspeed_same(a, b, f"{where}[{i}]")
+    elif type(theirs).__module__.startswith("deepspeed.") and hasattr(theirs, "__dict__"):
+        assert type(ours) is type(theirs) and vars(ours) == vars(theirs), where
+    else:
+        _assert_same(ours, theirs, where)
+
+
+@pytest.mark.multiprocess
+def test_a_zero3_engine_at_a_new_dp_size_resumes_the_zero3_files_with_each_groups_hyperparameters(
+    deepspeed_env: None, tmp_path: Path
+) -> None:
+    # DeepSpeed's ZeRO-3 save at dp 2 -> ckptkit -> ZeRO-3's own files for 4 ranks, which a ZeRO-3
+    # engine of 4 ranks loads as its own save (no load_universal): every master and moment bitwise
+    # what the original engine holds, each group its own weight decay, and the next step alike
+    from .deepspeed_job import run
+
+    save, converted, out = FIXTURES / "deepspeed" / "zero3-fp32", tmp_path / "converted", tmp_path / "zero3"
+    assert _run("convert", str(save), str(converted)).returncode == 0
+    proc = _run("export", str(converted), str(out), "--format", "deepspeed", "--dp", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{out}: ") and "(deepspeed zero3, saved)" in proc.stdout
+    original = run(2, str(save), 3, False, str(tmp_path / "original"), _port(8))
+    got = run(4, str(out), 3, False, str(tmp_path / "job"), _port(9))
+    assert got["loaded_from"].startswith(str(out / "global_step3"))
+    states = [k for k in original["loaded"] if not k.startswith("model/")]  # a ZeRO-3 module holds placeholders
+    assert len(states) == 3 * 12 and [k for k in states if not torch.equal(got["loaded"][k], original["loaded"][k])] == []
+    assert got["weight_decay"] == original["weight_decay"] == [0.1, 0.0]  # the universal loader gives [0.1, 0.1]
+    assert (got["global_steps"], got["global_samples"], got["lr"]) == (original["global_steps"], original["global_samples"], original["lr"])
+    assert _relative(got["loss"], original["loss"]) < 1e-6
+    assert _relative(got["loss_after"], original["loss_after"]) < 1e-6 and got["loss_after"] != got["loss"]
+    assert {k: got["client"][k] for k in ("epoch", "note", "seen")} == {"epoch": 2, "note": "fixture", "seen": [3, 5]}
+
+
+def test_zero3_files_of_a_model_deepspeed_did_not_save_are_refused(tmp_path: Path) -> None:
+    proc = _run("export", str(FIXTURES / "llama-v1.1"), str(tmp_path / "out"), "--format", "deepspeed", "--dp", "2")
+    assert proc.returncode == 1
+    assert "--dp writes a ZeRO-3 save's own files, from a checkpoint converted from DeepSpeed" in one_line_error(proc.stderr)
+    assert_nothing_written(tmp_path, tmp_path / "out")

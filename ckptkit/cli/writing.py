@@ -142,12 +142,15 @@ def _offered(values: Callable[[Any], tuple[str, ...]]) -> list[str]:
               help="dcp: fsdp2 (the default for the reference trainer's checkpoints): the state dict FSDP2's get_state_dict "
                    "gives for its model, which an FSDP2 job at any world size loads with dcp.load + set_state_dict; plain "
                    "(the default for any other): the checkpoint's own tensor names, for dcp.load into a plain state dict.")
+@click.option("--dp", default=None, type=click.IntRange(min=1), metavar="N",
+              help="deepspeed: write a ZeRO-3 save's own per-rank files for N data-parallel ranks, which a ZeRO-3 engine of "
+                   "N ranks loads as its own save (default: the universal checkpoint, loaded at any size with load_universal).")
 @click.option("--allow-skip", is_flag=True,
               help="Export without the tensors of kinds the format holds that it cannot write, listing them "
                    "(default: any such tensor fails the export). Kinds a format does not hold are always left out and counted.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the export report).")
 def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: str, include_optimizer: bool, layout_file: str | None,
-               tp: int, pp: int, ep: int, dcp_form: str | None, allow_skip: bool, as_json: bool) -> None:
+               tp: int, pp: int, ep: int, dcp_form: str | None, dp: int | None, allow_skip: bool, as_json: bool) -> None:
     """Export the checkpoint at SRC (any topology) to DST: a Hugging Face model directory, a
     Trainer checkpoint folder, a peft adapter folder, a torch DCP checkpoint, the zarr form
     (every tensor as a zarr v3 array, manifest beside it), a Megatron-Core torch_dist
@@ -161,6 +164,7 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     Examples:
       ckptkit export demo-out/run hf-out --format hf --dtype bf16
       ckptkit export converted universal --format deepspeed
+      ckptkit export converted zero3 --format deepspeed --dp 3
       ckptkit export converted mcore --format megatron --tp 2 --include-optimizer
     """
     try:
@@ -168,13 +172,15 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     except CkptkitError as exc:
         usage(f"--max-shard-size: {exc}")
     problem = ckptkit.EXPORT_FORMATS[fmt].options_problem(dtype=dtype, include_optimizer=include_optimizer,
-                                                           layout=layout_file is not None, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form)
+                                                           layout=layout_file is not None, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form,
+                                                           dp=dp)
     if problem:
         usage(problem)
     layout = _layout_of(layout_file, src)
     with progress("exporting", shows_progress(as_json)) as update:
         report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
-                                layout=layout, progress=update, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form, allow_skip=allow_skip)
+                                layout=layout, progress=update, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form, allow_skip=allow_skip,
+                                dp=dp)
     if as_json:
         emit_json(report)
         return

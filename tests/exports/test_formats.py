@@ -30,6 +30,7 @@ OPTIONS: list[Option] = [
     ("--layout", {"layout": LAYOUT}, ["--layout", "{layout}"], lambda f: f.layout),
     ("--tp/--pp/--ep", {"pp": 2}, ["--pp", "2"], lambda f: f.pieces),
     ("--dcp-form", {"dcp_form": "plain"}, ["--dcp-form", "plain"], lambda f: "plain" in f.forms),
+    ("--dp", {"dp": 2}, ["--dp", "2"], lambda f: f.dp),
 ]
 REFUSED = [(f.name, option) for f in EXPORT_FORMATS.values() for option in OPTIONS if not option[3](f)]
 
@@ -65,7 +66,7 @@ def test_an_option_a_format_does_not_take_is_refused_alike_by_the_library_and_th
 @pytest.mark.parametrize("name", list(EXPORT_FORMATS))
 def test_every_option_a_format_does_not_take_is_in_one_message(name: str) -> None:
     fmt = EXPORT_FORMATS[name]
-    problem = fmt.options_problem(dtype="fp16", include_optimizer=True, layout=True, pp=2, dcp_form="plain")
+    problem = fmt.options_problem(dtype="fp16", include_optimizer=True, layout=True, pp=2, dcp_form="plain", dp=2)
     refused = [option[0] for option in OPTIONS if not option[3](fmt)]
     assert problem is not None and "\n" not in problem
     assert [part.split(":")[0] for part in problem.split("; ")] == refused
