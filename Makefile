@@ -24,6 +24,7 @@ export UV_INDEX_URL ?= $(PIP_INDEX_URL)
 endif
 ifneq ($(strip $(PIP_EXTRA_INDEX_URL)),)
 export UV_EXTRA_INDEX_URL ?= $(PIP_EXTRA_INDEX_URL)
+export UV_INDEX_STRATEGY ?= unsafe-best-match  # pip's choice: the best version across every index
 endif
 
 # What the demo needs: ckptkit with torch and safetensors, nothing of the development tools.

@@ -403,3 +403,13 @@ def test_zero3_files_of_a_model_deepspeed_did_not_save_are_refused(tmp_path: Pat
     assert proc.returncode == 1
     assert "--dp writes a ZeRO-3 save's own files, from a checkpoint converted from DeepSpeed" in one_line_error(proc.stderr)
     assert_nothing_written(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.parametrize(("name", "says"), [("zero2-fp32", "this one is of ZeRO stage 2"),
+                                            ("zero3-bf16-frozen", "does not write the per-rank fragments of frozen parameters")])
+def test_zero3_files_of_another_stage_or_with_frozen_parameters_are_refused(name: str, says: str, tmp_path: Path) -> None:
+    converted = tmp_path / "converted"
+    assert _run("convert", str(FIXTURES / "deepspeed" / name), str(converted)).returncode == 0
+    proc = _run("export", str(converted), str(tmp_path / "out"), "--format", "deepspeed", "--dp", "2")
+    assert proc.returncode == 1 and says in one_line_error(proc.stderr)
+    assert_nothing_written(tmp_path, tmp_path / "out")

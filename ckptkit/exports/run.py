@@ -165,7 +165,8 @@ def _export(
             step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
             tensors=len(written.tensors), tensor_list=written.tensors, files=len(written.files),
             file_list=sorted(written.files, key=lambda f: f.path),
-            skipped=[SkippedEntry(name=f, reason=_why_skipped(f, fmt, options.include_optimizer, manifest, dropped)) for f in skipped],
+            skipped=[SkippedEntry(name=f, reason=writer.reasons.get(f) or _why_skipped(f, fmt, options.include_optimizer, manifest, dropped))
+                     for f in skipped],
             not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in left if f not in dropped).items())),
             seconds=round(time.perf_counter() - started, 3),
         )

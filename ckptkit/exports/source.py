@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -197,6 +197,7 @@ class Writer:
     skipped: list[str]
     write: Callable[[Source, Storage, str], Written]
     values: frozenset[str] = frozenset()
+    reasons: Mapping[str, str] = field(default_factory=dict)  # why, where the writer knows better than the kind does
 
 
 def report_bytes(report: ExportReport) -> bytes:

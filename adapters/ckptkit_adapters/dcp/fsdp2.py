@@ -167,9 +167,10 @@ def fsdp2_writer(source: Source, layout: Layout, out_dtype: str | None, include_
         source.expect(name for t in plan.tensors for name, _ in t.pieces)
         return save_dcp(state, _StackingPlanner(source, plan.tensors, report), report, dst, tmp)
 
-    # the optimizer's parameter groups are written again from the AdamW the checkpoint records
-    carried = frozenset(k for k in source.manifest.objects if include_optimizer and k.split("/")[0] in OPTIMIZER_PARTS)
-    return Writer(plan.skipped, write, carried)
+    # the fsdp2 form writes the optimizer's parameter groups again from the AdamW the checkpoint records
+    again = "the fsdp2 form writes the parameter groups again from the checkpoint's AdamW (its two decay groups)"
+    reasons = {k: again for k in source.manifest.objects if include_optimizer and k.split("/")[0] in OPTIMIZER_PARTS}
+    return Writer(plan.skipped, write, frozenset(), reasons)
 
 
 class _StackingPlanner(DefaultSavePlanner):

@@ -18,15 +18,18 @@ The files, as DeepSpeed 0.19 names them, ``torch.save`` archives but ``latest``:
 
 Partitions, as ZeRO-3 cuts them: each parameter flattened and padded with zeros to a multiple of
 N, rank r holding its elements [r p, (r + 1) p), p = ceil(numel / N); each optimizer group's
-parameters, in order, split into sub-groups once they reach ``stage3_sub_group_size`` partition
-elements (the save's ``ds_config``; DeepSpeed's default 10^9: one sub-group a group below that),
-each sub-group one flat fp32 tensor per rank for the masters and one for each moment. The loading
-engine must cut its sub-groups alike (the same ``stage3_sub_group_size``).
+parameters, in order, split into sub-groups once they reach ``sub_group_size`` partition
+elements (the save's ``ds_config`` ``zero_optimization``; DeepSpeed's default 10^9: one sub-group a
+group below that), each sub-group one flat fp32 tensor per rank for the masters and one for each
+moment; ``param_shapes`` lists the sub-groups, as such an engine records them. The loading engine
+must cut its sub-groups alike (the same ``sub_group_size``).
 
 The loss scaler and the ZeRO stage are DeepSpeed objects: they are pickled as references to
 DeepSpeed's classes with the state the conversion recorded (``info.loss_scaler``), without
-importing DeepSpeed. The source is a checkpoint converted from a DeepSpeed save: its records say
-the engine's precision, sub-groups and loss scaler. Rank by rank, only the rows of each
+importing DeepSpeed. The source is a checkpoint converted from a DeepSpeed ZeRO-3 save (at any
+data-parallel size): its records say the engine's precision, sub-groups, loss scaler and the
+order of its parameters (a ZeRO-1/2 save orders them its own way). Frozen parameters, which a
+ZeRO-3 engine saves as per-rank fragments, are refused. Rank by rank, only the rows of each
 parameter that hold the rank's elements are read; a rank's file is built in memory (its 1/N of
 the masters and moments, as the engine holds it).
 """
@@ -51,7 +54,7 @@ from ckptkit.state.torch_io import byte_view, torch_dtype
 from ckptkit.storage import Storage
 from ckptkit_adapters.deepspeed.writer import STATES, Files, UniversalPlan, plan_universal, put, universal_values
 
-SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's stage3_sub_group_size when ds_config names none
+SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size when ds_config names none
 SCALERS = ("LossScaler", "DynamicLossScaler")  # the classes of deepspeed.runtime.fp16.loss_scaler
 
 
@@ -101,6 +104,16 @@ def plan_zero3(source: Source, dp: int) -> Zero3Plan:
                           "ds_config and records say the engine's precision, sub-groups and loss scaler); export any other "
                           "model without --dp, as the universal checkpoint")
     plan = plan_universal(manifest, where)
+    stage = manifest.objects.get("deepspeed/optimizer/zero_stage")
+    if stage != 3:
+        raise LayoutError(f"{where}: --dp writes ZeRO-3's own files from a ZeRO-3 save, and this one is of ZeRO stage "
+                          f"{stage} (its parameters in that stage's order); a ZeRO-3 engine loads its universal checkpoint "
+                          "(export without --dp, load with load_universal)")
+    buffers = set(plan.model_states.get("buffer_names") or [])
+    frozen = sorted(set(plan.others) - buffers)
+    if frozen:
+        raise LayoutError(f"{where}: --dp does not write the per-rank fragments of frozen parameters a ZeRO-3 engine "
+                          f"saves ({summarize(frozen)}); export the universal checkpoint (without --dp)")
     scaler = dict(manifest.info.loss_scaler or {})
     kind = str(scaler.pop("type", "")).rpartition(".")[2]
     if kind not in SCALERS:
@@ -109,9 +122,9 @@ def plan_zero3(source: Source, dp: int) -> Zero3Plan:
     found: Any = (manifest.info.config or {}).get("ds_config")
     config: dict[str, Any] = found if isinstance(found, dict) else {}
     zero: dict[str, Any] = config["zero_optimization"] if isinstance(config.get("zero_optimization"), dict) else {}
-    size = zero.get("stage3_sub_group_size", zero.get("sub_group_size", SUB_GROUP_SIZE))
+    size = zero.get("sub_group_size", SUB_GROUP_SIZE)
     if not isinstance(size, (int, float)) or size < 0:
-        raise LayoutError(f"{where}: ds_config's stage3_sub_group_size is {size!r}, not a count of elements")
+        raise LayoutError(f"{where}: ds_config's zero_optimization.sub_group_size is {size!r}, not a count of elements")
     bf16 = isinstance(config.get("bf16"), dict) and bool(config["bf16"].get("enabled"))
     numels = {name: math.prod(manifest.tensors[f"optimizer/fp32/{name}"].shape) for g in plan.groups for name in g}
     step = manifest.objects.get("deepspeed/global_steps", manifest.step)
@@ -137,7 +150,7 @@ def zero3_writer(source: Source, dp: int) -> Writer:
 
     # ZeRO-3's own records of the partitioning are made again for `dp` ranks
     remade = {f"deepspeed/optimizer/{key}" for key in ("dynamic_loss_scale", "partition_count", "zero_stage")}
-    values = universal_values(source.manifest.objects) | (remade & set(source.manifest.objects))
+    values = (universal_values(source.manifest.objects) - {"deepspeed/optimizer/clip_grad"}) | (remade & set(source.manifest.objects))
     return Writer(sorted(fqn for fqn in source.manifest.tensors if fqn not in used), write, values)
 
 
@@ -153,7 +166,9 @@ def _write(source: Source, zplan: Zero3Plan, dst: Storage, tmp: str) -> Written:
         module[name] = out.read(fqn, f"module/{name}", path0) if name in buffers else \
             torch.empty(0, dtype=torch_dtype(manifest.tensors[fqn].dtype))
     # a ZeRO-3 engine saves its frozen parameters' fragments (none: an empty mapping) and its DP size
-    states: dict[str, Any] = {"module": module, "frozen_param_fragments": OrderedDict(), **plan.model_states, "dp_world_size": dp}
+    shapes = {name: shape for group in plan.model_states.get("param_shapes") or [] for name, shape in group.items()}
+    states: dict[str, Any] = {"module": module, "frozen_param_fragments": OrderedDict(), **plan.model_states, "dp_world_size": dp,
+                              "param_shapes": [OrderedDict((n, shapes[n]) for n in names) for _, names in zplan.sub_groups]}
     for keys, fqn in plan.extra_tensors:
         put(states, keys, out.read(fqn, "/".join(keys), path0))
     scaler = _Instance(_Global("deepspeed.runtime.fp16.loss_scaler", zplan.scaler["class"]),
@@ -196,11 +211,12 @@ def _partition(source: Source, fqn: str, rank: int, dp: int) -> torch.Tensor:
     part = math.ceil(numel / dp)
     start, stop = min(rank * part, numel), min((rank + 1) * part, numel)
     out = torch.zeros(part, dtype=torch.float32)
-    if stop > start:
-        row = math.prod(entry.shape[1:]) if len(entry.shape) > 1 else 1
+    if stop > start and not entry.shape:  # a scalar: its one element
+        out[0] = float(np.frombuffer(source.read(fqn), dtype=np.float32)[0])
+    elif stop > start:
+        row = math.prod(entry.shape[1:])
         first, last = start // row, (stop - 1) // row + 1
-        shape = entry.shape or (1,)
-        box = Box((first, *(0 for _ in shape[1:])), (last - first, *shape[1:]))
+        box = Box((first, *(0 for _ in entry.shape[1:])), (last - first, *entry.shape[1:]))
         rows = np.frombuffer(source.read_box(fqn, box), dtype=np.float32)
         out[: stop - start] = torch.from_numpy(rows[start - first * row: stop - first * row].copy())
     return out

@@ -134,7 +134,20 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
         files += [file_entry(dst, tmp, key) for key in sorted(dst.list(tmp)) if key.rpartition("/")[2] not in extra]
         return Written(sorted(tensors, key=lambda t: t.name), files)
 
-    return Writer(skipped, write, carried)
+    return Writer(skipped, write, carried, _reasons(source.manifest, include_optimizer, carried))
+
+
+def _reasons(manifest: Manifest, include_optimizer: bool, carried: frozenset[str]) -> dict[str, str]:
+    """Why the export leaves out a Megatron save's optimizer values: the scheduler's state is the
+    optimizer's, and its parameter groups are written again from the optimizer record."""
+    out = {}
+    for name in set(manifest.objects) - carried:
+        if name == "megatron/opt_param_scheduler" and not include_optimizer:
+            out[name] = "the optimizer's scheduler state, which the megatron export writes only with --include-optimizer"
+        elif name.startswith("megatron/") and name.endswith("/optimizer/optimizer"):
+            out[name] = ("a rank's optimizer record; the megatron export writes the parameter groups again from the "
+                         "checkpoint's optimizer info" + ("" if include_optimizer else " with --include-optimizer"))
+    return out
 
 
 def _counters(manifest: Manifest, include_optimizer: bool) -> dict[str, Any]:
