@@ -2,6 +2,8 @@
 
 Every finding is collected and reported at once. Checksums stream every file in 8 MiB chunks:
 a few threads read ahead (reads release the GIL) while the calling thread hashes in order.
+Under torch.distributed (``torchrun ... -m ckptkit.cli verify``) the ranks split the payload
+files by bytes and every rank returns the same report, the one a single process gives.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .collective import default_collective, guard, unwrap
 from .reports import SkippedEntry
 from ..io.catalog import Location, manifest_bytes, removed, removed_error, resolve
 from ..io.checksum import BlockHasher, Hasher, hasher_for
@@ -62,6 +65,7 @@ def verify(
     workers: int = WORKERS,
     progress: Callable[[int], None] | None = None,
     storage: Storage | None = None,
+    process_group: Any = None,
 ) -> VerifyReport:
     """Check the committed checkpoint at `path` and return every finding.
 
@@ -71,6 +75,9 @@ def verify(
         workers: threads that read chunks ahead of the hashing.
         progress: called with the number of bytes hashed as hashing proceeds.
         storage: read through this backend; `path` is then a checkpoint name under its root.
+        process_group: under torch.distributed, every rank of the group calls this (the default
+            group when it is initialised): each hashes its share of the files (`share`), and
+            each returns the whole report. `progress` counts this rank's bytes.
 
     Another tool's checkpoint at `path` (a local directory ``ckptkit convert`` reads) is read
     through its adapter: its metadata, then every tensor (``quick``: only the metadata and
@@ -79,10 +86,12 @@ def verify(
     Raises:
         CheckpointNotFoundError: nothing committed at `path` (nothing to verify).
     """
+    coll = default_collective(process_group)
     try:
         loc = resolve(path, storage)
-    except ForeignCheckpointError as exc:
-        return _foreign(exc, quick)
+    except ForeignCheckpointError as exc:  # read whole by rank 0 (its adapter reads no share)
+        mine = guard(lambda: _foreign(exc, quick)) if coll.rank == 0 else None
+        return unwrap(coll.broadcast(mine)) if coll.world_size > 1 else _foreign(exc, quick)
     findings: list[Finding] = []
     manifest = _manifest(loc, findings)
     if manifest is None:
@@ -105,11 +114,38 @@ def verify(
     findings += _stray_findings(loc, manifest)
     hashed = 0
     if not quick:
-        found, hashed = checksum_findings(loc, manifest, present, max(1, workers), progress)
+        own = share(manifest, present, coll.world_size)[coll.rank]
+        outcome = guard(lambda: checksum_findings(loc, manifest, own, max(1, workers), progress))
+        if coll.world_size > 1:
+            outcomes = coll.gather(outcome)
+            outcome = coll.broadcast(_merged(outcomes, manifest, present) if outcomes is not None else None)
+        found, hashed = unwrap(outcome)
         findings += found
     if findings and removed(loc):  # removed meanwhile: that, not damage
         raise removed_error(loc)
     return _report(loc, quick, findings, len(files), hashed, len(manifest.tensors))
+
+
+def share(manifest: Manifest, files: list[int], ranks: int) -> list[list[int]]:
+    """Payload files `files` (indices) split among `ranks` by bytes (pure): largest first, each to
+    the rank holding the fewest bytes so far (the lowest rank of those); each share in file order."""
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    held = [0] * ranks
+    for index in sorted(files, key=lambda i: (-manifest.files[i].size, i)):
+        rank = min(range(ranks), key=lambda r: (held[r], r))
+        shares[rank].append(index)
+        held[rank] += manifest.files[index].size
+    return [sorted(s) for s in shares]
+
+
+def _merged(outcomes: list[tuple[str, Any]], manifest: Manifest, files: list[int]) -> tuple[str, Any]:
+    """The ranks' checksum outcomes as one process's: findings in file order, bytes summed, or the first error."""
+    failed = [o for o in outcomes if o[0] != "ok"]
+    if failed:
+        return failed[0]
+    order = {manifest.files[i].path: n for n, i in enumerate(files)}
+    found = sorted((f for _, (fs, _) in outcomes for f in fs), key=lambda f: order.get(f.where, len(order)))
+    return ("ok", (found, sum(h for _, (_, h) in outcomes)))
 
 
 def _foreign(exc: ForeignCheckpointError, quick: bool) -> VerifyReport:
@@ -237,7 +273,8 @@ def checksum_findings(
             findings.append(
                 Finding("checksum", entry.path, f"content hashes to {hasher.digest()}, manifest says {entry.checksum}")
             )
-    return findings, hashed
+    order = {manifest.files[i].path: n for n, i in enumerate(files)}
+    return sorted(findings, key=lambda f: order.get(f.where, len(order))), hashed  # file by file, as a split run merges them
 
 
 def _block_findings(entry: FileEntry, digests: bytes) -> list[Finding]:
