@@ -256,6 +256,47 @@ def test_the_reference_llamas_optimizer_state_comes_fused_as_its_parameters(expo
     assert [g["wd_mult"] for g in groups] == [1.0, 0.0] and groups[0]["step"] == 4.0 and groups[0]["betas"] == (0.9, 0.95)
 
 
+def test_megatrons_scheduler_resumes_the_reference_trainers_schedule_rate_for_rate(trained: Path, tmp_path: Path) -> None:
+    # Megatron-LM loads opt_param_scheduler with the optimizer (and stops without it); its
+    # scheduler counts samples, and each iteration takes the rate of the count before it
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from ckptkit.trainer.engine import learning_rate
+
+    report = ckptkit.export(trained, tmp_path / "megatron", format="megatron", include_optimizer=True)
+    assert report.warnings == []
+    saved = megatron_common(tmp_path / "megatron" / "common.pt")["opt_param_scheduler"]
+    manifest = ckptkit.read_manifest(trained)
+    config, samples = manifest.info.config or {}, manifest.info.data_progress.consumed_samples // manifest.step  # type: ignore[union-attr]
+    assert samples > 1 and config["warmup_steps"] > manifest.step  # the resumed run warms up, then decays
+    cfg = SimpleNamespace(**{k: config[k] for k in ("lr", "min_lr", "warmup_steps", "total_steps")})
+    group = {"params": [], "wd_mult": 1.0}
+    optimizer = SimpleNamespace(param_groups=[group])
+    # the class values of a job given other arguments: the checkpoint's are used
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=1, lr_decay_steps=9,
+                                        lr_decay_style="linear", start_wd=0.0, end_wd=0.0, wd_incr_steps=9,
+                                        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True)
+    scheduler.load_state_dict(saved)
+    assert (saved["start_wd"], saved["end_wd"], saved["wd_incr_style"]) == (config["weight_decay"],) * 2 + ("constant",)
+    for step in range(manifest.step + 1, cfg.total_steps + 3):
+        assert group["lr"] == pytest.approx(learning_rate(cfg, step), rel=1e-12, abs=1e-15), step  # type: ignore[arg-type]
+        scheduler.step(increment=samples)
+        # (the load itself sets the decay of the job's arguments: Megatron's steps after it, the checkpoint's)
+        assert group["weight_decay"] == config["weight_decay"]
+
+
+def test_another_schedule_is_megatrons_constant_rate_the_next_steps_and_said(tmp_path: Path) -> None:
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "trainer" / "checkpoint-4"
+    converted = ckptkit.convert(fixture, tmp_path / "in").destination
+    rate = ckptkit.read_manifest(converted).info.scheduler["_last_lr"][0]  # type: ignore[index]
+    report = ckptkit.export(converted, tmp_path / "megatron", format="megatron", include_optimizer=True)
+    saved = megatron_common(tmp_path / "megatron" / "common.pt")["opt_param_scheduler"]
+    assert (saved["lr_decay_style"], saved["max_lr"], saved["min_lr"], saved["lr_warmup_steps"]) == ("constant", rate, rate, 0)
+    assert len(report.warnings) == 1 and f"constant rate {rate:g}, the next step's" in report.warnings[0]
+
+
 @pytest.mark.parametrize(("name", "state"), [("megatron-lm/gpt-tp2-pp2", ()), ("megatron/gpt-tp2-dp2", ("--include-optimizer",))])
 def test_a_megatron_gpt_exported_again_says_its_model_and_converts_back_bitwise(name: str, state: tuple[str, ...], tmp_path: Path,
                                                                               run_ckptkit: Any) -> None:

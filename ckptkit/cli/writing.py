@@ -181,6 +181,8 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
         report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
                                 layout=layout, progress=update, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form, allow_skip=allow_skip,
                                 dp=dp)
+    for warning in report.warnings:
+        click.echo(f"ckptkit: warning: {warning}", err=True)
     if as_json:
         emit_json(report)
         return

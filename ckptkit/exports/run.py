@@ -168,7 +168,7 @@ def _export(
             skipped=[SkippedEntry(name=f, reason=writer.reasons.get(f) or _why_skipped(f, fmt, options.include_optimizer, manifest, dropped))
                      for f in skipped],
             not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in left if f not in dropped).items())),
-            seconds=round(time.perf_counter() - started, 3),
+            warnings=list(writer.warnings), seconds=round(time.perf_counter() - started, 3),
         )
         data = report_bytes(report)
         if written.manifest is None:  # the report is the last file: it commits the export

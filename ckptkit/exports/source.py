@@ -168,6 +168,7 @@ class ExportReport(BaseModel):
     # with LEFT_OUT, `left_out`) of a kind it holds that it could not write, left out only when allowed
     skipped: list[SkippedEntry]
     not_held: dict[str, int] = {}  # the other tensors not written, counted by kind (kinds the format does not hold)
+    warnings: list[str] = []  # what the format holds only approximately, said
     seconds: float = 0.0  # from opening the source to the last tensor written
 
     @property
@@ -192,12 +193,15 @@ class Writer:
     out (so that an export leaving out what its format holds is refused before it writes);
     `write`, (source, destination storage, temporary name) -> what it wrote; and the checkpoint's
     values it carries, as saved or as what stands for them in the format (Megatron's arguments
-    with the export's parallel sizes). Every other value is listed as skipped in the report."""
+    with the export's parallel sizes). Every other value is listed as skipped in the report;
+    `warnings`, what the format holds only approximately (Megatron's scheduler for another's
+    schedule), are the report's."""
 
     skipped: list[str]
     write: Callable[[Source, Storage, str], Written]
     values: frozenset[str] = frozenset()
     reasons: Mapping[str, str] = field(default_factory=dict)  # why, where the writer knows better than the kind does
+    warnings: Sequence[str] = ()
 
 
 def report_bytes(report: ExportReport) -> bytes:

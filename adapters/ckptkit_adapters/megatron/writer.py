@@ -66,6 +66,7 @@ from ckptkit_adapters.megatron.names import (
     MEGATRON_LOCAL_EXPERTS,
     MEGATRON_MOE_EXTRA_STATE,
 )
+from ckptkit_adapters.megatron.scheduler import opt_param_scheduler
 from ckptkit_adapters.megatron.view import megatron_args, megatron_config, megatron_view
 from ckptkit_adapters.megatron.writer_optimizer import optimizer_sources, param_groups
 
@@ -113,7 +114,7 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
     chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces if fqn}
     skipped = sorted(set(source.manifest.tensors) - chosen)
     args = export_args(source, layout, target, tp, pp, ep)
-    counters = _counters(source.manifest, include_optimizer)
+    counters, warnings = _counters(source.manifest, include_optimizer, layout.name != "megatron-gpt", str(source.loc))
     carried = _carried(source.manifest, layout, target) | {f"megatron/{key}" for key in counters}
 
     def write(source: Source, dst: Storage, tmp: str) -> Written:
@@ -134,7 +135,7 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
         files += [file_entry(dst, tmp, key) for key in sorted(dst.list(tmp)) if key.rpartition("/")[2] not in extra]
         return Written(sorted(tensors, key=lambda t: t.name), files)
 
-    return Writer(skipped, write, carried, _reasons(source.manifest, include_optimizer, carried))
+    return Writer(skipped, write, carried, _reasons(source.manifest, include_optimizer, carried), warnings)
 
 
 def _reasons(manifest: Manifest, include_optimizer: bool, carried: frozenset[str]) -> dict[str, str]:
@@ -150,18 +151,26 @@ def _reasons(manifest: Manifest, include_optimizer: bool, carried: frozenset[str
     return out
 
 
-def _counters(manifest: Manifest, include_optimizer: bool) -> dict[str, Any]:
+def _counters(manifest: Manifest, include_optimizer: bool, schedule: bool, where: str) -> tuple[dict[str, Any], list[str]]:
     """What Megatron-LM's ``load_checkpoint`` reads from ``common.pt`` beside the arguments: the
     iteration (the checkpoint's step; it stops without one unless ``--finetune``), the checkpoint
-    version (3.0, the current layout of the files), and a Megatron save's floating-point operation
-    count and, with the optimizer, its scheduler state (which it loads with the optimizer)."""
+    version (3.0, the current layout of the files), a Megatron save's floating-point operation
+    count and, with the optimizer, the scheduler state it loads with the optimizer (a Megatron
+    save's own; of a checkpoint no Megatron job saved, `schedule`, its schedule as Megatron's,
+    `scheduler.opt_param_scheduler`); and the warnings of what stands in for the schedule."""
     objects = manifest.objects
     out: dict[str, Any] = {"iteration": manifest.step, "checkpoint_version": 3.0}
     if isinstance(objects.get("megatron/num_floating_point_operations_so_far"), (int, float)):
         out["num_floating_point_operations_so_far"] = objects["megatron/num_floating_point_operations_so_far"]
-    if include_optimizer and isinstance(objects.get("megatron/opt_param_scheduler"), dict):
+    if not include_optimizer:
+        return out, []
+    if isinstance(objects.get("megatron/opt_param_scheduler"), dict):
         out["opt_param_scheduler"] = objects["megatron/opt_param_scheduler"]
-    return out
+        return out, []
+    if not schedule:
+        return out, []
+    out["opt_param_scheduler"], warnings = opt_param_scheduler(manifest, where)
+    return out, warnings
 
 
 def _carried(manifest: Manifest, layout: Layout, target: Layout) -> frozenset[str]:
