@@ -267,8 +267,11 @@ def test_megatrons_scheduler_resumes_the_reference_trainers_schedule_rate_for_ra
 
     report = ckptkit.export(trained, tmp_path / "megatron", format="megatron", include_optimizer=True)
     assert report.warnings == []
-    saved = megatron_common(tmp_path / "megatron" / "common.pt")["opt_param_scheduler"]
+    common = megatron_common(tmp_path / "megatron" / "common.pt")
+    saved = common["opt_param_scheduler"]
     manifest = ckptkit.read_manifest(trained)
+    # where Megatron-LM's data resumes (its load_checkpoint reads it from the arguments)
+    assert vars(common["args"])["consumed_train_samples"] == manifest.info.data_progress.consumed_samples > 0  # type: ignore[union-attr]
     config, samples = manifest.info.config or {}, manifest.info.data_progress.consumed_samples // manifest.step  # type: ignore[union-attr]
     assert samples > 1 and config["warmup_steps"] > manifest.step  # the resumed run warms up, then decays
     cfg = SimpleNamespace(**{k: config[k] for k in ("lr", "min_lr", "warmup_steps", "total_steps")})

@@ -193,9 +193,13 @@ def export_args(source: Source, layout: Layout, target: Layout, tp: int, pp: int
     """Megatron-LM's arguments (``args`` in ``common.pt``), which say the model, so that Megatron-LM
     (``--use-checkpoint-args``) and ``convert --from megatron`` read it back with no layout named:
     a Megatron save's own, as its conversion kept them (``info.config.args``), else those of the
-    target's config (`megatron_args`); their parallel sizes the export's."""
+    target's config (`megatron_args`) with the samples the run consumed (``consumed_train_samples``,
+    where Megatron-LM's data resumes); their parallel sizes the export's."""
     carried = (source.manifest.info.config or {}).get("args") if layout.name == "megatron-gpt" else None
     args = dict(carried) if isinstance(carried, dict) else megatron_args(target.config)
+    progress = source.manifest.info.data_progress
+    if not isinstance(carried, dict) and progress is not None and progress.consumed_samples:
+        args["consumed_train_samples"] = progress.consumed_samples
     return {**args, **dict(zip(PARALLEL_ARGS, (tp, pp, ep)))}
 
 
