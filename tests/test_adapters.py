@@ -49,7 +49,7 @@ def test_the_core_never_imports_an_adapter() -> None:
 
 
 def test_an_adapter_imports_ckptkit_common_and_itself_never_another_adapter() -> None:
-    assert TOOLS == ["dcp", "deepspeed", "hf", "megatron", "peft", "zarr"]
+    assert TOOLS == ["dcp", "deepspeed", "hf", "megatron", "peft", "torchtitan", "zarr"]
     offenders = []
     for tool in TOOLS:
         for path in sorted((PACKAGE / tool).rglob("*.py")):
@@ -68,13 +68,14 @@ def test_the_declared_adapters_are_the_installed_ones_each_with_its_pieces() -> 
     assert declared == {tool: f"ckptkit_adapters.{tool}:ADAPTER" for tool in TOOLS}
     found = adapters()
     assert sorted(found) == TOOLS
-    assert {n for n, a in found.items() if a.converter is not None} == {"dcp", "deepspeed", "hf", "megatron", "peft"}
-    assert {n: [f.name for f in a.formats] for n, a in found.items()} == {t: [t] for t in TOOLS} | {"hf": ["hf", "hf-trainer"]}
-    assert sorted(ckptkit.EXPORT_FORMATS) == sorted([*TOOLS, "hf-trainer"])
-    for name in ("dcp", "deepspeed", "hf", "megatron", "peft"):
+    assert {n for n, a in found.items() if a.converter is not None} == {"dcp", "deepspeed", "hf", "megatron", "peft", "torchtitan"}
+    assert {n: [f.name for f in a.formats] for n, a in found.items()} == ({t: [t] for t in TOOLS}
+                                                                         | {"hf": ["hf", "hf-trainer"], "torchtitan": []})
+    assert sorted(ckptkit.EXPORT_FORMATS) == ["dcp", "deepspeed", "hf", "hf-trainer", "megatron", "peft", "zarr"]
+    for name in ("dcp", "deepspeed", "hf", "megatron", "peft", "torchtitan"):
         converter = load_converter(name)
         assert isinstance(converter, Converter) and converter.name == name
-    assert families() == ["gpt2", "hf", "hf-llama", "llama", "llama-moe", "megatron-gpt"]
+    assert families() == ["gpt2", "hf", "hf-llama", "llama", "llama-moe", "megatron-gpt", "torchtitan-llama"]
 
 
 def test_an_adapters_package_imports_neither_torch_nor_numpy() -> None:
@@ -130,7 +131,7 @@ def test_a_new_tool_is_one_adapter(registered: list[metadata.EntryPoint], tmp_pa
     spec, view = model_of(layout)
     assert view is REFERENCE and spec.config["hidden_size"] == 16
     assert modules_of(layout) is None  # it declares no module names: the fsdp2 form refuses it
-    with pytest.raises(ManifestError, match=r"^no converter for 'toy'; available: dcp, deepspeed, hf, megatron, peft$"):
+    with pytest.raises(ManifestError, match=r"^no converter for 'toy'; available: dcp, deepspeed, hf, megatron, peft, torchtitan$"):
         load_converter("toy")
 
 

@@ -34,7 +34,8 @@ def test_the_readme_has_a_recipe_per_framework() -> None:
     sources = {shlex.split(cmd)[2] for recipe in recipes for cmd in recipe if shlex.split(cmd)[1] == "convert"}
     assert sources == {"fixtures/deepspeed/zero3-bf16-dp3", "fixtures/megatron-lm/gpt-tp2-dp2-distopt-bf16",
                        "fixtures/megatron/gpt-tp2-dp2", "fixtures/dcp-fsdp2-fp32", "fixtures/hf/trainer/checkpoint-4",
-                       "fixtures/hf/llama", "fixtures/hf/peft-lora"}
+                       "fixtures/hf/llama", "fixtures/hf/peft-lora",
+                       "fixtures/torchtitan/llama3/checkpoint/step-3"}
 
 
 @pytest.mark.parametrize("index", range(len(_recipes())))

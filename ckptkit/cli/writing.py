@@ -212,7 +212,7 @@ def _not_held(report: Any) -> str:
 @click.argument("src")
 @click.argument("dst")
 @click.option("--from", "source_format", metavar="FORMAT", default="auto", show_default=True,
-              help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp, deepspeed, hf, megatron, peft).")
+              help="The format of SRC: auto (recognise it from the files) or a converter's name (dcp, deepspeed, hf, megatron, peft, torchtitan).")
 @click.option("--allow-skip", is_flag=True,
               help="Convert what can be converted and list the rest as skipped (default: any such entry fails).")
 @click.option("--layout", "layout_file", default=None, metavar="LAYOUT.json|NAME",
@@ -221,11 +221,12 @@ def _not_held(report: Any) -> str:
 @click.option("--model-config", "model_config", multiple=True, metavar="KEY=VALUE",
               help="What SRC does not record of the model's config, from which the layout is found (repeatable; VALUE "
                    "is JSON or text): a Megatron-Core save without Megatron-LM's arguments needs num_attention_heads "
-                   "and num_query_groups.")
+                   "and num_query_groups; a torchtitan save num_attention_heads (and rope_theta, rms_norm_eps where not "
+                   "Llama 3's).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the convert report).")
 def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout_file: str | None, model_config: tuple[str, ...],
                 as_json: bool) -> None:
-    """Convert another tool's checkpoint at SRC (a DeepSpeed, Megatron, torch DCP, Hugging Face model or `Trainer`, or peft directory) into a ckptkit checkpoint at DST.
+    """Convert another tool's checkpoint at SRC (a DeepSpeed, Megatron, torch DCP, torchtitan, Hugging Face model or `Trainer`, or peft directory) into a ckptkit checkpoint at DST.
 
     Every tensor and value of SRC is converted or listed as skipped with a reason; an entry
     that cannot be converted fails the conversion unless --allow-skip. --layout records the
@@ -238,6 +239,7 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
     Examples:
       ckptkit convert fixtures/deepspeed/zero3-fp32 converted
       ckptkit convert MCORE_SAVE converted --model-config num_attention_heads=32 --model-config num_query_groups=8
+      ckptkit convert outputs/checkpoint/step-1000 converted --model-config num_attention_heads=32
     """
     from ..layouts import named_layout
 

@@ -4,7 +4,8 @@ tool's tensors comes from, as runs of rows of the source tool's tensors.
 A view places every canonical tensor in one of its tool's tensors (`placed`): whole, as a
 block of rows of a fused tensor (Phi-3's ``qkv_proj``, Megatron's ``[gate; up]``), or as one run
 of rows per group of an interleaved one (Megatron's ``linear_qkv``, GPT-NeoX's
-``query_key_value``). `compose` joins two placements through the canonical names: each target
+``query_key_value``), or row by row where a tool keeps a head's rows in another order
+(torchtitan's q and k, in the original Llama's rotary order). `compose` joins two placements through the canonical names: each target
 tensor's rows, in order, are runs of rows of source tensors (`Run`), rows no canonical tensor
 fills being padding (Megatron's vocabulary, padded to a multiple of its TP); a tensor stacking
 experts on a leading axis (transformers' in-memory ``experts.gate_up_proj``) counts its rows
@@ -14,6 +15,7 @@ view to any other is one function, and adding a tool is one view.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -86,22 +88,41 @@ def _group(prefix: str, canonical: str, tensors: tuple[Tensor, ...], names: str,
         fuse = fusing.get(t.name)
         if fuse is None:
             stored = prefix + view.rename(names, t.name)
-            yield stored, _stored_shape(t, view, names == "top"), (Span(stored, 0, canonical + t.name, 0, _rows(t)),)
+            head = view.rotary.get(t.name, 0) if names == "layer" else 0
+            whole = _rotary(stored, canonical + t.name, _rows(t), head) if head else (Span(stored, 0, canonical + t.name, 0, _rows(t)),)
+            yield stored, _stored_shape(t, view, names == "top"), whole
             continue
         if fuse.name in done:
             continue
         done.add(fuse.name)
         parts = [by_name[p] for p in fuse.parts]
         stored, rows = prefix + fuse.name, [_rows(p) for p in parts]
+        if any(p in view.rotary for p in fuse.parts):
+            raise LayoutError(f"{stored}: fuses {', '.join(fuse.parts)}, rows in rotary order among them, which is not written yet")
         groups = fuse.groups or 1
         if any(r % groups for r in rows):
             raise LayoutError(f"{stored}: fuses {', '.join(fuse.parts)} in {groups} groups, which do not divide their rows {rows}")
-        spans, row = [], 0
+        spans: list[Span] = []
+        row = 0
         for g in range(groups):
             for p, r in zip(parts, rows):
                 spans.append(Span(stored, row, canonical + p.name, g * r // groups, r // groups))
                 row += r // groups
         yield stored, _stored_shape(parts[0], view, names == "top", sum(rows)), tuple(spans)
+
+
+def _rotary(stored: str, canonical: str, rows: int, head: int) -> tuple[Span, ...]:
+    """The rows of a tensor stored in the original Llama's rotary order, one span each: stored
+    row h*head + 2i + j is canonical row h*head + j*head/2 + i (i < head/2, j in 0, 1).
+
+    Raises:
+        LayoutError: a head size that is odd or does not divide the rows.
+    """
+    if head % 2 or rows % head:
+        raise LayoutError(f"{stored}: {rows} rows in heads of {head} in rotary order, which needs an even head size dividing the rows")
+    half = head // 2
+    return tuple(Span(stored, h + 2 * i + j, canonical, h + j * half + i, 1)
+                 for h in range(0, rows, head) for i in range(half) for j in (0, 1))
 
 
 def _stacks(prefix: str, canonical: str, block: Block, view: View) -> Iterator[tuple[str, tuple[int, ...], tuple[Span, ...]]]:
@@ -173,17 +194,22 @@ def compose(spec: ModelSpec, source: View, target: View, prefix: str = "") -> di
     if source.transposed or target.transposed:  # the rows of a matrix stored [in, out] are its columns
         raise LayoutError(f"converting {source.name} to {target.name} would cut matrices stored transposed, which is not written yet")
     src = placed(spec, source).of_canonical()
+    starts = {name: [s.at for s in spans] for name, spans in src.items()}
     out: dict[str, list[Run]] = {}
     missing: list[str] = []
     for stored, spans in placed(spec, target).spans.items():
         runs = out.setdefault(stored, [])
         for s in spans:
-            for have in src.get(s.canonical, ()):
+            if s.canonical not in src:
+                missing.append(s.canonical)
+                continue
+            have_all = src[s.canonical]  # the source's spans of the canonical tensor: in row order, not overlapping
+            for have in have_all[max(0, bisect.bisect_right(starts[s.canonical], s.at) - 1):]:
+                if have.at >= s.at + s.count:
+                    break
                 lo, hi = max(s.at, have.at), min(s.at + s.count, have.at + have.count)
                 if lo < hi:
                     runs.append(Run(s.row + lo - s.at, hi - lo, prefix + have.stored, have.row + lo - have.at))
-            if s.canonical not in src:
-                missing.append(s.canonical)
     if missing:
         raise LayoutError(f"the {source.name} view places no {summarize(missing)}")
     return {name: _merged(runs) for name, runs in out.items()}

@@ -2,8 +2,10 @@
 
 A `View` says, for one tool and one architecture, what each canonical tensor is called there
 and which are fused into one tensor (`Fuse`: concatenated in order, as Phi-3's ``qkv_proj``, or
-interleaved group by group, as GPT-NeoX's per-head ``query_key_value``), and whether the
-layers' matrices are stored transposed (GPT-2's ``Conv1D``). `layout_of` turns a model and a
+interleaved group by group, as GPT-NeoX's per-head ``query_key_value``), whether the
+layers' matrices are stored transposed (GPT-2's ``Conv1D``), and which rows a tool keeps in the
+original Llama's rotary order (torchtitan's and Meta's q and k: each head's two halves
+interleaved, where the canonical model, as Hugging Face, keeps them one after the other). `layout_of` turns a model and a
 view into the layout (``ckptkit-layout``) that cuts the tool's tensors as tensor, pipeline,
 expert and data parallelism would: one unit per top-level module, one per layer (one of each
 kind where layers differ: dense and mixture-of-experts layers), one expert unit per MoE layer.
@@ -50,6 +52,9 @@ class View:
     vocab_rows: int = 0  # the rows the tool stores a vocabulary in, padded (0: the model's)
     # a tied model's tensors the tool also holds under their own name (the head) -> the name of the one they share
     tied: Mapping[str, str] = field(default_factory=dict)
+    # a layer's tensors (canonical names) whose rows the tool keeps in the original Llama's rotary order -> their head size:
+    # each head's rows pair i with i + head/2 side by side (canonical row h*head + j*head/2 + i is stored at h*head + 2i + j)
+    rotary: Mapping[str, int] = field(default_factory=dict)
 
     def padded_rows(self, tensor: Tensor) -> int:
         """The rows the tool stores `tensor` in: its own, or a vocabulary's padded ones."""

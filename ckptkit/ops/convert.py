@@ -106,7 +106,9 @@ class Converter(Protocol):
     ``CkptkitError`` leaving nothing at ``dst``; a given ``layout`` is recorded instead of the
     one the converter would (it is passed only when given). A converter whose sources may not
     record all of the model's config also takes ``config`` (``--model-config``: what the user
-    says of it), passed only when given.
+    says of it), passed only when given. A converter of one tool's use of another's container
+    (torchtitan's DCP saves) says so with ``refines`` (``"dcp"``): where both detect a path,
+    it is the one chosen.
     """
 
     name: str
@@ -150,7 +152,8 @@ def list_converters() -> dict[str, str]:
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
-    """Return the name of the one converter that recognises the files at `path`.
+    """Return the name of the one converter that recognises the files at `path` (of a converter and
+    one it `refines`, the first).
 
     Raises:
         CheckpointNotFoundError: no directory at `path`.
@@ -160,6 +163,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     if not os.path.isdir(text):
         raise CheckpointNotFoundError(f"{text}: no such directory; a checkpoint to convert is a directory")
     found = [name for name in list_converters() if load_converter(name).detect(text)]
+    refined = {getattr(load_converter(name), "refines", None) for name in found}
+    found = [name for name in found if name not in refined]  # torchtitan's reader before the DCP one it reads through
     if not found:
         raise ManifestError(f"{text}: not a checkpoint any converter recognises (tried: {', '.join(list_converters())})")
     if len(found) > 1:

@@ -171,7 +171,7 @@ def test_auto_on_a_directory_that_is_no_checkpoint_fails_in_one_line(tmp_path: P
     (tmp_path / "src" / "notes.txt").write_text("hello")
     proc = run_ckptkit("convert", str(tmp_path / "src"), str(tmp_path / "out"))
     assert proc.returncode == 1
-    assert "not a checkpoint any converter recognises (tried: dcp, deepspeed, hf, megatron, peft)" in one_line_error(proc.stderr)
+    assert "not a checkpoint any converter recognises (tried: dcp, deepspeed, hf, megatron, peft, torchtitan)" in one_line_error(proc.stderr)
     assert_nothing_written(tmp_path, tmp_path / "out")
 
 

@@ -105,14 +105,21 @@ class Naming:
 class LayoutNaming(Naming):
     """A naming that knows the names a layout gives: a DCP key that is one of them (with ``.``
     for each ``/``: ``model.decoder.layers.0.mlp.linear_fc1.weight``) becomes that name
-    (``model/decoder.layers.0.mlp.linear_fc1.weight``), every other key is split at every ``.``."""
+    (``model/decoder.layers.0.mlp.linear_fc1.weight``), and so does a parameter's bare name at
+    the top (``dcp.save(model.state_dict())``, torchtitan's flattened model: ``layers.0.attention.wo.weight``
+    is ``model/layers.0.attention.wo.weight``, a parameter); every other key is split at every ``.``."""
 
     def __init__(self, layout: Layout) -> None:
-        self.known = {dcp_key(state.fqn(escape(name))): state.fqn(escape(name)) for state in layout.states for name in layout.tensors()}
+        self.known: dict[str, tuple[str, str | None]] = {dcp_key(state.fqn(escape(name))): (state.fqn(escape(name)), None)
+                      for state in layout.states for name in layout.tensors()}
+        params = next((state for state in layout.states if state.role == "param"), None)
+        if params is not None:
+            for name in layout.tensors():
+                self.known.setdefault(name, (params.fqn(escape(name)), "param"))
 
     def tensors(self, key: str, meta: TensorMeta) -> list[Named]:
-        return [Named(self.known.get(key, fqn_of(key)), kind_of(key, self.optimizers), meta.shape,
-                      Box((0,) * len(meta.shape), meta.shape))]
+        name, kind = self.known.get(key, (fqn_of(key), None))
+        return [Named(name, kind or kind_of(key, self.optimizers), meta.shape, Box((0,) * len(meta.shape), meta.shape))]
 
 
 @dataclass(frozen=True, slots=True)

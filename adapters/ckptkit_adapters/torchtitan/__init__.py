@@ -1,0 +1,32 @@
+"""The torchtitan adapter: torchtitan's checkpoints (DCP saves of its Llama 3) read (``reader``),
+and its Llama's names as a view of the canonical model (``view``: the ``torchtitan-llama``
+family), so that a converted one reshards and exports to every target without a layout named."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ckptkit.adapters import Adapter, Family, lazy
+
+if TYPE_CHECKING:
+    from ckptkit.layouts.model import Layout
+    from ckptkit.models.spec import ModelSpec
+    from ckptkit.models.view import View
+
+
+def _layout(config: Mapping[str, Any]) -> Layout:
+    from ckptkit_adapters.torchtitan.view import torchtitan_layout
+
+    return torchtitan_layout(config)
+
+
+def _model(layout: Layout, carried: Mapping[str, Any] | None) -> tuple[ModelSpec, View]:
+    from ckptkit_adapters.torchtitan.view import torchtitan_model
+
+    return torchtitan_model(layout)
+
+
+ADAPTER = Adapter(name="torchtitan", description="torchtitan checkpoints (DCP saves of its Llama 3)",
+                  converter=lazy("ckptkit_adapters.torchtitan.reader:CONVERTER"),
+                  families=(Family("torchtitan-llama", layout=_layout, model=_model),))

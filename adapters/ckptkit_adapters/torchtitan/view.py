@@ -1,0 +1,114 @@
+"""torchtitan's Llama 3 as a view of a canonical model (pure), and the model read from its tensors.
+
+torchtitan (0.3) saves its ``Llama3Model``'s flattened state dict under the module's names:
+``tok_embeddings.weight``, per layer ``attention_norm``, ``attention.qkv_linear.wq`` / ``wk`` /
+``wv`` (saved apart even where the module fuses them in memory), ``attention.wo``,
+``ffn_norm``, ``feed_forward.w1`` (gate), ``w3`` (up), ``w2`` (down); ``norm.weight`` and
+``lm_head.weight``. Its q and k rows are in the original Llama's rotary order (each head's
+rotary pairs side by side, as its complex rotary embedding takes them), where the canonical
+model, as Hugging Face's, keeps each head's two halves one after the other: the view says
+so (``View.rotary``), and every conversion reorders those rows.
+
+A torchtitan checkpoint records no model config: `config_of` reads the sizes from the
+tensors' shapes and takes from the user what shapes cannot say (the attention heads), the
+rotary base and the norm's epsilon defaulting to torchtitan's Llama 3's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ckptkit.errors import LayoutError
+from ckptkit.layouts import Layout
+from ckptkit.models.hf_config import spec_from_config
+from ckptkit.models.spec import ModelSpec
+from ckptkit.models.view import View, layout_of
+
+NAME = "torchtitan-llama"
+TOP = {"embed.weight": "tok_embeddings.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
+NAMES = {"attn_norm.weight": "attention_norm.weight", "mlp_norm.weight": "ffn_norm.weight",
+         **{f"attn.{x}.weight": f"attention.qkv_linear.w{x}.weight" for x in "qkv"}, "attn.o.weight": "attention.wo.weight",
+         "mlp.gate.weight": "feed_forward.w1.weight", "mlp.down.weight": "feed_forward.w2.weight",
+         "mlp.up.weight": "feed_forward.w3.weight"}
+# What shapes do not say, as torchtitan's Llama 3 has it unless its config says otherwise.
+DEFAULTS = {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192}
+
+
+def torchtitan_view(spec: ModelSpec) -> View:
+    """torchtitan's view of `spec`, a Llama.
+
+    Raises:
+        LayoutError: a model of another type (torchtitan's other models' names are not written here yet).
+    """
+    if spec.architecture != "llama" or any(t.name.endswith(".bias") for b in spec.layers for t in b.tensors):
+        raise LayoutError(f"the torchtitan view of a model of type {spec.architecture} is not written yet "
+                          "(torchtitan's Llama 3 is: a Llama without biases)")
+    heads = int(spec.config["num_attention_heads"])
+    head = int(spec.config.get("head_dim") or int(spec.config["hidden_size"]) // heads)
+    return View(name=NAME, top=TOP, layer="layers.{layer}", names=NAMES, rotary={"attn.q.weight": head, "attn.k.weight": head})
+
+
+def torchtitan_layout(config: Mapping[str, Any]) -> Layout:
+    """The ``torchtitan-llama`` layout of a Hugging Face Llama config (``ckptkit layout builtin torchtitan-llama``).
+
+    Raises:
+        LayoutError: a config the canonical model cannot read, or not a Llama's.
+    """
+    spec = spec_from_config({"model_type": "llama", **config})
+    return layout_of(spec, torchtitan_view(spec))
+
+
+def torchtitan_model(layout: Layout) -> tuple[ModelSpec, View]:
+    """The canonical model and torchtitan view of a ``torchtitan-llama`` layout (its config the model's)."""
+    spec = spec_from_config({"model_type": "llama", **layout.config})
+    return spec, torchtitan_view(spec)
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def config_of(shapes: Mapping[str, tuple[int, ...]], given: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The Hugging Face config of the torchtitan Llama whose tensors have `shapes` (their
+    torchtitan names), with what the user `given` over what shapes and defaults say; and the
+    values assumed (torchtitan's defaults, none given).
+
+    Raises:
+        LayoutError: tensors that are not torchtitan's Llama's, no attention heads given
+            (shapes cannot tell heads from their size), heads that do not divide q's rows, or a
+            size given that the shapes contradict (the tensor named).
+    """
+    need = ("tok_embeddings.weight", "layers.0.attention.qkv_linear.wq.weight", "layers.0.attention.qkv_linear.wk.weight",
+            "layers.0.feed_forward.w1.weight")
+    missing = [n for n in need if n not in shapes]
+    if missing:
+        older = "layers.0.attention.wq.weight" in shapes
+        raise LayoutError(f"not torchtitan's Llama 3 (0.3): no {', '.join(missing)}"
+                          + (" (attention.wq without qkv_linear: torchtitan before 0.3, whose names are not written here yet)"
+                             if older else ""))
+    if "num_attention_heads" not in given:
+        raise LayoutError("a torchtitan checkpoint does not record its attention heads: give --model-config num_attention_heads=N "
+                          "(and num_key_value_heads, rope_theta, rms_norm_eps where not torchtitan's)")
+    vocab, hidden = shapes["tok_embeddings.weight"]
+    heads = int(given["num_attention_heads"])
+    q, k = shapes["layers.0.attention.qkv_linear.wq.weight"][0], shapes["layers.0.attention.qkv_linear.wk.weight"][0]
+    if heads <= 0 or q % heads:
+        raise LayoutError(f"num_attention_heads {heads} does not divide the {q} rows of layers.0.attention.qkv_linear.wq.weight")
+    head = q // heads
+    inferred = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+                "intermediate_size": shapes["layers.0.feed_forward.w1.weight"][0],
+                "num_hidden_layers": len({m.group(1) for n in shapes if (m := _LAYER.match(n))}),
+                "num_attention_heads": heads, "num_key_value_heads": k // head, "head_dim": head, "hidden_act": "silu",
+                "tie_word_embeddings": "lm_head.weight" not in shapes, "attention_bias": False, "mlp_bias": False}
+    shown = {"vocab_size": "tok_embeddings.weight", "hidden_size": "tok_embeddings.weight",
+             "intermediate_size": "layers.0.feed_forward.w1.weight", "num_key_value_heads": "layers.0.attention.qkv_linear.wk.weight",
+             "head_dim": "layers.0.attention.qkv_linear.wq.weight", "num_hidden_layers": "layers.<i>"}
+    for key, where in shown.items():
+        if key in given and given[key] != inferred[key]:
+            raise LayoutError(f"--model-config {key}={given[key]}: the save's {where} says {inferred[key]}")
+    assumed = [f"{key} {value}" for key, value in DEFAULTS.items() if key not in given]
+    return {**inferred, **DEFAULTS, **given}, assumed
+
+
+__all__ = ["DEFAULTS", "NAME", "config_of", "torchtitan_layout", "torchtitan_model", "torchtitan_view"]
