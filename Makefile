@@ -43,6 +43,7 @@ $(STAMP): $(RUNTIME)
 $(FRAMEWORKS): $(STAMP)
 	$(PY) -m pip install -q --no-deps -c constraints.txt megatron-core  # the Megatron export's tests load into megatron-core
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt deepspeed  # the DeepSpeed export's tests load into DeepSpeed (pure-Python install; its CPU op is built at first use)
+	$(PY) -m pip install -q --no-deps -c constraints.txt torchtitan spmd_types triton tyro docstring_parser typeguard  # the torchtitan tests resume torchtitan's job (its models import triton)
 	touch $(FRAMEWORKS)
 
 # The docs site's builder (mkdocs and its plugins), on top of the runtime: the API pages import ckptkit.

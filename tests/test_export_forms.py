@@ -179,7 +179,7 @@ def test_dcp_export_loads_with_torch_dcp_bitwise(source: Path, tmp_path: Path) -
 def test_export_refusals_write_nothing(source: Path, tmp_path: Path, run_ckptkit: Any) -> None:
     with pytest.raises(LayoutError, match="saved dtype"):
         export(source, tmp_path / "z", format="zarr", dtype="bf16")
-    with pytest.raises(LayoutError, match="available: dcp, deepspeed, hf, hf-trainer, megatron, peft, zarr"):
+    with pytest.raises(LayoutError, match="available: dcp, deepspeed, hf, hf-trainer, megatron, peft, torchtitan, zarr"):
         export(source, tmp_path / "z", format="onnx")
     with pytest.raises(StorageError, match="local directory"):
         export(source, "z", format="zarr", dst_storage=MemoryStorage())

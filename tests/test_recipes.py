@@ -35,7 +35,7 @@ def test_the_readme_has_a_recipe_per_framework() -> None:
     assert sources == {"fixtures/deepspeed/zero3-bf16-dp3", "fixtures/megatron-lm/gpt-tp2-dp2-distopt-bf16",
                        "fixtures/megatron/gpt-tp2-dp2", "fixtures/dcp-fsdp2-fp32", "fixtures/hf/trainer/checkpoint-4",
                        "fixtures/hf/llama", "fixtures/hf/peft-lora",
-                       "fixtures/torchtitan/llama3/checkpoint/step-3"}
+                       "fixtures/torchtitan/full/checkpoint/step-2"}
 
 
 @pytest.mark.parametrize("index", range(len(_recipes())))

@@ -88,17 +88,14 @@ def _group(prefix: str, canonical: str, tensors: tuple[Tensor, ...], names: str,
         fuse = fusing.get(t.name)
         if fuse is None:
             stored = prefix + view.rename(names, t.name)
-            head = view.rotary.get(t.name, 0) if names == "layer" else 0
-            whole = _rotary(stored, canonical + t.name, _rows(t), head) if head else (Span(stored, 0, canonical + t.name, 0, _rows(t)),)
-            yield stored, _stored_shape(t, view, names == "top"), whole
+            head = view.rotary.get(t.name, 0) if names == "layer" else 0  # a tool's rows in rotary order: one span each
+            yield stored, _stored_shape(t, view, names == "top"), _rows_of(stored, 0, canonical + t.name, 0, _rows(t), head)
             continue
         if fuse.name in done:
             continue
         done.add(fuse.name)
         parts = [by_name[p] for p in fuse.parts]
         stored, rows = prefix + fuse.name, [_rows(p) for p in parts]
-        if any(p in view.rotary for p in fuse.parts):
-            raise LayoutError(f"{stored}: fuses {', '.join(fuse.parts)}, rows in rotary order among them, which is not written yet")
         groups = fuse.groups or 1
         if any(r % groups for r in rows):
             raise LayoutError(f"{stored}: fuses {', '.join(fuse.parts)} in {groups} groups, which do not divide their rows {rows}")
@@ -106,23 +103,27 @@ def _group(prefix: str, canonical: str, tensors: tuple[Tensor, ...], names: str,
         row = 0
         for g in range(groups):
             for p, r in zip(parts, rows):
-                spans.append(Span(stored, row, canonical + p.name, g * r // groups, r // groups))
+                head = view.rotary.get(p.name, 0) if names == "layer" else 0
+                spans += _rows_of(stored, row, canonical + p.name, g * r // groups, r // groups, head)
                 row += r // groups
         yield stored, _stored_shape(parts[0], view, names == "top", sum(rows)), tuple(spans)
 
 
-def _rotary(stored: str, canonical: str, rows: int, head: int) -> tuple[Span, ...]:
-    """The rows of a tensor stored in the original Llama's rotary order, one span each: stored
-    row h*head + 2i + j is canonical row h*head + j*head/2 + i (i < head/2, j in 0, 1).
+def _rows_of(stored: str, row: int, canonical: str, at: int, count: int, head: int = 0) -> tuple[Span, ...]:
+    """Rows [row, row + count) of `stored` holding rows [at, at + count) of `canonical`: one span,
+    or (`head` > 0: whole heads of that size stored in the original Llama's rotary order) one
+    span per row, stored row h*head + 2i + j being canonical row h*head + j*head/2 + i (i < head/2, j in 0, 1).
 
     Raises:
         LayoutError: a head size that is odd or does not divide the rows.
     """
-    if head % 2 or rows % head:
-        raise LayoutError(f"{stored}: {rows} rows in heads of {head} in rotary order, which needs an even head size dividing the rows")
+    if not head:
+        return (Span(stored, row, canonical, at, count),)
+    if head % 2 or count % head or at % head:
+        raise LayoutError(f"{stored}: {count} rows in heads of {head} in rotary order, which needs an even head size dividing the rows")
     half = head // 2
-    return tuple(Span(stored, h + 2 * i + j, canonical, h + j * half + i, 1)
-                 for h in range(0, rows, head) for i in range(half) for j in (0, 1))
+    return tuple(Span(stored, row + h + 2 * i + j, canonical, at + h + j * half + i, 1)
+                 for h in range(0, count, head) for i in range(half) for j in (0, 1))
 
 
 def _stacks(prefix: str, canonical: str, block: Block, view: View) -> Iterator[tuple[str, tuple[int, ...], tuple[Span, ...]]]:

@@ -1,14 +1,22 @@
-"""``ckptkit convert`` of a torchtitan checkpoint: a real save by torchtitan 0.3.0's own
-``CheckpointManager`` of its Llama 3 (``fixtures/make_torchtitan.py``) comes in under
-torchtitan's names, laid out by its view of the canonical model (q and k rows in the original
-Llama's rotary order), reshards to tp 2 x pp 2 and exports to Hugging Face with logits equal to
-torchtitan's own forward, and to Megatron-Core and back bitwise; what torchtitan does not
-record is asked for in one line."""
+"""torchtitan in and out: real saves by torchtitan 0.3.0's own ``CheckpointManager`` of its
+Llama 3 (``fixtures/make_torchtitan.py``: model-only, and mid-run with its AdamW, schedule and
+train state) come in under torchtitan's names, laid out by its view of the canonical model (q
+and k rows in the original Llama's rotary order; the optimizer's state keyed by the modules'
+fused ``wqkv``, split as torchtitan itself splits it), reshard to tp 2 x pp 2 and export to
+Hugging Face with logits equal to torchtitan's own forward, to Megatron-Core and back bitwise,
+and back to torchtitan, whose job resumes from the export with the original's next step; a
+Hugging Face Llama exported to torchtitan runs there with transformers' logits. What torchtitan
+does not record is asked for in one line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 from pathlib import Path
 from subprocess import CompletedProcess
 
@@ -29,6 +37,10 @@ from .checks import assert_nothing_written, one_line_error
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "torchtitan"
 SAVE, ORACLE = FIXTURES / "llama3" / "checkpoint" / "step-3", FIXTURES / "llama3.oracle"
+FULL = FIXTURES / "full" / "checkpoint" / "step-2"  # mid-run: model, optimizer, schedule, train state
+JOB = Path(__file__).resolve().parents[1] / "torchtitan_job.py"
+needs_torchtitan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                                      reason="torchtitan is not installed (make test installs it)")
 # what a torchtitan save does not record of the fixture's model (its rotary base is not Llama 3's 500000)
 GIVEN = {"num_attention_heads": 4, "rope_theta": 10000.0, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
 
@@ -123,3 +135,91 @@ def test_older_names_are_refused_naming_what_they_lack() -> None:
     with pytest.raises(LayoutError, match=r"not torchtitan's Llama 3 \(0\.3\): no layers\.0\.attention\.qkv_linear\.wq\.weight.*"
                                           r"attention\.wq without qkv_linear: torchtitan before 0\.3"):
         config_of({"tok_embeddings.weight": (101, 48), "layers.0.attention.wq.weight": (48, 48)}, GIVEN)
+
+
+def _job(*args: str) -> None:
+    done = subprocess.run([sys.executable, str(JOB), *args], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_mid_run_save_brings_its_optimizer_in_under_the_parameters_names(tmp_path: Path) -> None:
+    dst = tmp_path / "converted"
+    report = ckptkit.convert(FULL, dst, config=GIVEN)
+    manifest = ckptkit.read_manifest(dst)
+    assert report.step == manifest.step == 2 and report.skipped == []
+    optimizer = manifest.info.optimizer
+    assert optimizer is not None and (optimizer.type, optimizer.step) == ("adamw", 2)
+    assert optimizer.hyperparameters == {"lr": 0.001, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+    assert len(optimizer.param_groups) == 1 and len(optimizer.param_groups[0].params) == 17  # the modules': wqkv fused
+    assert manifest.info.data_progress is not None and manifest.info.data_progress.consumed_tokens == 32
+    state = ckptkit.load(dst)
+    assert sorted(state["optimizer"]) == ["exp_avg", "exp_avg_sq", "param_groups", "state"]
+    assert sorted(state["optimizer"]["exp_avg"]) == sorted(state["model"])  # each parameter's, cut as it is
+    saved = {f"optimizer.state.layers.{i}.attention.qkv_linear.wqkv.weight.{m}": torch.empty(96, 48)
+             for i in (0, 1) for m in ("exp_avg", "exp_avg_sq")}
+    dcp.load(saved, checkpoint_id=str(FULL), no_dist=True)
+    split = _torchtitans_split(saved)
+    for key, want in split.items():
+        moment, name = key.rpartition(".")[2], key.removeprefix("optimizer.state.").rpartition(".")[0]
+        assert torch.equal(state["optimizer"][moment][name], want), key
+
+
+def _torchtitans_split(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torchtitan's own split of its fused wqkv (``FusedQKVLinear``'s save hook) of each moment:
+    wq, wk, wv as torchtitan saves the parameter; without torchtitan, the same reshape written out."""
+    out = {}
+    for key, tensor in saved.items():
+        prefix, moment = key.removesuffix(".weight." + key.rpartition(".")[2]).removesuffix("wqkv"), key.rpartition(".")[2]
+        sd = {"wqkv.weight": tensor}
+        if importlib.util.find_spec("torchtitan") is not None:
+            from torchtitan.models.common.attention import FusedQKVLinear
+
+            FusedQKVLinear._split_qkv_on_save(SimpleNamespace(head_dim=12, heads_per_kv=2, r_dim=4), sd, "", None)
+        else:
+            w = tensor.reshape(2, 4, 12, 48)
+            sd = {"wq.weight": w[:, :2].reshape(-1, 48), "wk.weight": w[:, 2].reshape(-1, 48), "wv.weight": w[:, 3].reshape(-1, 48)}
+        out |= {f"{prefix}{name.removesuffix('.weight')}.weight.{moment}": value for name, value in sd.items()}
+    return out
+
+
+@needs_torchtitan
+def test_torchtitan_resumes_from_the_resharded_export_with_the_originals_next_step(tmp_path: Path) -> None:
+    converted, resharded, root = tmp_path / "converted", tmp_path / "tp2pp2", tmp_path / "job"
+    ckptkit.convert(FULL, converted, config=GIVEN)
+    ckptkit.reshard(converted, resharded, Topology(world_size=4, tp=2, pp=2, dp=1), update_latest=False)
+    report = ckptkit.export(resharded, root / "checkpoint" / "step-2", format="torchtitan", include_optimizer=True)
+    assert report.skipped == [] and report.warnings == []
+    _job("resume", str(FIXTURES / "full"), str(tmp_path / "original.pt"))
+    _job("resume", str(root), str(tmp_path / "exported.pt"))
+    want, got = (torch.load(tmp_path / f, weights_only=True) for f in ("original.pt", "exported.pt"))
+    assert _differences(want, got) == []
+    assert got["train_state"] == {"step": 3, "ntokens_seen": 48} and got["lr_scheduler"] == {"last_epoch": 3}
+
+
+def _differences(want: Any, got: Any, at: str = "") -> list[str]:
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or sorted(want) != sorted(got):
+            return [f"{at}: keys"]
+        return [d for k in want for d in _differences(want[k], got[k], f"{at}.{k}")]
+    if isinstance(want, torch.Tensor):
+        return [] if isinstance(got, torch.Tensor) and want.dtype == got.dtype and torch.equal(want, got) else [at]
+    return [] if want == got else [f"{at}: {want!r} != {got!r}"]
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_hugging_face_llama_exported_to_torchtitan_runs_there_with_its_logits(tied: bool, tmp_path: Path) -> None:
+    sizes = json.loads((ORACLE / "config.json").read_text()) | {"tie_word_embeddings": tied}  # the fixture's, non-square
+    config = transformers.LlamaConfig(**sizes)
+    torch.manual_seed(3)
+    original = transformers.LlamaForCausalLM(config).eval()
+    original.save_pretrained(tmp_path / "hf")
+    ckptkit.convert(tmp_path / "hf", tmp_path / "converted")
+    ckptkit.reshard(tmp_path / "converted", tmp_path / "tp2", Topology(world_size=2, tp=2, pp=1, dp=1), update_latest=False)
+    ckptkit.export(tmp_path / "tp2", tmp_path / "titan", format="torchtitan")
+    (tmp_path / "config.json").write_text(json.dumps(sizes))
+    ids = load_file(str(ORACLE / "logits.safetensors"))["ids"]
+    _job("logits", str(tmp_path / "titan"), str(tmp_path / "config.json"), str(ORACLE / "logits.safetensors"), str(tmp_path / "l.st"))
+    with torch.no_grad():
+        want = original(ids).logits
+    assert (load_file(str(tmp_path / "l.st"))["logits"] - want).abs().max().item() <= 1e-5

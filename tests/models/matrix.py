@@ -18,14 +18,16 @@ HF_TEST = "tests/models/test_hf_architectures.py::test_convert_reshard_export_gi
 TARGETS: dict[str, dict[str, Any]] = {
     "hf": {"format": "hf"}, "megatron": {"format": "megatron"}, "deepspeed": {"format": "deepspeed"},
     "dcp fsdp2": {"format": "dcp", "dcp_form": "fsdp2"}, "dcp plain": {"format": "dcp", "dcp_form": "plain"}, "zarr": {"format": "zarr"},
+    "torchtitan": {"format": "torchtitan"},
 }
-# The test that reads each written target with its consumer (transformers, megatron-core, FSDP2, torch DCP, zarr-python).
+# The test that reads each written target with its consumer (transformers, megatron-core, FSDP2, torch DCP, zarr-python, torchtitan).
 VERIFIED = {
     "hf": HF_TEST,
     "megatron": "tests/models/test_megatron_views.py::test_a_hugging_face_model_runs_in_megatron_core_and_comes_back_bitwise",
     "dcp fsdp2": "tests/models/test_targets.py::test_an_fsdp2_job_of_transformers_models_loads_the_fsdp2_form_with_the_originals_logits",
     "dcp plain": "tests/models/test_targets.py::test_the_plain_dcp_form_loads_in_torch_dcp_with_every_tensor",
     "zarr": "tests/models/test_targets.py::test_the_zarr_form_reads_in_zarr_python_with_every_tensor",
+    "torchtitan": "tests/converters/test_torchtitan.py::test_a_hugging_face_llama_exported_to_torchtitan_runs_there_with_its_logits",
 }
 
 

@@ -1,17 +1,20 @@
 """The torch DCP container written: a state of meta tensors saved by torch's own DCP writer, each tensor's
-bytes read from the checkpoint only when the writer asks for it (`StreamingPlanner`), the files committed as an
-export's. The dcp adapter's plain and fsdp2 forms and the megatron adapter's torch_dist write through it.
+bytes read from the checkpoint only when the writer asks for it (`StreamingPlanner`; `StackingPlanner` for a
+tensor made of pieces of several), the files committed as an export's. The dcp adapter's plain and fsdp2 forms and the megatron adapter's torch_dist write through it.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from ckptkit.boxes import Box
 from ckptkit.errors import CkptkitError, StorageError
 from ckptkit.exports.convert import output_dtype
 from ckptkit.exports.source import (
@@ -21,7 +24,7 @@ from ckptkit.exports.source import (
     Written,
     exported,
 )
-from ckptkit.io.checksum import Hasher
+from ckptkit.io.checksum import Hasher, checksum_of
 from ckptkit.state.torch_io import byte_view, torch_dtype
 from ckptkit.storage import Storage, local_path
 
@@ -76,6 +79,51 @@ class StreamingPlanner(DefaultSavePlanner):
         out = tensor.to(torch_dtype(out_dtype)).contiguous()  # torch's own rounding, any float dtype
         self.report.append(exported(self.source, key, fqn, byte_view(out), out_dtype, ""))
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Stacked:
+    """A DCP tensor made of boxes of source tensors stacked along `dim`, in order."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    dim: int
+    pieces: tuple[tuple[str, Box], ...]
+
+
+class StackingPlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that each stacked tensor is read from the checkpoint
+    (its pieces, converted) only when the writer resolves it: a source giving one piece of itself
+    by its box, one giving all of itself or several pieces (rows in another order: torchtitan's
+    rotary rows) whole, once."""
+
+    def __init__(self, source: Source, tensors: tuple[Stacked, ...], report: list[ExportedTensor]) -> None:
+        super().__init__()
+        self.source = source
+        self.tensors = {t.key: t for t in tensors}
+        self.report = report
+
+    def resolve_data(self, write_item: Any) -> Any:
+        stacked = self.tensors.get(write_item.index.fqn)
+        if stacked is None:  # a step or a parameter group's value
+            return super().resolve_data(write_item)
+        saved = self.source.manifest.tensors[stacked.pieces[0][0]].dtype
+        entries = self.source.manifest.tensors
+        uses = Counter(name for name, _ in stacked.pieces)
+        uses.update(name for name, box in stacked.pieces if box.lengths == tuple(entries[name].shape))  # whole: read as such
+        whole = {name: self._tensor(name, self.source.read(name), saved) for name, n in uses.items() if n > 1}
+        parts = [whole[name][tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))] if name in whole
+                 else self._tensor(name, self.source.read_box(name, box), saved, box.lengths) for name, box in stacked.pieces]
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=stacked.dim)
+        out = joined.reshape(stacked.shape).to(torch_dtype(stacked.dtype)).contiguous()  # torch's own rounding, any float dtype
+        self.report.append(ExportedTensor(
+            name=stacked.key, source=" + ".join(dict.fromkeys(name for name, _ in stacked.pieces)), shape=list(stacked.shape),
+            source_dtype=saved, dtype=stacked.dtype, file="", checksum=checksum_of(byte_view(out))))
+        return out
+
+    def _tensor(self, name: str, data: Any, dtype: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        return torch.from_numpy(data).view(torch_dtype(dtype)).reshape(shape or self.source.manifest.tensors[name].shape)
 
 
 def unwrapped(exc: Any) -> Exception:

@@ -35,34 +35,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ckptkit.boxes import Box
 from ckptkit.errors import LayoutError, summarize
 from ckptkit.exports.adamw import adamw_of, decay_groups
 from ckptkit.exports.convert import output_dtype
 from ckptkit.exports.source import OPTIMIZER_PARTS, ExportedTensor, Source, Writer, Written
-from ckptkit.io.checksum import checksum_of
 from ckptkit.layouts import Layout
 from ckptkit.models import ModelSpec, View, compose, modules_of, placed
-from ckptkit.state.torch_io import byte_view, torch_dtype
+from ckptkit.state.torch_io import torch_dtype
 from ckptkit.storage import Storage
-from ckptkit_adapters.common.dcp_write import save_dcp
+from ckptkit_adapters.common.dcp_write import Stacked, StackingPlanner, save_dcp
 
 MODEL = "model"
 OPTIM = "optim"
 MOMENTS = {"exp_avg": "optimizer/exp_avg", "exp_avg_sq": "optimizer/exp_avg_sq"}  # torch's name -> the checkpoint's prefix
-
-
-@dataclass(frozen=True, slots=True)
-class Stacked:
-    """A DCP tensor made of boxes of source tensors stacked along `dim`, in order."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: str
-    dim: int
-    pieces: tuple[tuple[str, Box], ...]
 
 
 @dataclass(frozen=True)
@@ -165,7 +152,7 @@ def fsdp2_writer(source: Source, layout: Layout, out_dtype: str | None, include_
         state: dict[str, Any] = {t.key: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta") for t in plan.tensors}
         state.update(plan.values)
         source.expect(name for t in plan.tensors for name, _ in t.pieces)
-        return save_dcp(state, _StackingPlanner(source, plan.tensors, report), report, dst, tmp)
+        return save_dcp(state, StackingPlanner(source, plan.tensors, report), report, dst, tmp)
 
     # the fsdp2 form writes the optimizer's parameter groups again from the AdamW the checkpoint records
     again = "the fsdp2 form writes the parameter groups again from the checkpoint's AdamW (its two decay groups)"
@@ -173,29 +160,4 @@ def fsdp2_writer(source: Source, layout: Layout, out_dtype: str | None, include_
     return Writer(plan.skipped, write, frozenset(), reasons)
 
 
-class _StackingPlanner(DefaultSavePlanner):
-    """DCP's default save planner, except that each stacked tensor is read from the checkpoint
-    (its pieces, converted) only when the writer resolves it."""
-
-    def __init__(self, source: Source, tensors: tuple[Stacked, ...], report: list[ExportedTensor]) -> None:
-        super().__init__()
-        self.source = source
-        self.tensors = {t.key: t for t in tensors}
-        self.report = report
-
-    def resolve_data(self, write_item: Any) -> Any:
-        stacked = self.tensors.get(write_item.index.fqn)
-        if stacked is None:  # a step or a parameter group's value
-            return super().resolve_data(write_item)
-        saved = self.source.manifest.tensors[stacked.pieces[0][0]].dtype
-        parts = [torch.from_numpy(self.source.read_box(name, box)).view(torch_dtype(saved)).reshape(box.lengths)
-                 for name, box in stacked.pieces]
-        whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=stacked.dim)
-        out = whole.reshape(stacked.shape).to(torch_dtype(stacked.dtype)).contiguous()  # torch's own rounding, any float dtype
-        self.report.append(ExportedTensor(
-            name=stacked.key, source=" + ".join(name for name, _ in stacked.pieces), shape=list(stacked.shape),
-            source_dtype=saved, dtype=stacked.dtype, file="", checksum=checksum_of(byte_view(out))))
-        return out
-
-
-__all__ = ["Fsdp2Plan", "Stacked", "fsdp2_writer", "module_model", "plan_fsdp2"]
+__all__ = ["Fsdp2Plan", "fsdp2_writer", "module_model", "plan_fsdp2"]

@@ -1,5 +1,5 @@
-"""The torchtitan adapter: torchtitan's checkpoints (DCP saves of its Llama 3) read (``reader``),
-and its Llama's names as a view of the canonical model (``view``: the ``torchtitan-llama``
+"""The torchtitan adapter: torchtitan's checkpoints (DCP saves of its Llama 3) read (``reader``)
+and written (``writer``: the ``torchtitan`` export), and its Llama's names as a view of the canonical model (``view``: the ``torchtitan-llama``
 family), so that a converted one reshards and exports to every target without a layout named."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.adapters import Adapter, Family, lazy
+from ckptkit.exports.formats import ExportFormat, ExportOptions
 
 if TYPE_CHECKING:
+    from ckptkit.exports.source import Source, Writer
     from ckptkit.layouts.model import Layout
     from ckptkit.models.spec import ModelSpec
     from ckptkit.models.view import View
@@ -21,6 +23,12 @@ def _layout(config: Mapping[str, Any]) -> Layout:
     return torchtitan_layout(config)
 
 
+def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
+    from ckptkit_adapters.torchtitan.writer import torchtitan_writer
+
+    return torchtitan_writer(source, options.dtype, options.include_optimizer), None
+
+
 def _model(layout: Layout, carried: Mapping[str, Any] | None) -> tuple[ModelSpec, View]:
     from ckptkit_adapters.torchtitan.view import torchtitan_model
 
@@ -29,4 +37,6 @@ def _model(layout: Layout, carried: Mapping[str, Any] | None) -> tuple[ModelSpec
 
 ADAPTER = Adapter(name="torchtitan", description="torchtitan checkpoints (DCP saves of its Llama 3)",
                   converter=lazy("ckptkit_adapters.torchtitan.reader:CONVERTER"),
+                  formats=(ExportFormat("torchtitan", "a torchtitan checkpoint (checkpoint/step-N, DCP) its Llama 3 job loads",
+                                        _writer),),
                   families=(Family("torchtitan-llama", layout=_layout, model=_model),))

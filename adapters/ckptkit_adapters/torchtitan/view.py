@@ -7,7 +7,8 @@ torchtitan (0.3) saves its ``Llama3Model``'s flattened state dict under the modu
 ``lm_head.weight``. Its q and k rows are in the original Llama's rotary order (each head's
 rotary pairs side by side, as its complex rotary embedding takes them), where the canonical
 model, as Hugging Face's, keeps each head's two halves one after the other: the view says
-so (``View.rotary``), and every conversion reorders those rows.
+so (``View.rotary``), and every conversion reorders those rows. Its optimizer's state is keyed
+by the names the modules hold (`torchtitan_modules`): q, k and v as one ``wqkv`` per layer.
 
 A torchtitan checkpoint records no model config: `config_of` reads the sizes from the
 tensors' shapes and takes from the user what shapes cannot say (the attention heads), the
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ckptkit.errors import LayoutError
 from ckptkit.layouts import Layout
 from ckptkit.models.hf_config import spec_from_config
 from ckptkit.models.spec import ModelSpec
-from ckptkit.models.view import View, layout_of
+from ckptkit.models.view import Fuse, View, layout_of
 
 NAME = "torchtitan-llama"
 TOP = {"embed.weight": "tok_embeddings.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
@@ -32,6 +34,9 @@ NAMES = {"attn_norm.weight": "attention_norm.weight", "mlp_norm.weight": "ffn_no
          **{f"attn.{x}.weight": f"attention.qkv_linear.w{x}.weight" for x in "qkv"}, "attn.o.weight": "attention.wo.weight",
          "mlp.gate.weight": "feed_forward.w1.weight", "mlp.down.weight": "feed_forward.w2.weight",
          "mlp.up.weight": "feed_forward.w3.weight"}
+WQKV = "attention.qkv_linear.wqkv.weight"  # q, k and v fused, as the module holds them (relative to the layer)
+# The model types torchtitan has a model of its own for (its names not written here yet), and that model.
+OWN_MODELS = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3 (mixture of experts)", "deepseek_v3": "DeepSeek-V3"}
 # What shapes do not say, as torchtitan's Llama 3 has it unless its config says otherwise.
 DEFAULTS = {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192}
 
@@ -42,12 +47,31 @@ def torchtitan_view(spec: ModelSpec) -> View:
     Raises:
         LayoutError: a model of another type (torchtitan's other models' names are not written here yet).
     """
-    if spec.architecture != "llama" or any(t.name.endswith(".bias") for b in spec.layers for t in b.tensors):
-        raise LayoutError(f"the torchtitan view of a model of type {spec.architecture} is not written yet "
-                          "(torchtitan's Llama 3 is: a Llama without biases)")
+    t = spec.architecture
+    if t in OWN_MODELS:
+        raise LayoutError(f"the torchtitan view of a model of type {t} is not written yet: torchtitan's {OWN_MODELS[t]} model's names")
+    if t != "llama" or any(x.name.endswith(".bias") for b in spec.layers for x in b.tensors):
+        raise LayoutError(f"torchtitan has no model for a model of type {t}"
+                          f"{' with biases' if t == 'llama' else ''}: its Llama 3 holds a Llama without biases")
     heads = int(spec.config["num_attention_heads"])
     head = int(spec.config.get("head_dim") or int(spec.config["hidden_size"]) // heads)
-    return View(name=NAME, top=TOP, layer="layers.{layer}", names=NAMES, rotary={"attn.q.weight": head, "attn.k.weight": head})
+    tied = {TOP["lm_head.weight"]: TOP["embed.weight"]} if spec.tied else {}  # a tied job saves the shared weight under both
+    return View(name=NAME, top=TOP, layer="layers.{layer}", names=NAMES, rotary={"attn.q.weight": head, "attn.k.weight": head},
+                tied=tied)
+
+
+def torchtitan_modules(spec: ModelSpec) -> View:
+    """The names torchtitan's Llama holds in memory, which its optimizer's state is keyed by:
+    q, k and v fused per key/value group in ``attention.qkv_linear.wqkv`` (``FusedQKVLinear``,
+    torchtitan's Llama 3 default: each group its heads' q rows, then its k rows, then its v
+    rows; q and k in rotary order), the rest as saved.
+
+    Raises:
+        LayoutError: as `torchtitan_view`.
+    """
+    saved = torchtitan_view(spec)
+    groups = int(spec.config.get("num_key_value_heads") or spec.config["num_attention_heads"])
+    return replace(saved, name=f"{NAME}-modules", fused=(Fuse(WQKV, ("attn.q.weight", "attn.k.weight", "attn.v.weight"), groups),))
 
 
 def torchtitan_layout(config: Mapping[str, Any]) -> Layout:
@@ -111,4 +135,4 @@ def config_of(shapes: Mapping[str, tuple[int, ...]], given: Mapping[str, Any]) -
     return {**inferred, **DEFAULTS, **given}, assumed
 
 
-__all__ = ["DEFAULTS", "NAME", "config_of", "torchtitan_layout", "torchtitan_model", "torchtitan_view"]
+__all__ = ["DEFAULTS", "NAME", "WQKV", "config_of", "torchtitan_layout", "torchtitan_model", "torchtitan_modules", "torchtitan_view"]
