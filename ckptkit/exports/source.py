@@ -86,6 +86,22 @@ class Source:
                 self.progress(self.done, max(self.expected, self.done))
         return out.reshape(-1)
 
+    def read_pieces(self, pieces: Sequence[tuple[str, Box]]) -> list[np.ndarray[Any, Any]]:
+        """Return each (tensor, box) piece as bytes shaped as its box (the element as a last axis
+        of its itemsize), in the saved dtype: a tensor giving one piece of itself read by its box,
+        one giving all of itself or several pieces (rows in another order: torchtitan's rotary
+        rows) read whole, once."""
+        uses: dict[str, int] = {}
+        for fqn, box in pieces:
+            whole = box.lengths == tuple(self.manifest.tensors[fqn].shape)
+            uses[fqn] = uses.get(fqn, 0) + (2 if whole else 1)
+        read = {fqn: self._shaped(fqn, self.read(fqn), self.manifest.tensors[fqn].shape) for fqn, n in uses.items() if n > 1}
+        return [read[fqn][tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))] if fqn in read
+                else self._shaped(fqn, self.read_box(fqn, box), box.lengths) for fqn, box in pieces]
+
+    def _shaped(self, fqn: str, data: np.ndarray[Any, Any], shape: Sequence[int]) -> np.ndarray[Any, Any]:
+        return data.reshape(*shape, itemsize(self.manifest.tensors[fqn].dtype))
+
     def read_runs(self, runs: Sequence[Run]) -> np.ndarray[Any, Any]:
         """Return the tensor made of `runs` (rows of source tensors, in order: ``models.compose``)
         as flat bytes, in the sources' saved dtype, reading only the rows it needs."""

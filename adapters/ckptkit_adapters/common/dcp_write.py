@@ -6,10 +6,10 @@ tensor made of pieces of several), the files committed as an export's. The dcp a
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -94,9 +94,7 @@ class Stacked:
 
 class StackingPlanner(DefaultSavePlanner):
     """DCP's default save planner, except that each stacked tensor is read from the checkpoint
-    (its pieces, converted) only when the writer resolves it: a source giving one piece of itself
-    by its box, one giving all of itself or several pieces (rows in another order: torchtitan's
-    rotary rows) whole, once."""
+    (its pieces, by `Source.read_pieces`, converted) only when the writer resolves it."""
 
     def __init__(self, source: Source, tensors: tuple[Stacked, ...], report: list[ExportedTensor]) -> None:
         super().__init__()
@@ -109,12 +107,7 @@ class StackingPlanner(DefaultSavePlanner):
         if stacked is None:  # a step or a parameter group's value
             return super().resolve_data(write_item)
         saved = self.source.manifest.tensors[stacked.pieces[0][0]].dtype
-        entries = self.source.manifest.tensors
-        uses = Counter(name for name, _ in stacked.pieces)
-        uses.update(name for name, box in stacked.pieces if box.lengths == tuple(entries[name].shape))  # whole: read as such
-        whole = {name: self._tensor(name, self.source.read(name), saved) for name, n in uses.items() if n > 1}
-        parts = [whole[name][tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))] if name in whole
-                 else self._tensor(name, self.source.read_box(name, box), saved, box.lengths) for name, box in stacked.pieces]
+        parts = [as_tensor(p, saved) for p in self.source.read_pieces(stacked.pieces)]
         joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=stacked.dim)
         out = joined.reshape(stacked.shape).to(torch_dtype(stacked.dtype)).contiguous()  # torch's own rounding, any float dtype
         self.report.append(ExportedTensor(
@@ -122,8 +115,11 @@ class StackingPlanner(DefaultSavePlanner):
             source_dtype=saved, dtype=stacked.dtype, file="", checksum=checksum_of(byte_view(out))))
         return out
 
-    def _tensor(self, name: str, data: Any, dtype: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        return torch.from_numpy(data).view(torch_dtype(dtype)).reshape(shape or self.source.manifest.tensors[name].shape)
+
+
+def as_tensor(piece: Any, dtype: str) -> torch.Tensor:
+    """A piece `Source.read_pieces` gives (its box's shape, the element's bytes last) as a tensor of `dtype`."""
+    return torch.from_numpy(np.ascontiguousarray(piece)).view(torch_dtype(dtype)).squeeze(-1)
 
 
 def unwrapped(exc: Any) -> Exception:

@@ -37,6 +37,7 @@ import argparse
 import io
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,7 @@ from ckptkit.models.reference import model_of
 from ckptkit.state.torch_io import byte_view, torch_dtype
 from ckptkit.state.tree import unescape
 from ckptkit.storage import Storage
-from ckptkit_adapters.common.dcp_write import file_entry, write_dcp
+from ckptkit_adapters.common.dcp_write import as_tensor, file_entry, write_dcp
 from ckptkit_adapters.megatron.names import (
     MEGATRON_EXPERT_EXTRA_STATE,
     MEGATRON_EXPERTS,
@@ -321,6 +322,17 @@ def _entry(key: str, by_index: dict[tuple[int, ...], tuple[str, list[Run]]], lay
     return Entry(key, (*axes, *shape), dtype, tuple(chunks))
 
 
+def described(pieces: tuple[tuple[str, Box], ...]) -> str:
+    """The source of a chunk made of `pieces`, in the report: each piece's rows, or (a source
+    giving more than 4 pieces: rows in another order) how many runs of its rows it gives."""
+    counts = Counter(fqn for fqn, _ in pieces)
+    out: dict[str, None] = {}  # in order, each summarized source once
+    for fqn, box in pieces:
+        rows = f"{counts[fqn]} runs of rows" if counts[fqn] > 4 else ", ".join(f"{o}:{o + n}" for o, n in zip(box.offsets, box.lengths))
+        out[f"{fqn or 'padding'}[{rows}]"] = None
+    return " + ".join(out)
+
+
 def _from_runs(box: Box, runs: list[Run]) -> tuple[tuple[str, Box], ...]:
     """The source boxes of `box` of a Megatron tensor made of `runs` of rows, in row order (rows
     no run fills: padding, ``""``)."""
@@ -411,11 +423,12 @@ class _Planner(DefaultSavePlanner):
             return io.BytesIO(_torch_save([None]))  # megatron-core saves a sharded object as the list of its pieces
         entry, chunk = self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
         saved = next((self.source.manifest.tensors[fqn].dtype for fqn, _ in chunk.pieces if fqn), entry.dtype)
-        parts = [torch.from_numpy(self.source.read_box(fqn, box)).view(torch_dtype(saved)).reshape(box.lengths).to(torch_dtype(entry.dtype))
-                 if fqn else torch.zeros(box.lengths, dtype=torch_dtype(entry.dtype)) for fqn, box in chunk.pieces]
+        read = iter(self.source.read_pieces([p for p in chunk.pieces if p[0]]))
+        parts = [as_tensor(next(read), saved).to(torch_dtype(entry.dtype)) if fqn else torch.zeros(box.lengths, dtype=torch_dtype(entry.dtype))
+                 for fqn, box in chunk.pieces]
         out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(chunk.at.lengths).contiguous()
         name = f"{entry.key}[{', '.join(f'{o}:{o + n}' for o, n in zip(chunk.at.offsets, chunk.at.lengths))}]"
-        source = " + ".join(f"{fqn or 'padding'}[{', '.join(f'{o}:{o + n}' for o, n in zip(box.offsets, box.lengths))}]" for fqn, box in chunk.pieces)
+        source = described(chunk.pieces)
         self.report[(entry.key, chunk.at.offsets)] = ExportedTensor(
             name=name, source=source, shape=list(chunk.at.lengths), source_dtype=saved, dtype=entry.dtype, file="",
             checksum=checksum_of(byte_view(out)))
