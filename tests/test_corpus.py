@@ -189,12 +189,12 @@ def test_golden_v1_payloads_hold_manifest_boxes_for_the_reference_safetensors_re
             assert _bytes(payloads[shard.file][shard.key]) == _bytes(expected), (fqn, shard)
 
 
-def test_every_fixture_file_is_under_1_mb_and_all_under_4() -> None:
+def test_every_fixture_file_is_under_1_mb_and_all_under_6() -> None:
     """Fixtures stay small: each file under 1 MiB, all of them (the other tools' real saves
-    included) a few MB."""
+    included, torchtitan's mid-run save the largest at 0.7 MB) a few MB: 5.0 MB today."""
     sizes = {p: p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file() and not p.is_symlink()}
     assert max(sizes.values()) < 1 << 20
-    assert sum(sizes.values()) < 4 << 20
+    assert sum(sizes.values()) < 6 << 20
 
 
 def test_make_fixtures_reproduces_the_committed_bytes(make_fixtures: Any, tmp_path: Path, capsys: Any) -> None:

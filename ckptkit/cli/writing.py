@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,7 @@ import click
 import ckptkit
 
 from .. import CkptkitError
-from .base import cli, emit_json, init_torchrun, parse_size, progress, shows_progress, usage
+from .base import cli, emit_json, exit_code_of, init_torchrun, parse_size, progress, shows_progress, usage
 
 
 @cli.command("reshard")
@@ -128,7 +129,7 @@ def _offered(values: Callable[[Any], tuple[str, ...]]) -> list[str]:
 @click.option("--dtype", default=None, type=click.Choice(_offered(lambda f: f.dtypes)),
               help="Output dtype. hf, dcp, megatron: default the saved dtype; zarr, deepspeed: always the saved dtype.")
 @click.option("--max-shard-size", default="5GB", metavar="SIZE", show_default=True, help="hf: largest output file (5GB, 500MB, 2GiB, bytes).")
-@click.option("--include-optimizer", is_flag=True, help="dcp, megatron: also export the optimizer state (zarr and deepspeed always have it).")
+@click.option("--include-optimizer", is_flag=True, help="dcp, megatron, torchtitan: also export the optimizer state (zarr and deepspeed always have it).")
 @click.option("--layout", "layout_file", default=None, metavar="LAYOUT.json|NAME",
               help="hf, megatron: the model's layout: a layout file, or a built-in layout's name built for SRC's model config "
                    "(default: the one SRC records).")
@@ -154,11 +155,13 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     """Export the checkpoint at SRC (any topology) to DST: a Hugging Face model directory, a
     Trainer checkpoint folder, a peft adapter folder, a torch DCP checkpoint, the zarr form
     (every tensor as a zarr v3 array, manifest beside it), a Megatron-Core torch_dist
-    checkpoint, or a DeepSpeed universal checkpoint.
+    checkpoint, a DeepSpeed universal checkpoint, or a torchtitan checkpoint (DCP) its job
+    starts or (--include-optimizer) resumes from.
 
     Exit 0 when DST is complete, 1 on a ckptkit error (unmapped or missing tensors, tensors of a
     kind the format holds left out without --allow-skip, DST exists; DST does not appear), 2 on
-    bad usage or when SRC holds no committed checkpoint.
+    bad usage or when SRC holds no committed checkpoint. Under torchrun the ranks split the
+    files (hf: the shards; the other formats: rank 0 writes them), with one commit.
 
     \b
     Examples:
@@ -166,6 +169,7 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
       ckptkit export converted universal --format deepspeed
       ckptkit export converted zero3 --format deepspeed --dp 3
       ckptkit export converted mcore --format megatron --tp 2 --include-optimizer
+      ckptkit export converted job/checkpoint/step-1000 --format torchtitan --include-optimizer
     """
     try:
         size = parse_size(max_shard_size)
@@ -177,10 +181,22 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     if problem:
         usage(problem)
     layout = _layout_of(layout_file, src)
-    with progress("exporting", shows_progress(as_json)) as update:
-        report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
-                                layout=layout, progress=update, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form, allow_skip=allow_skip,
-                                dp=dp)
+    dist = init_torchrun()
+    rank = dist.get_rank() if dist is not None else 0
+    try:
+        with progress("exporting", rank == 0 and shows_progress(as_json)) as update:
+            report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
+                                    layout=layout, progress=update, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form, allow_skip=allow_skip,
+                                    dp=dp)
+    except CkptkitError as exc:
+        if rank:  # rank 0 says it, once
+            sys.exit(exit_code_of(exc))
+        raise
+    finally:
+        if dist is not None:
+            dist.destroy_process_group()
+    if rank:
+        return
     for warning in report.warnings:
         click.echo(f"ckptkit: warning: {warning}", err=True)
     if as_json:

@@ -11,19 +11,20 @@ are and which options each takes is ``formats``; each format's writer is in its 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import os
 import time
 import uuid
 from collections import Counter
 
-from ..io.catalog import locate, refuse_nesting, still_committed
-from ..io.commit import REPORT_NAME, commit, discard, staging
+from ..io.catalog import Location, locate, refuse_nesting, still_committed
+from ..io.commit import REPORT_NAME, Staging, commit, discard, staging
 from ..io.checksum import checksum_of
 from ..errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError, summarize
 from .formats import CHUNK_BYTES, EXPORT_FORMATS, ExportFormat, ExportOptions
-from .source import LEFT_OUT, OPTIMIZER_PARTS, ExportedFile, ExportReport, Source, report_bytes
+from .source import LEFT_OUT, OPTIMIZER_PARTS, ExportedFile, ExportReport, Source, Writer, Written, report_bytes
+from ..ops.collective import Collective, default_collective, guard, unwrap
 from ..ops.reports import SkippedEntry
 from ..layouts import Layout
 from ..manifest import Manifest
@@ -57,6 +58,7 @@ def export(
     ep: int = 1,
     allow_skip: bool = False,
     dp: int | None = None,
+    process_group: Any = None,
 ) -> ExportReport:
     """Export the checkpoint at `src` to the directory `dst` in `format`.
 
@@ -105,7 +107,11 @@ def export(
 
     Every format writes ``export_report.json`` (each tensor's source, dtypes and checksum, each
     file, the tensors left out). Tensors stream one at a time; `dst` appears only when complete.
-    `progress` is called with (bytes read, bytes to read) as the source tensors are read. A
+    `progress` is called with (bytes read, bytes to read) as the source tensors are read. Under
+    torch.distributed (`process_group`, or the default group when one is up) every rank of the
+    group calls this: the ranks split the files (the ``hf`` shards; another format's, rank 0
+    writes them) and rank 0 commits once; every rank returns the report, or raises the first
+    rank's error. A
     tensor left out of a kind the format holds (``ExportFormat.held``: the model's tensors, the
     optimizer's when it is written, everything for the plain DCP and zarr forms) fails the export
     before anything is written unless `allow_skip`; every tensor or value left out is listed in
@@ -132,15 +138,28 @@ def export(
     options = ExportOptions(dtype=fmt.out_dtype(dtype), include_optimizer=include_optimizer, layout=layout, tp=tp, pp=pp, ep=ep,
                             form=dcp_form, max_shard_bytes=max_shard_bytes, chunk_bytes=chunk_bytes, dp=dp)
     started = time.perf_counter()
-    src_loc, manifest = open_checkpoint(src, storage)
+    coll = default_collective(process_group)
+    if coll.world_size == 1:
+        src_loc, manifest = open_checkpoint(src, storage)
+        with Source(src_loc, manifest, progress=progress) as source, still_committed(src_loc):
+            return _export(source, dst, fmt, options, dst_storage, started, allow_skip)
+    opened = guard(lambda: open_checkpoint(src, storage))
+    unwrap(_first_error(coll, opened))
+    src_loc, manifest = opened[1]
     with Source(src_loc, manifest, progress=progress) as source, still_committed(src_loc):
-        return _export(source, dst, fmt, options, dst_storage, started, allow_skip)
+        return _export_ranks(coll, source, dst, fmt, options, dst_storage, started, allow_skip)
 
 
-def _export(
-    source: Source, dst: str | os.PathLike[str], fmt: ExportFormat, options: ExportOptions, dst_storage: Storage | None,
-    started: float, allow_skip: bool,
-) -> ExportReport:
+def _planned(source: Source, dst: str | os.PathLike[str], fmt: ExportFormat, options: ExportOptions, dst_storage: Storage | None,
+             allow_skip: bool) -> tuple[Writer, str | None, Location, list[str], list[str], list[str]]:
+    """The writer of the export and its form, the destination, the checkpoint's entries it
+    leaves out (tensors and values), those of kinds it holds (`dropped`) and every tensor left out.
+
+    Raises:
+        CheckpointExistsError: something exists at `dst`.
+        LayoutError: the format refuses the checkpoint, or it would leave out tensors of kinds
+            it holds without `allow_skip`.
+    """
     src_loc, manifest = source.loc, source.manifest
     writer, form = fmt.build(source, options)
     dst_loc = locate(dst, dst_storage)
@@ -155,33 +174,93 @@ def _export(
         raise LayoutError(f"{src_loc}: the {fmt.name} export would leave out {len(dropped)} tensor(s) of kinds it holds "
                           f"({', '.join(sorted({manifest.tensors[f].kind for f in dropped}))}): {summarize(dropped)}; "
                           "pass --allow-skip to export without them")
+    return writer, form, dst_loc, skipped, dropped, left
+
+
+def _first_error(coll: Collective, outcome: tuple[str, Any]) -> tuple[str, Any]:
+    """Every rank's `outcome` of one step: the first error among them on every rank, else ("ok", None)."""
+    said = coll.gather(outcome if outcome[0] != "ok" else ("ok", None))
+    first: tuple[str, Any] = coll.broadcast(next((o for o in said if o[0] != "ok"), ("ok", None)) if said is not None else None)
+    return first
+
+
+def _export_ranks(
+    coll: Collective, source: Source, dst: str | os.PathLike[str], fmt: ExportFormat, options: ExportOptions,
+    dst_storage: Storage | None, started: float, allow_skip: bool,
+) -> ExportReport:
+    """`_export` under torch.distributed: every rank plans; each writes its part of the files
+    (`Writer.write_part`: shards ``rank``, ``rank + world``, ...; a format without parts, rank 0
+    all of them); rank 0 joins the parts into the one report and commits."""
+    planned = guard(lambda: _planned(source, dst, fmt, options, dst_storage, allow_skip))
+    unwrap(_first_error(coll, planned))
+    writer, form, dst_loc, skipped, dropped, left = planned[1]
+    stage = unwrap(coll.broadcast(guard(lambda: staging(dst_loc, uuid.uuid4().hex[:12], fixed_paths=True)) if coll.rank == 0 else None))
+    part = writer.write_part
+    if part is not None:
+        mine = guard(lambda: part(source, dst_loc.storage, stage.root, coll.rank, coll.world_size))
+    else:
+        mine = guard(lambda: writer.write(source, dst_loc.storage, stage.root)) if coll.rank == 0 else ("ok", None)
+    parts = coll.gather(("ok", None) if coll.rank == 0 else mine)  # rank 0 keeps its own part
+    outcome: tuple[str, Any] = ("ok", None)
+    if parts is not None:
+        failed = next((p for p in (mine, *parts[1:]) if p[0] != "ok"), None)
+        if failed is not None:
+            discard(dst_loc.storage, stage)
+            outcome = failed
+        else:
+            written = mine[1]
+            if part is not None:
+                others = [p[1] for p in parts[1:]]
+                tensors = sorted((t for w in (written, *others) for t in w.tensors), key=lambda t: t.file)
+                written = Written(tensors, [f for w in (written, *others) for f in w.files], written.manifest)
+            outcome = guard(lambda: _report_and_commit(source, fmt, options, form, writer, written, dst_loc, stage, skipped,
+                                                       dropped, left, started))
+    report: ExportReport = unwrap(coll.broadcast(outcome))
+    return report
+
+
+def _export(
+    source: Source, dst: str | os.PathLike[str], fmt: ExportFormat, options: ExportOptions, dst_storage: Storage | None,
+    started: float, allow_skip: bool,
+) -> ExportReport:
+    writer, form, dst_loc, skipped, dropped, left = _planned(source, dst, fmt, options, dst_storage, allow_skip)
     # Staged and committed as a checkpoint is, the files keeping their paths: under a temporary
     # name renamed at the end, or on an object store in place under this writer's claim.
     stage = staging(dst_loc, uuid.uuid4().hex[:12], fixed_paths=True)
     try:
         written = writer.write(source, dst_loc.storage, stage.root)
-        report = ExportReport(
-            format=fmt.name, form=form, dtype=options.dtype or "saved", source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
-            step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
-            tensors=len(written.tensors), tensor_list=written.tensors, files=len(written.files),
-            file_list=sorted(written.files, key=lambda f: f.path),
-            skipped=[SkippedEntry(name=f, reason=writer.reasons.get(f) or _why_skipped(f, fmt, options.include_optimizer, manifest, dropped))
-                     for f in skipped],
-            not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in left if f not in dropped).items())),
-            warnings=list(writer.warnings), seconds=round(time.perf_counter() - started, 3),
-        )
-        data = report_bytes(report)
-        if written.manifest is None:  # the report is the last file: it commits the export
-            commit(dst_loc, stage, data, update_latest=False, marker_name=REPORT_NAME)
-        else:  # the zarr form: the report is one of its files, its manifest commits it
-            dst_loc.storage.write(stage.key(REPORT_NAME), [data])
-            manifest_json = written.manifest(ExportedFile(path=REPORT_NAME, size=len(data), checksum=checksum_of(data)))
-            commit(dst_loc, stage, manifest_json, update_latest=False)
+        return _report_and_commit(source, fmt, options, form, writer, written, dst_loc, stage, skipped, dropped, left, started)
     except BaseException as exc:
         discard(dst_loc.storage, stage)
         if isinstance(exc, OSError) and not isinstance(exc, CkptkitError):
             raise StorageError(f"{dst_loc}: export failed, nothing written: {exc}") from exc
         raise
+
+
+def _report_and_commit(
+    source: Source, fmt: ExportFormat, options: ExportOptions, form: str | None, writer: Writer, written: Written,
+    dst_loc: Location, stage: Staging, skipped: list[str], dropped: list[str], left: list[str], started: float,
+) -> ExportReport:
+    """The export's report of what was `written`, committed as its last file (the zarr form's
+    manifest after it). The caller discards the stage if this fails."""
+    src_loc, manifest = source.loc, source.manifest
+    report = ExportReport(
+        format=fmt.name, form=form, dtype=options.dtype or "saved", source=str(src_loc), source_checkpoint_id=manifest.checkpoint_id,
+        step=manifest.step, source_topology=manifest.topology, destination=str(dst_loc),
+        tensors=len(written.tensors), tensor_list=written.tensors, files=len(written.files),
+        file_list=sorted(written.files, key=lambda f: f.path),
+        skipped=[SkippedEntry(name=f, reason=writer.reasons.get(f) or _why_skipped(f, fmt, options.include_optimizer, manifest, dropped))
+                 for f in skipped],
+        not_held=dict(sorted(Counter(manifest.tensors[f].kind for f in left if f not in dropped).items())),
+        warnings=list(writer.warnings), seconds=round(time.perf_counter() - started, 3),
+    )
+    data = report_bytes(report)
+    if written.manifest is None:  # the report is the last file: it commits the export
+        commit(dst_loc, stage, data, update_latest=False, marker_name=REPORT_NAME)
+    else:  # the zarr form: the report is one of its files, its manifest commits it
+        dst_loc.storage.write(stage.key(REPORT_NAME), [data])
+        manifest_json = written.manifest(ExportedFile(path=REPORT_NAME, size=len(data), checksum=checksum_of(data)))
+        commit(dst_loc, stage, manifest_json, update_latest=False)
     return report
 
 

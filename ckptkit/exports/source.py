@@ -218,6 +218,10 @@ class Writer:
     values: frozenset[str] = frozenset()
     reasons: Mapping[str, str] = field(default_factory=dict)  # why, where the writer knows better than the kind does
     warnings: Sequence[str] = ()
+    # The part of the files rank r of n writes, for a format whose files several processes can
+    # write (the parts of every rank together being what `write` writes, their tensors in file
+    # order once sorted by file); None: one process writes them all.
+    write_part: Callable[[Source, Storage, str, int, int], Written] | None = None
 
 
 def report_bytes(report: ExportReport) -> bytes:

@@ -66,6 +66,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
 def _first_failure(directory: str) -> str:
     reports = []
     for name in os.listdir(directory):
+        if not name.endswith(".json"):  # a report a rank was stopped while writing (its temporary)
+            continue
         with open(os.path.join(directory, name), encoding="utf-8") as f:
             reports.append(json.load(f))
     if not reports:
@@ -90,8 +92,11 @@ def _entry(
         fn(rank, world_size, *args)
     except BaseException as exc:
         report = {"rank": rank, "time": time.time(), "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-        with open(os.path.join(errors, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        # written whole, then renamed: torch stops the other ranks as soon as one fails, maybe mid-write
+        path = os.path.join(errors, f"rank{rank}.json")
+        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
             json.dump(report, f)
+        os.replace(f"{path}.tmp", path)
         raise
     finally:
         dist.destroy_process_group()

@@ -75,12 +75,12 @@ def test_resharded_and_exported_to_hf_its_logits_are_torchtitans(tmp_path: Path)
     assert (logits - oracle["logits"]).abs().max().item() <= 1e-5
     # the q and k rows were reordered, each head's pairs into halves; the others are torchtitan's own bytes
     wq, wv = (f"layers.0.attention.qkv_linear.w{x}.weight" for x in "qv")
-    saved = {wq: torch.empty(48, 48), wv: torch.empty(24, 48)}
+    saved = {wq: torch.empty(32, 32), wv: torch.empty(16, 32)}
     dcp.load(saved, checkpoint_id=str(SAVE), no_dist=True)
     hf = load_file(str(next(out.glob("*.safetensors"))))
     assert torch.equal(hf["model.layers.0.self_attn.v_proj.weight"], saved[wv])
-    q = hf["model.layers.0.self_attn.q_proj.weight"].view(4, 2, 6, 48)
-    assert torch.equal(q.transpose(1, 2).reshape(48, 48), saved[wq])
+    q = hf["model.layers.0.self_attn.q_proj.weight"].view(4, 2, 4, 32)
+    assert torch.equal(q.transpose(1, 2).reshape(32, 32), saved[wq])
 
 
 def test_exported_to_megatron_and_back_the_tensors_are_bitwise_the_same(tmp_path: Path) -> None:
@@ -105,19 +105,19 @@ def test_the_rotary_order_is_a_permutation_of_each_heads_rows() -> None:
     spec = spec_from_config(json.loads((ORACLE / "config.json").read_text()))
     runs = compose(spec, torchtitan_view(spec), hf_view(spec))
     q = _rows(runs["model.layers.0.self_attn.q_proj.weight"])  # the source row of each row, in order
-    assert q[:12] == [0, 2, 4, 6, 8, 10, 1, 3, 5, 7, 9, 11] and q[12:18] == [12, 14, 16, 18, 20, 22] and sorted(q) == list(range(48))
+    assert q[:8] == [0, 2, 4, 6, 1, 3, 5, 7] and q[8:12] == [8, 10, 12, 14] and sorted(q) == list(range(32))
     there = _rows(compose(spec, hf_view(spec), torchtitan_view(spec))["layers.1.attention.qkv_linear.wk.weight"])
-    assert there[:12] == [0, 6, 1, 7, 2, 8, 3, 9, 4, 10, 5, 11] and sorted(there) == list(range(24))
-    assert compose(spec, hf_view(spec), torchtitan_view(spec))["layers.0.feed_forward.w3.weight"][0].count == 80  # whole
-    assert placed(spec, torchtitan_view(spec)).shapes["layers.0.attention.qkv_linear.wk.weight"] == (24, 48)
+    assert there[:8] == [0, 4, 1, 5, 2, 6, 3, 7] and sorted(there) == list(range(16))
+    assert compose(spec, hf_view(spec), torchtitan_view(spec))["layers.0.feed_forward.w3.weight"][0].count == 56  # whole
+    assert placed(spec, torchtitan_view(spec)).shapes["layers.0.attention.qkv_linear.wk.weight"] == (16, 32)
 
 
 @pytest.mark.parametrize(("given", "message"), [
     ([], "a torchtitan checkpoint does not record its attention heads: give --model-config num_attention_heads=N"),
-    (["--model-config", "num_attention_heads=5"], "num_attention_heads 5 does not divide the 48 rows of "
+    (["--model-config", "num_attention_heads=5"], "num_attention_heads 5 does not divide the 32 rows of "
                                                    "layers.0.attention.qkv_linear.wq.weight"),
     (["--model-config", "num_attention_heads=4", "--model-config", "intermediate_size=96"],
-     "--model-config intermediate_size=96: the save's layers.0.feed_forward.w1.weight says 80"),
+     "--model-config intermediate_size=96: the save's layers.0.feed_forward.w1.weight says 56"),
 ])
 def test_what_the_save_cannot_say_is_asked_for_in_one_line(given: list[str], message: str, tmp_path: Path, run_ckptkit: Cli) -> None:
     dst = tmp_path / "out"
@@ -157,7 +157,7 @@ def test_a_mid_run_save_brings_its_optimizer_in_under_the_parameters_names(tmp_p
     state = ckptkit.load(dst)
     assert sorted(state["optimizer"]) == ["exp_avg", "exp_avg_sq", "param_groups", "state"]
     assert sorted(state["optimizer"]["exp_avg"]) == sorted(state["model"])  # each parameter's, cut as it is
-    saved = {f"optimizer.state.layers.{i}.attention.qkv_linear.wqkv.weight.{m}": torch.empty(96, 48)
+    saved = {f"optimizer.state.layers.{i}.attention.qkv_linear.wqkv.weight.{m}": torch.empty(64, 32)
              for i in (0, 1) for m in ("exp_avg", "exp_avg_sq")}
     dcp.load(saved, checkpoint_id=str(FULL), no_dist=True)
     split = _torchtitans_split(saved)
@@ -176,10 +176,10 @@ def _torchtitans_split(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         if importlib.util.find_spec("torchtitan") is not None:
             from torchtitan.models.common.attention import FusedQKVLinear
 
-            FusedQKVLinear._split_qkv_on_save(SimpleNamespace(head_dim=12, heads_per_kv=2, r_dim=4), sd, "", None)
+            FusedQKVLinear._split_qkv_on_save(SimpleNamespace(head_dim=8, heads_per_kv=2, r_dim=4), sd, "", None)
         else:
-            w = tensor.reshape(2, 4, 12, 48)
-            sd = {"wq.weight": w[:, :2].reshape(-1, 48), "wk.weight": w[:, 2].reshape(-1, 48), "wv.weight": w[:, 3].reshape(-1, 48)}
+            w = tensor.reshape(2, 4, 8, 32)
+            sd = {"wq.weight": w[:, :2].reshape(-1, 32), "wk.weight": w[:, 2].reshape(-1, 32), "wv.weight": w[:, 3].reshape(-1, 32)}
         out |= {f"{prefix}{name.removesuffix('.weight')}.weight.{moment}": value for name, value in sd.items()}
     return out
 

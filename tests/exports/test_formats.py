@@ -42,7 +42,7 @@ def _choices(name: str) -> list[str]:
 
 
 def test_the_command_offers_the_formats_dtypes_and_forms_of_the_table() -> None:
-    assert _choices("fmt") == list(EXPORT_FORMATS) == ["dcp", "deepspeed", "hf", "hf-trainer", "megatron", "peft", "zarr"]
+    assert _choices("fmt") == list(EXPORT_FORMATS) == ["dcp", "deepspeed", "hf", "hf-trainer", "megatron", "peft", "torchtitan", "zarr"]
     assert _choices("dtype") == ["bf16", "fp16", "fp32"]
     assert _choices("dcp_form") == [form for f in EXPORT_FORMATS.values() for form in f.forms] == ["fsdp2", "plain"]
 

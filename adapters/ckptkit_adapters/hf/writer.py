@@ -56,10 +56,14 @@ def hf_writer(source: Source, dtype: str | None, max_shard_bytes: int, layout: L
     if odd:
         raise LayoutError(f"export converts float32, bfloat16 and float16 weights; {len(odd)} are not: " + ", ".join(odd[:10]))
 
-    def write(source: Source, dst: Storage, tmp: str) -> Written:
+    def write(source: Source, dst: Storage, tmp: str, rank: int = 0, ranks: int = 1) -> Written:
+        """Write shards rank, rank + ranks, ... and (rank 0) the index, configs and tokenizer."""
         tensors: list[ExportedTensor] = []
-        feed = _Sources(source, [r.fqn for shard in shards for n in shard.names for r in runs[n]], out_dtype)
-        files = [_write_shard(source, dst, tmp, shard, runs, shapes, feed, out_dtype, tensors) for shard in shards]
+        mine = shards[rank::ranks]
+        feed = _Sources(source, [r.fqn for shard in mine for n in shard.names for r in runs[n]], out_dtype)
+        files = [_write_shard(source, dst, tmp, shard, runs, shapes, feed, out_dtype, tensors) for shard in mine]
+        if rank:
+            return Written(tensors, files)
         index = {"metadata": {"total_size": sum(nbytes.values())},
                  "weight_map": {name: shard.file for shard in shards for name in shard.names}}
         extra = {
@@ -77,7 +81,7 @@ def hf_writer(source: Source, dtype: str | None, max_shard_bytes: int, layout: L
         return Written(tensors, files)
 
     tied = frozenset({TIED_WEIGHTS} & set(manifest.objects))  # the tie is the config's tie_word_embeddings
-    return Writer(sorted(fqn for fqn in manifest.tensors if fqn not in sources), write, tied)
+    return Writer(sorted(fqn for fqn in manifest.tensors if fqn not in sources), write, tied, write_part=write)
 
 
 def _saved_dtype(source: Source, fqns: set[str]) -> str:
