@@ -116,6 +116,8 @@ def test_the_rotary_order_is_a_permutation_of_each_heads_rows() -> None:
     ([], "a torchtitan checkpoint does not record its attention heads: give --model-config num_attention_heads=N"),
     (["--model-config", "num_attention_heads=5"], "num_attention_heads 5 does not divide the 32 rows of "
                                                    "layers.0.attention.qkv_linear.wq.weight"),
+    (["--model-config", "num_attention_heads=4", "--model-config", "tie_word_embeddings=true"],
+     "--model-config tie_word_embeddings=true: the save holds lm_head.weight"),
     (["--model-config", "num_attention_heads=4", "--model-config", "intermediate_size=96"],
      "--model-config intermediate_size=96: the save's layers.0.feed_forward.w1.weight says 56"),
 ])

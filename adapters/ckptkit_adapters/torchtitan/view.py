@@ -131,6 +131,9 @@ def config_of(shapes: Mapping[str, tuple[int, ...]], given: Mapping[str, Any]) -
     for key, where in shown.items():
         if key in given and given[key] != inferred[key]:
             raise LayoutError(f"--model-config {key}={given[key]}: the save's {where} says {inferred[key]}")
+    if given.get("tie_word_embeddings") and "lm_head.weight" in shapes:  # a tied job (enable_weight_tying) saves the head too
+        raise LayoutError("--model-config tie_word_embeddings=true: the save holds lm_head.weight, and is read as an untied model "
+                          "whose head holds the embedding's values")
     assumed = [f"{key} {value}" for key, value in DEFAULTS.items() if key not in given]
     return {**inferred, **DEFAULTS, **given}, assumed
 
