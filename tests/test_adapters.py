@@ -75,7 +75,7 @@ def test_the_declared_adapters_are_the_installed_ones_each_with_its_pieces() -> 
     for name in ("dcp", "deepspeed", "hf", "megatron", "peft", "torchtitan"):
         converter = load_converter(name)
         assert isinstance(converter, Converter) and converter.name == name
-    assert families() == ["gpt2", "hf", "hf-llama", "llama", "llama-moe", "megatron-gpt", "torchtitan-llama"]
+    assert families() == ["gpt2", "hf", "hf-llama", "llama", "llama-moe", "megatron-gpt", "torchtitan-llama", "torchtitan-qwen3"]
 
 
 def test_an_adapters_package_imports_neither_torch_nor_numpy() -> None:

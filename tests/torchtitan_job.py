@@ -6,7 +6,7 @@ from torchtitan's own classes as ``fixtures/make_torchtitan.py`` builds them:
   takes one more step (gradients from seed 2: flex attention has no backward on a CPU) and
   saves what the step gave (parameters, optimizer state, train state, schedule, learning
   rates) to ``OUT`` (``torch.save``);
-- ``logits CHECKPOINT CONFIG IDS OUT``: torchtitan's Llama 3 of the Hugging Face config
+- ``logits CHECKPOINT CONFIG IDS OUT``: torchtitan's Llama 3 (or Qwen3) of the Hugging Face config
   ``CONFIG`` loads the model-only save ``CHECKPOINT`` as a job starting from another's weights
   does (``initial_load_path``, ``initial_load_model_only``) and writes its forward of the ids in
   ``IDS`` (safetensors) to ``OUT``.
@@ -49,7 +49,7 @@ def logits(checkpoint: str, config: str, ids: str, out: str) -> None:
     from torchtitan.components.checkpoint import CheckpointManager
 
     mt = _script()
-    model = mt.build(json.loads(Path(config).read_text()))
+    model = mt.model_of(json.loads(Path(config).read_text()))
     with tempfile.TemporaryDirectory() as empty:  # a job's own folder, no checkpoint in it yet
         manager = CheckpointManager(CheckpointManager.Config(enable=True, folder="checkpoint", initial_load_path=checkpoint,
                                                              initial_load_model_only=True),

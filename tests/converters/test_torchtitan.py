@@ -83,6 +83,26 @@ def test_resharded_and_exported_to_hf_its_logits_are_torchtitans(tmp_path: Path)
     assert torch.equal(q.transpose(1, 2).reshape(32, 32), saved[wq])
 
 
+def test_a_qwen3_save_needs_nothing_said_and_exports_with_torchtitans_logits(tmp_path: Path) -> None:
+    # its q/k norms give the heads' size, so the heads: only what a forward needs beyond weights is said
+    report = ckptkit.convert(FIXTURES / "qwen3" / "checkpoint" / "step-1", tmp_path / "converted",
+                             config={"rope_theta": 10000.0, "max_position_embeddings": 64})
+    assert report.warnings == ["the model's rms_norm_eps 1e-06 assumed, torchtitan's Qwen3 defaults (a torchtitan checkpoint "
+                               "records no config): give --model-config KEY=VALUE where the job's differ"]
+    manifest = ckptkit.read_manifest(tmp_path / "converted")
+    assert manifest.layout is not None and manifest.layout["name"] == "torchtitan-qwen3"
+    oracle = FIXTURES / "qwen3.oracle"
+    config = json.loads((oracle / "config.json").read_text())
+    assert {k: manifest.layout["config"][k] for k in config} == config
+    ckptkit.reshard(tmp_path / "converted", tmp_path / "tp2pp2", Topology(world_size=4, tp=2, pp=2, dp=1), update_latest=False)
+    ckptkit.export(tmp_path / "tp2pp2", tmp_path / "hf", format="hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    want = load_file(str(oracle / "logits.safetensors"))
+    with torch.no_grad():
+        assert (model(want["ids"]).logits - want["logits"]).abs().max().item() <= 1e-5
+
+
 def test_exported_to_megatron_and_back_the_tensors_are_bitwise_the_same(tmp_path: Path) -> None:
     converted = _converted(tmp_path)
     ckptkit.export(converted, tmp_path / "hf", format="hf")
@@ -132,11 +152,11 @@ def test_the_defaults_assumed_are_said(tmp_path: Path, run_ckptkit: Cli) -> None
     result = run_ckptkit("convert", str(SAVE), str(tmp_path / "out"), "--model-config", "num_attention_heads=4")
     assert result.returncode == 0, result.stderr
     assert ("ckptkit: warning: the model's rope_theta 500000.0, rms_norm_eps 1e-05, max_position_embeddings 8192 assumed, "
-            "torchtitan Llama 3's defaults") in result.stderr
+            "torchtitan's Llama 3 defaults") in result.stderr
 
 
 def test_older_names_are_refused_naming_what_they_lack() -> None:
-    with pytest.raises(LayoutError, match=r"not torchtitan's Llama 3 \(0\.3\): no layers\.0\.attention\.qkv_linear\.wq\.weight.*"
+    with pytest.raises(LayoutError, match=r"not torchtitan's Llama 3 or Qwen3 \(0\.3\): no layers\.0\.attention\.qkv_linear\.wq\.weight.*"
                                           r"attention\.wq without qkv_linear: torchtitan before 0\.3"):
         config_of({"tok_embeddings.weight": (101, 48), "layers.0.attention.wq.weight": (48, 48)}, GIVEN)
 
@@ -211,12 +231,12 @@ def _differences(want: Any, got: Any, at: str = "") -> list[str]:
 
 
 @needs_torchtitan
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_a_hugging_face_llama_exported_to_torchtitan_runs_there_with_its_logits(tied: bool, tmp_path: Path) -> None:
-    sizes = json.loads((ORACLE / "config.json").read_text()) | {"tie_word_embeddings": tied}  # the fixture's, non-square
-    config = transformers.LlamaConfig(**sizes)
+@pytest.mark.parametrize(("model", "tied"), [("llama3", False), ("llama3", True), ("qwen3", False)],
+                         ids=["llama", "llama-tied", "qwen3"])
+def test_a_hugging_face_model_exported_to_torchtitan_runs_there_with_its_logits(model: str, tied: bool, tmp_path: Path) -> None:
+    sizes = json.loads((FIXTURES / f"{model}.oracle" / "config.json").read_text()) | {"tie_word_embeddings": tied}  # non-square
     torch.manual_seed(3)
-    original = transformers.LlamaForCausalLM(config).eval()
+    original = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**sizes)).eval()
     original.save_pretrained(tmp_path / "hf")
     ckptkit.convert(tmp_path / "hf", tmp_path / "converted")
     ckptkit.reshard(tmp_path / "converted", tmp_path / "tp2", Topology(world_size=2, tp=2, pp=1, dp=1), update_latest=False)

@@ -27,7 +27,7 @@ VERIFIED = {
     "dcp fsdp2": "tests/models/test_targets.py::test_an_fsdp2_job_of_transformers_models_loads_the_fsdp2_form_with_the_originals_logits",
     "dcp plain": "tests/models/test_targets.py::test_the_plain_dcp_form_loads_in_torch_dcp_with_every_tensor",
     "zarr": "tests/models/test_targets.py::test_the_zarr_form_reads_in_zarr_python_with_every_tensor",
-    "torchtitan": "tests/converters/test_torchtitan.py::test_a_hugging_face_llama_exported_to_torchtitan_runs_there_with_its_logits",
+    "torchtitan": "tests/converters/test_torchtitan.py::test_a_hugging_face_model_exported_to_torchtitan_runs_there_with_its_logits",
 }
 
 

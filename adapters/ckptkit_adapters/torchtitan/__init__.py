@@ -1,10 +1,11 @@
-"""The torchtitan adapter: torchtitan's checkpoints (DCP saves of its Llama 3) read (``reader``)
-and written (``writer``: the ``torchtitan`` export), and its Llama's names as a view of the canonical model (``view``: the ``torchtitan-llama``
-family), so that a converted one reshards and exports to every target without a layout named."""
+"""The torchtitan adapter: torchtitan's checkpoints (DCP saves of its Llama 3 and Qwen3) read
+(``reader``) and written (``writer``: the ``torchtitan`` export), and its models' names as views of
+the canonical model (``view``: the ``torchtitan-llama`` and ``torchtitan-qwen3`` layouts), so that a
+converted one reshards and exports to every target without a layout named."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckptkit.adapters import Adapter, Family, lazy
@@ -17,10 +18,13 @@ if TYPE_CHECKING:
     from ckptkit.models.view import View
 
 
-def _layout(config: Mapping[str, Any]) -> Layout:
-    from ckptkit_adapters.torchtitan.view import torchtitan_layout
+def _layout(model_type: str) -> Callable[[Mapping[str, Any]], Layout]:
+    def build(config: Mapping[str, Any]) -> Layout:
+        from ckptkit_adapters.torchtitan.view import torchtitan_layout
 
-    return torchtitan_layout(config)
+        return torchtitan_layout({**config, "model_type": model_type})
+
+    return build
 
 
 def _writer(source: Source, options: ExportOptions) -> tuple[Writer, str | None]:
@@ -35,8 +39,9 @@ def _model(layout: Layout, carried: Mapping[str, Any] | None) -> tuple[ModelSpec
     return torchtitan_model(layout)
 
 
-ADAPTER = Adapter(name="torchtitan", description="torchtitan checkpoints (DCP saves of its Llama 3)",
+ADAPTER = Adapter(name="torchtitan", description="torchtitan checkpoints (DCP saves of its Llama 3 and Qwen3)",
                   converter=lazy("ckptkit_adapters.torchtitan.reader:CONVERTER"),
                   formats=(ExportFormat("torchtitan", "a torchtitan checkpoint (checkpoint/step-N, DCP) its Llama 3 job loads",
                                         _writer),),
-                  families=(Family("torchtitan-llama", layout=_layout, model=_model),))
+                  families=(Family("torchtitan-", model=_model), Family("torchtitan-llama", layout=_layout("llama")),
+                            Family("torchtitan-qwen3", layout=_layout("qwen3"))))

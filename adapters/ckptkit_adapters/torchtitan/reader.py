@@ -1,10 +1,10 @@
 """The ``torchtitan`` converter: a torchtitan checkpoint (``checkpoint/step-N``, a DCP save) read
-as a ckptkit checkpoint of its Llama, laid out by torchtitan's view of the canonical model.
+as a ckptkit checkpoint of its Llama 3 or Qwen3, laid out by torchtitan's view of the canonical model.
 
 The save is read as any DCP save is (``common.dcp_read``); what this adds is the model: its
 config read from the tensors' shapes and what the user says (``--model-config
-num_attention_heads=N``; torchtitan records no config), recorded with the ``torchtitan-llama``
-layout so that the checkpoint reshards and exports (to Hugging Face, Megatron-Core, ...) with no
+num_attention_heads=N`` for a Llama; torchtitan records no config), recorded with the
+``torchtitan-llama`` (or ``torchtitan-qwen3``) layout so that the checkpoint reshards and exports (to Hugging Face, Megatron-Core, ...) with no
 layout named; its parameters (at the top of a model-only save, as torchtitan writes its last
 step) kind ``param``; its step the directory's (``step-3``).
 """
@@ -38,14 +38,14 @@ from ckptkit_adapters.common.dcp_read import (
     plan_conversion,
     write_plan,
 )
-from ckptkit_adapters.torchtitan.view import NAME as LAYOUT
-from ckptkit_adapters.torchtitan.view import WQKV, config_of, torchtitan_layout, torchtitan_model, torchtitan_modules
+from ckptkit_adapters.torchtitan.view import PREFIX, WQKV, config_of, torchtitan_layout, torchtitan_model, torchtitan_modules
 
 NAME = "torchtitan"
 MARK = "tok_embeddings.weight"  # the key of torchtitan's Llama's embedding, at the top of its saves
 _STEP = re.compile(r"step-(\d+)")
 STATE, GROUPS = "optimizer.state.", "optimizer.param_groups."  # torchtitan's flattened optimizer state dict, keyed by module names
 MOMENTS = ("exp_avg", "exp_avg_sq")
+MODELS = {"llama": "Llama 3", "qwen3": "Qwen3"}  # torchtitan's name of the model of each type
 
 
 def _shapes(md: DcpMetadata) -> dict[str, tuple[int, ...]]:
@@ -127,7 +127,7 @@ class TorchtitanConverter:
     """The ``torchtitan`` converter (the torchtitan adapter's reader)."""
 
     name = NAME
-    description = "torchtitan checkpoint (a checkpoint/step-N DCP save of its Llama 3)"
+    description = "torchtitan checkpoint (a checkpoint/step-N DCP save of its Llama 3 or Qwen3)"
     refines = "dcp"  # a DCP save: where both detect it, this reader is chosen
 
     def detect(self, path: str) -> bool:
@@ -160,15 +160,15 @@ class TorchtitanConverter:
             layout = torchtitan_layout(model)
         plan = plan_conversion(src, md, LayoutNaming(layout))
         info = None
-        if layout.name == LAYOUT:
+        if layout.name.startswith(PREFIX):
             spec, saved = torchtitan_model(layout)
             info = CheckpointInfo(model=ModelInfo(family=layout.name, config=dict(layout.config)),
                                   optimizer=_moments(src, md, plan, spec, saved), data_progress=_progress(plan.objects))
         report = write_plan(NAME, src, dst, md, plan, allow_skip=allow_skip, progress=progress, started=started,
                             step=_step(src, plan.objects), info=info, layout=layout)
         if assumed:
-            warning = (f"the model's {', '.join(assumed)} assumed, torchtitan Llama 3's defaults (a torchtitan checkpoint records no "
-                       "config): give --model-config KEY=VALUE where the job's differ")
+            warning = (f"the model's {', '.join(assumed)} assumed, torchtitan's {MODELS[str(layout.config['model_type'])]} defaults "
+                       "(a torchtitan checkpoint records no config): give --model-config KEY=VALUE where the job's differ")
             report = report.model_copy(update={"warnings": [*report.warnings, warning]})
         return report
 

@@ -38,7 +38,7 @@ from ckptkit.state.torch_io import torch_dtype
 from ckptkit.storage import Storage
 from ckptkit_adapters.common.dcp_read import dcp_key
 from ckptkit_adapters.common.dcp_write import Stacked, StackingPlanner, save_dcp
-from ckptkit_adapters.torchtitan.view import NAME, torchtitan_modules, torchtitan_view
+from ckptkit_adapters.torchtitan.view import PREFIX, torchtitan_modules, torchtitan_view
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # The values a torchtitan save holds beside the model (their ckptkit names' first part), given back as saved.
@@ -108,7 +108,7 @@ def _optimizer_values(source: Source, modules: list[str], plan: TorchtitanPlan) 
     manifest = source.manifest
     saved = {name: value for name, value in manifest.objects.items() if name.split("/")[0] in SAVED_VALUES}
     steps = [f"optimizer/state/{name.replace('.', '/')}/step" for name in modules]
-    if layout_for(manifest, where=str(source.loc)).name == NAME and "lr_scheduler/last_epoch" in saved:
+    if layout_for(manifest, where=str(source.loc)).name.startswith(PREFIX) and "lr_scheduler/last_epoch" in saved:
         for name, value in saved.items():
             plan.values[dcp_key(name)] = tuple(value) if name.rpartition("/")[2] in TUPLES and isinstance(value, list) else value
         plan.carried |= set(saved)
