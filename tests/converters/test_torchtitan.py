@@ -247,3 +247,21 @@ def test_a_hugging_face_model_exported_to_torchtitan_runs_there_with_its_logits(
     with torch.no_grad():
         want = original(ids).logits
     assert (load_file(str(tmp_path / "l.st"))["logits"] - want).abs().max().item() <= 1e-5
+
+
+@needs_torchtitan
+def test_the_fixtures_script_writes_the_committed_saves(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(FIXTURES.parent / "make_torchtitan.py"), "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    made = tmp_path / "torchtitan"
+    files = sorted(p.relative_to(FIXTURES) for p in FIXTURES.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(made) for p in made.rglob("*") if p.is_file())
+    for path in files:  # a .metadata differs in DCP's own random save id only
+        if path.name == ".metadata":
+            from torch.distributed.checkpoint import FileSystemReader
+
+            assert (FileSystemReader(str(made / path.parent)).read_metadata().state_dict_metadata
+                    == FileSystemReader(str(FIXTURES / path.parent)).read_metadata().state_dict_metadata), path
+        else:
+            assert (made / path).read_bytes() == (FIXTURES / path).read_bytes(), path
