@@ -174,8 +174,8 @@ def layout_show_cmd(path: str) -> None:
 def layout_builtin_cmd(family: str, config: str) -> None:
     """Print the built-in layout of model FAMILY for the model config in the JSON file CONFIG.
 
-    Families: llama, llama-moe, hf, hf-llama, gpt2, megatron-gpt (each with its own config keys;
-    see the docs' Layouts and models page). For a checkpoint that records no layout: `ckptkit layout builtin megatron-gpt
+    Families: llama, llama-moe, hf, hf-llama, gpt2, megatron-gpt, torchtitan-llama,
+    torchtitan-qwen3 (each with its own config keys; see the docs' Layouts and models page). For a checkpoint that records no layout: `ckptkit layout builtin megatron-gpt
     model.json > layout.json`, then `reshard --layout` or `export --layout`. Exit 0, 1 on an
     unknown family or a config that lacks what the layout needs, or a CONFIG that is not a JSON
     object.
