@@ -18,19 +18,28 @@ import ckptkit
 pytestmark = pytest.mark.slow
 
 TRIALS = 24
+INCREMENTAL_TRIALS = 100  # the incremental issue's campaign: 100 SIGKILLs during delta saves and retention
 
 
-def _save_forever(root: str, first: int, ready: Any) -> None:
-    """The process killed: saves steps from `first` on, each as the one `_expected` gives."""
+def _save_forever(root: str, first: int, ready: Any, incremental: bool) -> None:
+    """The process killed: saves steps from `first` on, each as the one `_expected` gives;
+    `incremental`: through a manager keeping the last 2, each save writing what changed."""
     ready.set()
+    if incremental:
+        with ckptkit.CheckpointManager(root, keep_last=2, sync=True, incremental=True, name_format="step_{step:04d}",
+                                       max_file_bytes=600_000) as manager:
+            for step in range(first, first + 1000):
+                manager.save(step, {"model": _expected(step, incremental), "meta": {"step": step}})
     for step in range(first, first + 1000):
-        state = {"model": _expected(step), "meta": {"step": step}}
+        state = {"model": _expected(step, incremental), "meta": {"step": step}}
         ckptkit.save(state, f"{root}/step_{step:04d}", step=step, max_file_bytes=600_000)
 
 
-def _expected(step: int) -> dict[str, torch.Tensor]:
+def _expected(step: int, incremental: bool = False) -> dict[str, torch.Tensor]:
+    """Six tensors of `step`; incremental: the first four the same at every step (frozen)."""
     g = torch.Generator().manual_seed(step)
-    return {f"w{i}": torch.randn(64, 1024, generator=g) for i in range(6)}
+    frozen = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(64, 1024, generator=frozen if incremental and i < 4 else g) for i in range(6)}
 
 
 # The saving processes are forked from a server that imported torch and ckptkit once, so that
@@ -39,9 +48,9 @@ _PROCESSES = multiprocessing.get_context("forkserver")
 _PROCESSES.set_forkserver_preload(["torch", "ckptkit", __name__])
 
 
-def _kill_at_random(root: Path, first_step: int, delay: float) -> None:
+def _kill_at_random(root: Path, first_step: int, delay: float, incremental: bool) -> None:
     ready = _PROCESSES.Event()
-    child = _PROCESSES.Process(target=_save_forever, args=(str(root), first_step, ready))
+    child = _PROCESSES.Process(target=_save_forever, args=(str(root), first_step, ready, incremental))
     child.start()
     assert ready.wait(60), "the saving process did not start"
     time.sleep(delay)
@@ -51,33 +60,42 @@ def _kill_at_random(root: Path, first_step: int, delay: float) -> None:
     assert child.exitcode == -signal.SIGKILL
 
 
-def _check(root: Path, names: set[str]) -> None:
+def _check(root: Path, names: set[str], incremental: bool) -> None:
     for name in sorted(names):
         report = ckptkit.verify(str(root / name))
         assert report.ok, (name, report.findings)
         state = ckptkit.load(str(root / name))
         step = state["meta"]["step"]
         assert name == f"step_{step:04d}"
-        for key, value in _expected(step).items():
+        for key, value in _expected(step, incremental).items():
             assert torch.equal(state["model"][key], value), (name, key)
 
 
-def test_sigkill_during_saves_never_leaves_a_broken_commit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_sigkill_during_saves_never_leaves_a_broken_commit(tmp_path: Path, incremental: bool) -> None:
+    """Full saves; and incremental ones through a manager keeping the last 2 (kills land in
+    hashing, writes, commits and the retention that follows them): every committed checkpoint
+    still verifies and loads, its bases included."""
     rng = random.Random(20261130)
     lives_per_root = 4
     committed = 0
-    for trial in range(TRIALS):
+    for trial in range(INCREMENTAL_TRIALS if incremental else TRIALS):
         root = tmp_path / f"root{trial // lives_per_root}"
         root.mkdir(exist_ok=True)
         before = ckptkit.list_checkpoints(str(root))
         steps = [e.step or 0 for e in before.checkpoints]
-        _kill_at_random(root, max(steps, default=0) + 1, rng.uniform(0.0, 0.5))
+        _kill_at_random(root, max(steps, default=0) + 1, rng.uniform(0.0, 0.25 if incremental else 0.5), incremental)
         after = ckptkit.list_checkpoints(str(root))
         names = {e.name for e in after.checkpoints}
         old = {e.name for e in before.checkpoints}
-        assert old <= names, "a crash destroyed an earlier commit"
-        # every new commit, and the previous latest, must verify and hold exactly what was saved
-        _check(root, (names - old) | ({before.latest} if before.latest else set()))
+        if incremental:  # retention removes old steps; every one that stays must still be whole
+            # the latest may have been retired by newer saves, but never for an older one
+            assert before.latest is None or (after.latest in names and after.latest >= before.latest), "latest went back"
+            _check(root, names, incremental)
+        else:
+            assert old <= names, "a crash destroyed an earlier commit"
+            # every new commit, and the previous latest, must verify and hold exactly what was saved
+            _check(root, (names - old) | ({before.latest} if before.latest else set()), incremental)
         if after.latest:
             assert after.latest in names
         committed += len(names - old)

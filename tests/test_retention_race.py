@@ -24,6 +24,7 @@ import ckptkit
 from ckptkit import CheckpointNotFoundError, StorageError
 from ckptkit.storage import LocalStorage, Storage
 from ckptkit.storage.base import Buffer
+from ckptkit.io import leases
 from ckptkit.writer import retention
 from ckptkit.writer.manager import CheckpointManager
 
@@ -85,7 +86,7 @@ def _files(path: Path) -> dict[str, bytes]:
 
 
 def _is_mark(key: str) -> bool:
-    return key.rsplit("/", 1)[-1].startswith(retention.MARK_PREFIX)
+    return key.rsplit("/", 1)[-1].startswith(leases.MARK_PREFIX)
 
 
 def _is_lease(key: str) -> bool:
@@ -163,7 +164,7 @@ def test_a_reader_whose_lease_follows_a_finished_deletion_is_told_it_was_removed
 def test_a_mark_of_a_dead_deleter_does_not_refuse_readers(tmp_path: Path) -> None:
     _two_checkpoints(tmp_path)
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    mark = tmp_path / ".leases" / OLD / f"{retention.MARK_PREFIX}dead"
+    mark = tmp_path / ".leases" / OLD / f"{leases.MARK_PREFIX}dead"
     mark.parent.mkdir(parents=True)
     mark.write_text(json.dumps({"host": socket.gethostname(), "pid": int(done.stdout)}))
     reader = CheckpointManager(tmp_path)

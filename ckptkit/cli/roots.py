@@ -78,7 +78,8 @@ def prune_cmd(root: str, keep_last: int, keep_every: int | None, dry_run: bool, 
     """Delete the committed checkpoints under ROOT that --keep-last / --keep-every do not keep.
 
     The rules CheckpointManager applies after each save: never the checkpoint latest names,
-    the newest, or one a live read lease holds.
+    the newest, one a live read lease holds, or one whose files an incremental save that
+    stays reads.
 
     \b
     Examples:
@@ -93,4 +94,6 @@ def prune_cmd(root: str, keep_last: int, keep_every: int | None, dry_run: bool, 
         click.echo(f"{verb} {item.name}\t{item.reason}")
     for name in report.busy:
         click.echo(f"kept {name}\ta live read lease holds it")
+    for name in report.bases:
+        click.echo(f"kept {name}\ta checkpoint that stays reads its files (an incremental save's base)")
     click.echo(f"{root}: {verb} {len(report.removed)} checkpoint(s), {len(report.kept)} kept")

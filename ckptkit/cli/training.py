@@ -40,6 +40,11 @@ from .base import cli
 @click.option("--seed", default=1234, show_default=True, type=int)
 @click.option("--log-jsonl", metavar="FILE", default=None, help="Append one JSON object per step (and per save, with \"event\": \"save\") to this file.")
 @click.option("--sync-save", is_flag=True, help="Save in the training loop instead of in the background (to compare stalls).")
+@click.option("--incremental", is_flag=True,
+              help="Write only the tensor boxes that changed since the previous save; the others are read from it "
+                   "(found by their xxh3-128 digests; retention keeps what a kept checkpoint reads).")
+@click.option("--freeze-layers", default=0, show_default=True, type=click.IntRange(0), metavar="N",
+              help="Train neither the embedding nor the first N layers (a fine-tune of the top; 0: train everything).")
 @click.option("--global-batch", default=8, show_default=True, type=click.IntRange(1), help="Samples per step.")
 @click.option("--micro-batches", default=2, show_default=True, type=click.IntRange(1), help="Micro-batches per step and rank.")
 @click.option("--seq-len", default=32, show_default=True, type=click.IntRange(1))

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CkptkitError, IntegrityError, ManifestError, StorageError
 from .checksum import checksum_of
-from ..manifest import MANIFEST_LIMIT, MANIFEST_NAME, Manifest, check_seal, check_version, parse_manifest, strictjson
-from ..storage import Storage, check_key, open_storage
+from ..manifest import MANIFEST_LIMIT, MANIFEST_NAME, FileEntry, Manifest, check_seal, check_version, parse_manifest, strictjson
+from ..storage import Storage, check_key, open_storage, plain_name
 
 LATEST_NAME = "latest"
 LATEST_LIMIT = 4096
@@ -46,6 +46,15 @@ class Location:
 
     def key(self, relative: str) -> str:
         return f"{self.name}/{relative}"
+
+    def file_key(self, entry: FileEntry) -> str:
+        """The storage key of a file of this checkpoint's manifest: under this checkpoint, or
+        under the earlier checkpoint of the same root it names as its ``base``."""
+        return f"{entry.base or self.name}/{entry.path}"
+
+    def file_str(self, entry: FileEntry) -> str:
+        """Where a file of this checkpoint's manifest is, as messages say it."""
+        return f"{self}/{entry.where()}" if entry.base is None else str(Location(self.storage, entry.base)) + "/" + entry.path
 
     def __str__(self) -> str:
         root = self.storage.root
@@ -189,7 +198,7 @@ def read_latest(root: Storage) -> str:
     name, checksum = lines[0].strip(), (lines[1].strip() if len(lines) > 1 else "")
     if checksum and checksum != checksum_of(name.encode("utf-8")):
         raise IntegrityError(f"{where}: names {name[:100]!r}, which does not match its checksum (damaged?)")
-    if any(line.strip() for line in lines[2:]) or not _plain_name(name):
+    if any(line.strip() for line in lines[2:]) or not plain_name(name):
         raise IntegrityError(f"{where}: does not hold one plain checkpoint name (damaged?)")
     return name
 
@@ -223,11 +232,6 @@ def is_run_root(root: Storage) -> bool:
     if root.capabilities.local_files and os.path.realpath(root.root) == os.path.realpath(os.getcwd()):
         return False
     return not [key for key in root.list("", recursive=False) if key.rstrip("/") != LEASES_NAME]
-
-
-def _plain_name(name: str) -> bool:
-    """A checkpoint name: one path segment, printable, not hidden, not `.` or `..`."""
-    return bool(name) and name.isprintable() and "/" not in name and "\\" not in name and not name.startswith(".")
 
 
 def refuse_nesting(src: Location, dst: Location) -> None:

@@ -10,6 +10,7 @@ import os
 from collections.abc import Collection
 
 from .catalog import Location, read_manifest, resolve
+from .chain import check_bases
 from ..manifest.consistency import manifest_findings
 from ..errors import IntegrityError, ManifestError
 from ..storage import Storage
@@ -31,12 +32,16 @@ def open_checkpoint(path: str | os.PathLike[str], storage: Storage | None = None
     Raises:
         CheckpointNotFoundError: nothing committed at `path`.
         ManifestError: the manifest is malformed, newer, or inconsistent with itself.
+        IntegrityError: it refers to files of earlier checkpoints that do not hold them
+            (``ckptkit.io.chain``).
     """
     loc = resolve(path, storage)
     manifest = read_manifest(loc)
     findings = manifest_findings(manifest)
     if findings:
         raise ManifestError(f"{loc}: manifest is inconsistent: " + "; ".join(str(f) for f in findings[:10]))
+    if manifest.bases():
+        check_bases(loc, manifest)
     return loc, manifest
 
 
@@ -49,8 +54,8 @@ def read_header(loc: Location, manifest: Manifest, index: int) -> tuple[Header, 
             header is malformed.
     """
     entry = manifest.files[index]
-    key = loc.key(entry.path)
-    where = f"{loc}/{entry.path}"
+    key = loc.file_key(entry)
+    where = loc.file_str(entry)
     if not loc.storage.exists(key):
         raise IntegrityError(f"{where}: listed in the manifest but missing")
     size = loc.storage.size(key)
@@ -66,14 +71,17 @@ def read_header(loc: Location, manifest: Manifest, index: int) -> tuple[Header, 
     return parse_header(text, where=where, file_size=size), first + text
 
 
-def header_problems(header: Header, file: int, index: KeyIndex, unchecked: Collection[str] = ()) -> list[str]:
+def header_problems(
+    header: Header, file: int, index: KeyIndex, unchecked: Collection[str] = (), *, borrowed: bool = False
+) -> list[str]:
     """What a payload file's header holds that the manifest does not put there: a key of no
-    non-empty shard of that file (but for `unchecked`), or one of another dtype or shape."""
+    non-empty shard of that file (but for `unchecked`, and for any key of an earlier checkpoint's
+    file, `borrowed`, whose other keys are that checkpoint's), or one of another dtype or shape."""
     problems = []
     for key, got in header.entries.items():
         found = index.shard(file, key)
         if found is None:
-            if key not in unchecked:
+            if key not in unchecked and not borrowed:
                 problems.append(f"tensor {key[:200]!r} is not in the manifest")
             continue
         fqn, box = found
@@ -94,13 +102,13 @@ def header_entry(loc: Location, manifest: Manifest, header: Header, read: Read, 
     if file.encoding == "raw":
         nbytes = read.src_box.volume * itemsize(dtype)
         if nbytes > file.size:
-            raise IntegrityError(f"{loc}/{file.path}: {file.size} bytes, too short for {dtype}{list(read.src_box.lengths)}")
+            raise IntegrityError(f"{loc.file_str(file)}: {file.size} bytes, too short for {dtype}{list(read.src_box.lengths)}")
         return HeaderEntry(dtype, read.src_box.lengths, 0, nbytes)
     entry = header.entries.get(read.key)
     if entry is None or entry.shape != read.src_box.lengths or entry.dtype != dtype:
         found = "missing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
         raise IntegrityError(
-            f"{loc}/{manifest.files[read.file].path}: tensor {read.key!r} is {found}, "
+            f"{loc.file_str(manifest.files[read.file])}: tensor {read.key!r} is {found}, "
             f"manifest says {dtype}{list(read.src_box.lengths)}"
         )
     return entry
@@ -112,9 +120,9 @@ def read_checked(loc: Location, entry: FileEntry) -> bytes:
     Raises:
         IntegrityError: the content does not match the manifest entry.
     """
-    data = loc.storage.read(loc.key(entry.path))
+    data = loc.storage.read(loc.file_key(entry))
     hasher = hasher_for(entry.checksum)
     hasher.update(data)
     if len(data) != entry.size or hasher.digest() != entry.checksum:
-        raise IntegrityError(f"{loc}/{entry.path}: does not match its manifest entry (size or checksum)")
+        raise IntegrityError(f"{loc.file_str(entry)}: does not match its manifest entry (size or checksum)")
     return data

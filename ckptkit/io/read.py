@@ -142,7 +142,7 @@ class Reader:
             if found is None:
                 found = read_header(self.loc, self.manifest, file)
                 if self.manifest.files[file].encoding != "raw":  # a raw file's shard is checked by the manifest
-                    problems = header_problems(found[0], file, self._key_index())
+                    problems = header_problems(found[0], file, self._key_index(), borrowed=self.manifest.files[file].base is not None)
                     if problems:
                         raise IntegrityError(f"{self._where(file)}: " + "; ".join(problems[:5]) +
                                              (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
@@ -253,7 +253,7 @@ class Reader:
         """Do a piece's reads, check its blocks, keep the checked end blocks."""
         for dest, kept in piece.copies:
             dest[:] = kept
-        key = self.loc.key(self.manifest.files[piece.file].path)
+        key = self.loc.file_key(self.manifest.files[piece.file])
         for offset, views in _consecutive(piece.reads):  # a range and the end-block bytes around it: one request
             self.loc.storage.readv(key, offset, views)
         blocks = self.manifest.files[piece.file].blocks
@@ -270,7 +270,7 @@ class Reader:
                 self._keep(piece.file, index, b"".join(parts))
 
     def _where(self, file: int) -> str:
-        return f"{self.loc}/{self.manifest.files[file].path}"
+        return self.loc.file_str(self.manifest.files[file])
 
     def _plan_read(self, read: Read, begin: int, region: np.ndarray[Any, Any], size: int,
                    segments: dict[int, list[Segment]], finish: list[Callable[[], None]]) -> None:

@@ -15,7 +15,7 @@ from .dtypes import DTYPES
 from ..errors import StorageError
 from .model import BoxShards, GridShards, Manifest, TensorEntry
 from .shards import grid_cell_count, grid_cells, grid_file, iter_shards, spec_keys
-from ..storage import check_key
+from ..storage import check_key, plain_name
 
 
 # No file or tensor is this large (4 EiB): a manifest saying otherwise is damaged, and every size
@@ -40,22 +40,25 @@ def manifest_findings(manifest: Manifest) -> list[Finding]:
     findings: list[Finding] = []
     seen: set[str] = set()
     for entry in manifest.files:
+        where = entry.where()
         try:
             check_key(entry.path)
         except StorageError:
-            findings.append(Finding("path", entry.path, "path escapes the checkpoint (absolute, '..' or empty segment)"))
-        if entry.path in seen:
-            findings.append(Finding("path", entry.path, "listed twice in files"))
-        seen.add(entry.path)
+            findings.append(Finding("path", where, "path escapes the checkpoint (absolute, '..' or empty segment)"))
+        if entry.base is not None and not plain_name(entry.base):
+            findings.append(Finding("path", where, "base is not the name of a checkpoint of the same root (a path, or hidden)"))
+        if where in seen:
+            findings.append(Finding("path", where, "listed twice in files"))
+        seen.add(where)
         if entry.size >= SIZE_LIMIT:
-            findings.append(Finding("schema", entry.path, f"size {entry.size} is beyond any file (limit 2^62 bytes)"))
+            findings.append(Finding("schema", where, f"size {entry.size} is beyond any file (limit 2^62 bytes)"))
             continue
         blocks = entry.blocks
         if blocks is not None and len(blocks.raw()) != 8 * -(-entry.size // blocks.size):
-            findings.append(Finding("schema", entry.path, f"block checksums do not describe {-(-entry.size // blocks.size)} "
+            findings.append(Finding("schema", where, f"block checksums do not describe {-(-entry.size // blocks.size)} "
                                                           f"blocks of {blocks.size} bytes (base64 of 8 bytes each)"))
         elif entry.checksum.startswith("xxh3-128-blocks:") and (blocks is None or entry.checksum != blocks.file_checksum()):
-            findings.append(Finding("checksum", entry.path, "file checksum does not match its block checksums"))
+            findings.append(Finding("checksum", where, "file checksum does not match its block checksums"))
     for fqn, tensor in manifest.tensors.items():
         findings += _tensor_findings(fqn, tensor, len(manifest.files))
     if not findings:  # every spec is sound, so expanding the shards is bounded by the files
@@ -88,10 +91,10 @@ def _mapping_findings(manifest: Manifest) -> list[Finding]:
             if len(large):
                 f = int(files[large[0]])
                 findings.append(Finding("mapping", fqn, f"a shard of {int(nbytes[large[0]])} bytes cannot be in "
-                                                        f"{manifest.files[f].path} ({manifest.files[f].size} bytes)"))
+                                                        f"{manifest.files[f].where()} ({manifest.files[f].size} bytes)"))
             unique, counts = np.unique(files, return_counts=True)
             if len(unique) != len(files):
-                twice = manifest.files[int(unique[np.argmax(counts > 1)])].path
+                twice = manifest.files[int(unique[np.argmax(counts > 1)])].where()
                 findings.append(Finding("mapping", fqn, f"two shards read key {spec.key!r} of {twice} (both of {fqn})"))
             if spec_count[spec.key] > 1 or raw_files:  # rare: list the cells that can meet another spec
                 cells = list(zip(files.tolist(), nbytes.tolist()))
@@ -105,11 +108,11 @@ def _mapping_findings(manifest: Manifest) -> list[Finding]:
             for f, _, n in keyed:
                 if n > manifest.files[f].size:  # a shape no file can hold (a load would allocate it first)
                     findings.append(Finding("mapping", fqn, f"a shard of {n} bytes cannot be in "
-                                                            f"{manifest.files[f].path} ({manifest.files[f].size} bytes)"))
+                                                            f"{manifest.files[f].where()} ({manifest.files[f].size} bytes)"))
         for f, key, n in keyed:
             if spec_count[key] > 1 or isinstance(spec, BoxShards):
                 if (f, key) in owner:
-                    findings.append(Finding("mapping", fqn, f"two shards read key {key!r} of {manifest.files[f].path} "
+                    findings.append(Finding("mapping", fqn, f"two shards read key {key!r} of {manifest.files[f].where()} "
                                                             f"(the other of {owner[f, key]})"))
                 owner[f, key] = fqn
             if f in raw_files:
@@ -120,9 +123,9 @@ def _mapping_findings(manifest: Manifest) -> list[Finding]:
             continue
         named = raw.get(index, [])
         if len(named) != 1:
-            findings.append(Finding("mapping", entry.path, f"a raw file holds exactly one shard, this one is named by {len(named)}"))
+            findings.append(Finding("mapping", entry.where(), f"a raw file holds exactly one shard, this one is named by {len(named)}"))
         elif entry.size not in named[0][1:]:
-            findings.append(Finding("mapping", entry.path, f"raw file of {entry.size} bytes holds a shard of {named[0][1]} bytes"))
+            findings.append(Finding("mapping", entry.where(), f"raw file of {entry.size} bytes holds a shard of {named[0][1]} bytes"))
     return findings
 
 

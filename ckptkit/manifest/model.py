@@ -22,7 +22,8 @@ from . import strictjson
 
 FORMAT = "ckptkit"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 3  # 1.1: raw files, format files; 1.2: block checksums, the seal, the layout; 1.3: info.source
+SCHEMA_MINOR = 4  # 1.1: raw files, format files; 1.2: block checksums, the seal, the layout; 1.3: info.source;
+# 1.4: files of an earlier checkpoint (FileEntry.base) and the digests of a file's keys (FileEntry.contents)
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 MANIFEST_NAME = "manifest.json"
 # No manifest is read past this size: a larger file is refused before it is parsed.
@@ -114,6 +115,11 @@ class FileEntry(Model):
     documents of the zarr form, never carried over). ``encoding`` of a tensors file: ``safetensors`` (the default, omitted when written), or
     ``raw`` (since 1.1): the file is the bytes of exactly one shard, C order, little-endian,
     from offset 0, possibly followed by padding (the chunks of the zarr form).
+
+    Since 1.4 (incremental saves): ``base``, the name of the earlier committed checkpoint under
+    the same root whose file this is (the file is ``<base>/<path>``, read and checked as any
+    other; omitted for the checkpoint's own files), and ``contents``, the xxh3-128 of the bytes
+    each key of a safetensors file holds, by which a later save finds what did not change.
     """
 
     path: str
@@ -122,6 +128,13 @@ class FileEntry(Model):
     role: Literal["tensors", "tokenizer", "asset", "format"] = "tensors"
     encoding: Literal["safetensors", "raw"] = Field(default="safetensors", exclude_if=lambda v: v == "safetensors")
     blocks: BlockChecksums | None = Field(default=None, exclude_if=lambda v: v is None)
+    base: str | None = Field(default=None, exclude_if=lambda v: v is None)  # since 1.4
+    contents: dict[str, str] | None = Field(default=None, exclude_if=lambda v: v is None)  # since 1.4
+
+    def where(self) -> str:
+        """The file as messages and reports name it, relative to the checkpoint: its path, or
+        ``../<base>/<path>`` for an earlier checkpoint's file."""
+        return self.path if self.base is None else f"../{self.base}/{self.path}"
 
 
 class BoxShard(Model):
@@ -284,6 +297,10 @@ class Manifest(Model):
     # Since 1.2: the checksum of the rest of the document (see `seal`). Computed whenever a
     # manifest is written; checked and dropped when one is parsed, so always None in memory.
     manifest_checksum: str | None = Field(default=None, exclude=True)
+
+    def bases(self) -> tuple[str, ...]:
+        """The earlier checkpoints (names under the same root) whose files this one refers to, sorted."""
+        return tuple(sorted({f.base for f in self.files if f.base is not None}))
 
 
 def manifest_to_json(manifest: Manifest) -> bytes:

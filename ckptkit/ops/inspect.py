@@ -88,6 +88,16 @@ def tensor_summary(fqn: str, entry: TensorEntry) -> TensorSummary:
                          bytes=math.prod(entry.shape) * itemsize(entry.dtype), shards=len(shards), grid=grid, cut=cut)
 
 
+class Borrowed(BaseModel):
+    """An earlier checkpoint an incremental save reads unchanged boxes from: its name, how many
+    of its files, and the bytes of this checkpoint's tensors read from them (not written again)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    checkpoint: str
+    files: int
+    tensor_bytes: int
+
+
 class InspectReport(BaseModel):
     """What ``ckptkit inspect`` shows, as data."""
 
@@ -120,6 +130,9 @@ class InspectReport(BaseModel):
     kind: Kind | None = None
     skipped: list[SkippedEntry] = []
     warnings: list[str] = []
+    # An incremental save's: the bytes of its own files, and what it reads from earlier checkpoints.
+    owned_bytes: int | None = None
+    borrowed: list[Borrowed] = []
 
     def render(self, *, tensors: bool = False) -> str:
         """Return the report as a few readable lines (and, with `tensors`, one per tensor)."""
@@ -133,6 +146,12 @@ class InspectReport(BaseModel):
                 lines.append(f"source      {_source_line(source)}")
             lines.append(f"tensors     {report.tensors} ({report.shards} shards in {report.files} files, "
                          f"{human_bytes(report.payload_bytes)} on disk)")
+            if report.borrowed:
+                saved = sum(b.tensor_bytes for b in report.borrowed)
+                lines.append(f"incremental owns {human_bytes(report.owned_bytes or 0)}; reads {human_bytes(saved)} of unchanged "
+                             f"tensors from " + ", ".join(f"{b.checkpoint} ({human_bytes(b.tensor_bytes)}, {b.files} "
+                                                        f"file{'s' if b.files != 1 else ''})" for b in report.borrowed)
+                             + ", not written again")
         else:
             lines = [f"checkpoint  {report.source}   ({what(report.kind or 'unknown')}, read through the {report.read_through} adapter; "
                      f"`ckptkit convert {report.source} DST` brings it in)",
@@ -271,7 +290,24 @@ def _summary(path: str, m: Manifest, match: str) -> InspectReport:
         info=m.info,
         model=model_summary(m.info, m.layout),
         tensor_list=[tensor_summary(fqn, t) for fqn, t in sorted(m.tensors.items()) if fnmatch.fnmatchcase(fqn, match)],
+        owned_bytes=sum(f.size for f in m.files if f.base is None) if m.bases() else None,
+        borrowed=_borrowed(m),
     )
+
+
+def _borrowed(m: Manifest) -> list[Borrowed]:
+    """What the checkpoint reads from each earlier checkpoint (none unless saved incrementally)."""
+    if not m.bases():
+        return []
+    nbytes: Counter[str] = Counter()
+    for t in m.tensors.values():
+        size = itemsize(t.dtype)
+        for shard in iter_shards(t):
+            base = m.files[shard.file].base
+            if base is not None:
+                nbytes[base] += shard.box.volume * size
+    files = Counter(f.base for f in m.files if f.base is not None)
+    return [Borrowed(checkpoint=b, files=files[b], tensor_bytes=nbytes[b]) for b in m.bases()]
 
 
 def human_bytes(n: int) -> str:

@@ -38,7 +38,8 @@ class ListedCheckpoint(_Report):
     name: str
     step: int | None
     topology: Topology | None  # None when the manifest does not hold a readable one
-    payload_bytes: int | None  # the payload files' total size as the manifest lists them
+    payload_bytes: int | None  # the payload files' total size as the manifest lists them (its own: an incremental save's
+    # files of earlier checkpoints are not counted)
     created_at: str | None
     is_latest: bool  # the root's latest pointer names it
     # Another tool's checkpoint, given as ROOT and read through this adapter: its step and the
@@ -147,7 +148,7 @@ def _checkpoint(storage: Storage, name: str, latest: str | None) -> tuple[Listed
     except ValidationError:
         topology = None
     files = raw.get("files")
-    sizes = [f.get("size") for f in files if isinstance(f, dict)] if isinstance(files, list) else []
+    sizes = [f.get("size") for f in files if isinstance(f, dict) and f.get("base") is None] if isinstance(files, list) else []
     created = raw.get("created_at")
     return ListedCheckpoint(
         name=name, step=step if type(step) is int else None, topology=topology,

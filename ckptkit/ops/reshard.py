@@ -259,7 +259,7 @@ def _check_sources(loc: Location, manifest: Manifest, files: list[int]) -> list[
         entry = manifest.files[index]
         hasher = hasher_for(entry.checksum)
         try:
-            fd, size = open_regular(loc.storage.local_path(loc.key(entry.path)))
+            fd, size = open_regular(loc.storage.local_path(loc.file_key(entry)))
             with os.fdopen(fd, "rb") as f:
                 if size:
                     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
@@ -269,10 +269,10 @@ def _check_sources(loc: Location, manifest: Manifest, files: list[int]) -> list[
                             hasher.update(view[offset : offset + PIECE])
                         view.release()
         except OSError as exc:
-            problems.append(f"{loc}/{entry.path}: cannot read ({exc.strerror or exc})")
+            problems.append(f"{loc.file_str(entry)}: cannot read ({exc.strerror or exc})")
             continue
         if size != entry.size or hasher.digest() != entry.checksum:
-            problems.append(f"{loc}/{entry.path}: content hashes to {hasher.digest()}, manifest says {entry.checksum}")
+            problems.append(f"{loc.file_str(entry)}: content hashes to {hasher.digest()}, manifest says {entry.checksum}")
     return problems
 
 
@@ -357,4 +357,4 @@ def _copy_asset(src_loc: Location, dst: Storage, stage: Staging, entry: FileEntr
     """Copy a non-tensor file (tokenizer, asset) unchanged, checking it against its checksum; it
     keeps its path (under the writer's prefix where the storage cannot rename)."""
     dst.write(stage.key(entry.path), [read_checked(src_loc, entry)])
-    return entry.model_copy(update={"path": stage.path(entry.path)})
+    return entry.model_copy(update={"path": stage.path(entry.path), "base": None, "contents": None})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -9,16 +10,19 @@ import platform
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from .. import __version__
 from ..boxes import Box
-from ..io.catalog import Location, locate
+from ..io.catalog import Location, locate, read_latest, read_manifest
+from ..io.leases import lease
 from ..io.commit import Staging, commit, discard, refuse_existing, staging
 from .collective import Collective, default_collective, guard, unwrap
-from ..errors import CkptkitError, LayoutError, StorageError, summarize
+from ..errors import CheckpointNotFoundError, CkptkitError, LayoutError, ManifestError, StorageError, IntegrityError, summarize
 from ..layouts import Layout, fit_problems, topology_problems
 from ..manifest import (
     KINDS,
@@ -31,6 +35,7 @@ from ..manifest import (
     manifest_to_json,
 )
 from ..io.write import Written, write_safetensors, write_small
+from ..plan.incremental import DIGEST, Held, Outcome, borrowed_files, held_boxes, held_for, written_part
 from ..plan.save import FilePlan, ItemDesc, SavePlan, plan_save, tensor_entries
 from ..storage import Storage
 from ..state.device import DEFAULT_PINNED_BYTES, BouncePool, device_problems, staged_bytes
@@ -56,6 +61,7 @@ def save(
     storage: Storage | None = None,
     layout: Layout | None = None,
     pinned_bytes: int = DEFAULT_PINNED_BYTES,
+    incremental: bool = False,
 ) -> Manifest:
     """Write `state` as the committed checkpoint directory `path`.
 
@@ -88,6 +94,12 @@ def save(
         pinned_bytes: the host memory CUDA tensors are staged through: a pool of reused pinned
             buffers (default 1 GiB in all), device-to-host copies on a side stream overlapping
             the hashing and writing of the bytes before them; never a host copy of the state.
+        incremental: write only the boxes that changed since the checkpoint the root's
+            ``latest`` names (if it was saved incrementally too): each rank hashes its boxes
+            (xxh3-128; a CUDA tensor through a host copy, one at a time), a box whose digest
+            equals the one recorded there for the same tensor and box is not written again but
+            read from that checkpoint's file (which retention then keeps as long as this one).
+            Every box's digest is recorded, so the next incremental save can do the same.
 
     Returns:
         The manifest that was committed.
@@ -109,25 +121,31 @@ def save(
     plan: SavePlan | None = None
     topo: Topology | None = None
     shares = None
-    if gathered is not None:
-        planned = guard(lambda: _plan(gathered, loc, (max_file_bytes, io_threads), topology, layout, coll))
-        if planned[0] == "ok":
-            plan, uid, topo = planned[1]
-            shares = [(files, uid) for files in plan.files]
-    # Every rank learns whether planning worked, then receives only its own files.
-    unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
-    my_files, uid = coll.scatter(shares)
-    stage = staging(loc, uid)
-    written = guard(lambda: _write_files(loc.storage, stage, my_files, local, io_threads, pool))
-    results = coll.gather(written)
-    outcome: tuple[str, Any] = ("ok", None)
-    if results is not None:
-        assert plan is not None and topo is not None  # rank 0 planned
-        outcome = guard(
-            lambda: _commit(results, plan, loc, stage, step, topo, info, tokenizer, objects, kinds, update_latest, layout)
-        )
-        if outcome[0] != "ok":
-            discard(loc.storage, stage)
+    with contextlib.ExitStack() as held_base:  # rank 0 leases the base until the commit
+        base: Base | None = None
+        if gathered is not None:
+            planned = guard(lambda: _plan(gathered, loc, (max_file_bytes, io_threads), topology, layout, coll))
+            if planned[0] == "ok":
+                plan, uid, topo = planned[1]
+                if incremental:
+                    base = _base(loc, plan, held_base)
+                digests = (base.digests() if base is not None else
+                           [[[None] * len(f.items) for f in files] for files in plan.files])
+                shares = [(files, uid, found) for files, found in zip(plan.files, digests)]
+        # Every rank learns whether planning worked, then receives only its own files.
+        unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
+        my_files, uid, found = coll.scatter(shares)
+        stage = staging(loc, uid)
+        written = guard(lambda: _write_files(loc.storage, stage, my_files, local, io_threads, pool, found if incremental else None))
+        results = coll.gather(written)
+        outcome: tuple[str, Any] = ("ok", None)
+        if results is not None:
+            assert plan is not None and topo is not None  # rank 0 planned
+            outcome = guard(
+                lambda: _commit(results, plan, loc, stage, step, topo, info, tokenizer, objects, kinds, update_latest, layout, base)
+            )
+            if outcome[0] != "ok":
+                discard(loc.storage, stage)
     return unwrap(coll.broadcast(outcome))  # type: ignore[no-any-return]
 
 
@@ -196,6 +214,56 @@ def _plan(
     return plan, uuid.uuid4().hex[:12], topo
 
 
+@dataclass(frozen=True, slots=True)
+class Base:
+    """The checkpoint an incremental save refers to, and what it holds of each planned item
+    (by rank, file, item)."""
+
+    name: str
+    held: list[list[list[Held | None]]]
+
+    def digests(self) -> list[list[list[str | None]]]:
+        """What each rank needs of it: the digest held for each of its items."""
+        return [[[h.digest if h is not None else None for h in f] for f in files] for files in self.held]
+
+
+def _base(loc: Location, plan: SavePlan, stack: contextlib.ExitStack) -> Base | None:
+    """The checkpoint the root's ``latest`` names, leased for as long as `stack` is open, with
+    what it holds of the plan's items; None (a full save) when there is none, it is being
+    deleted, or it cannot be read."""
+    try:
+        name = read_latest(loc.storage)
+        if not name or name == loc.name:
+            return None
+        stack.enter_context(lease(loc.storage, name))
+        base = read_manifest(Location(loc.storage, name))
+    except (CheckpointNotFoundError, IntegrityError, ManifestError, StorageError):
+        return None
+    return Base(name, held_for(plan, held_boxes(base, name)))
+
+
+def _incremental_files(
+    results: list[Any], plan: SavePlan, stage: Staging, base: Base | None
+) -> tuple[SavePlan, list[FileEntry]]:
+    """The files of an incremental save (what each rank wrote, then the earlier checkpoint's
+    files its unchanged items are read from) and the plan of their items, in that order."""
+    own: list[FilePlan] = []
+    files: list[FileEntry] = []
+    planned, outcomes, held = [], [], []
+    for rank, (_, done) in enumerate(results):
+        for n, (written, outcome) in enumerate(done):
+            f = plan.files[rank][n]
+            planned.append(f)
+            outcomes.append(outcome)
+            held.append(base.held[rank][n] if base is not None else [None] * len(f.items))
+            if written is not None:
+                own.append(written_part(f, outcome))
+                files.append(written.entry(stage.path(f.path)).model_copy(update={"contents": outcome.digests}))
+    borrowed = borrowed_files(planned, outcomes, held)
+    files += [entry for entry, _ in borrowed]
+    return SavePlan(((*own, *(p for _, p in borrowed)),), plan.tensors), files
+
+
 def _check_layout(layout: Layout, topology: Topology, shapes: dict[str, tuple[int, ...]]) -> None:
     problems = fit_problems(layout, shapes) + topology_problems(layout, topology)
     if problems:
@@ -204,12 +272,39 @@ def _check_layout(layout: Layout, topology: Topology, shapes: dict[str, tuple[in
 
 def _write_files(
     storage: Storage, stage: Staging, files: tuple[FilePlan, ...], local: dict[tuple[str, Box], torch.Tensor], threads: int,
-    staging_pool: BouncePool | None,
-) -> list[Written]:
+    staging_pool: BouncePool | None, held: list[list[str | None]] | None,
+) -> list[tuple[Written | None, Outcome | None]]:
+    """Write this rank's files; incrementally (`held`: the digest an earlier checkpoint recorded
+    for each item, if any), only the items whose bytes hash to another digest, and with what
+    was done with each item."""
+    def one(n: int) -> tuple[Written | None, Outcome | None]:
+        f = files[n]
+        if held is None:
+            return _write_file(storage, stage.key(f.path), f, local, staging_pool), None
+        outcome = _hashed(f, local, held[n])
+        part = written_part(f, outcome)
+        return (_write_file(storage, stage.key(f.path), part, local, staging_pool) if part.items else None), outcome
+
     if threads <= 1 or len(files) <= 1:
-        return [_write_file(storage, stage.key(f.path), f, local, staging_pool) for f in files]
+        return [one(n) for n in range(len(files))]
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        return list(pool.map(lambda f: _write_file(storage, stage.key(f.path), f, local, staging_pool), files))
+        return list(pool.map(one, range(len(files))))
+
+
+def _hashed(f: FilePlan, local: dict[tuple[str, Box], torch.Tensor], held: list[str | None]) -> Outcome:
+    """Hash each item of a planned file: which to write (with their digests) and which an earlier
+    checkpoint holds already (the same digest)."""
+    written: list[int] = []
+    digests: dict[str, str] = {}
+    unchanged: list[int] = []
+    for i, (item, key) in enumerate(f.items):
+        digest = DIGEST + xxhash.xxh3_128_hexdigest(byte_view(host_contiguous(local[(item.fqn, item.box)])))
+        if digest == held[i]:
+            unchanged.append(i)
+        else:
+            written.append(i)
+            digests[key] = digest
+    return Outcome(tuple(written), digests, tuple(unchanged))
 
 
 def _write_file(
@@ -233,12 +328,16 @@ def _commit(
     kinds: Mapping[str, str] | None,
     update_latest: bool,
     layout: Layout | None,
+    base: Base | None,
 ) -> Manifest:
     errors = [f"rank {r}: {res[1]}" for r, res in enumerate(results) if res[0] != "ok"]
     if errors:
         raise StorageError("payload writes failed, nothing committed: " + summarize(errors))
-    written = {w.path: w for _, ws in results for w in ws}
-    files = [written[f.path].entry(stage.path(f.path)) for f in plan.all_files()]
+    if any(outcome is not None for _, done in results for _, outcome in done):
+        plan, files = _incremental_files(results, plan, stage, base)
+    else:
+        written = {w.path: w for _, ws in results for w, _ in ws}
+        files = [written[f.path].entry(stage.path(f.path)) for f in plan.all_files()]
     index = {f.path: i for i, f in enumerate(plan.all_files())}
     tok_info = None
     if tokenizer is not None:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from .collective import default_collective, guard, unwrap
 from .reports import SkippedEntry
 from ..io.catalog import Location, manifest_bytes, removed, removed_error, resolve
+from ..io.chain import base_problems
 from ..io.checksum import BlockHasher, Hasher, hasher_for
 from ..manifest.consistency import Finding, manifest_findings
 from ..errors import CkptkitError, ForeignCheckpointError, IntegrityError, ManifestError, StorageError
@@ -97,8 +98,9 @@ def verify(
     if manifest is None:
         return _report(loc, quick, findings, 0, 0, 0)
     findings += manifest_findings(manifest)
+    findings += [Finding("base", where, message) for where, message in base_problems(loc, manifest)]
     bad_paths = {f.where for f in findings if f.code == "path"}
-    files = [(i, e) for i, e in enumerate(manifest.files) if e.path not in bad_paths]
+    files = [(i, e) for i, e in enumerate(manifest.files) if e.where() not in bad_paths]
     # A tensor whose spec is unsound is not expanded (a grid of 10^9 cells would be).
     unsound = {f.where for f in findings if f.code in ("schema", "tiling")}
     expected = file_keys(manifest.tensors, skip=unsound)
@@ -143,7 +145,7 @@ def _merged(outcomes: list[tuple[str, Any]], manifest: Manifest, files: list[int
     failed = [o for o in outcomes if o[0] != "ok"]
     if failed:
         return failed[0]
-    order = {manifest.files[i].path: n for n, i in enumerate(files)}
+    order = {manifest.files[i].where(): n for n, i in enumerate(files)}
     found = sorted((f for _, (fs, _) in outcomes for f in fs), key=lambda f: order.get(f.where, len(order)))
     return ("ok", (found, sum(h for _, (_, h) in outcomes)))
 
@@ -182,32 +184,33 @@ def _file_findings(
     loc: Location, manifest: Manifest, index: int, expected: Keys, keys: KeyIndex, unchecked: set[str]
 ) -> list[Finding]:
     entry = manifest.files[index]
-    key = loc.key(entry.path)
+    key, where = loc.file_key(entry), entry.where()
     try:
         if not loc.storage.exists(key):
-            return [Finding("missing", entry.path, "file listed in the manifest does not exist")]
+            return [Finding("missing", where, "file listed in the manifest does not exist")]
         size = loc.storage.size(key)
     except StorageError as exc:
-        return [Finding("path", entry.path, str(exc))]
+        return [Finding("path", where, str(exc))]
     if size != entry.size:
-        return [Finding("size", entry.path, f"{size} bytes, manifest says {entry.size}")]
+        return [Finding("size", where, f"{size} bytes, manifest says {entry.size}")]
     if entry.role != "tensors":
         return []
     if entry.encoding == "raw":  # no header: its one shard's size is a manifest check (`_mapping_findings`)
         return []
     try:
-        n = header_length(loc.storage.read(key, 0, 8), where=entry.path)
+        n = header_length(loc.storage.read(key, 0, 8), where=where)
         if 8 + n > size:
-            raise IntegrityError(f"{entry.path}: header of {n} bytes runs past the end of the file")
-        header = parse_header(loc.storage.read(key, 8, n), where=entry.path, file_size=size)
+            raise IntegrityError(f"{where}: header of {n} bytes runs past the end of the file")
+        header = parse_header(loc.storage.read(key, 8, n), where=where, file_size=size)
     except (IntegrityError, StorageError) as exc:
-        return [Finding("header", entry.path, str(exc).removeprefix(f"{entry.path}: "))]
+        return [Finding("header", where, str(exc).removeprefix(f"{where}: "))]
     missing = [f"tensor {k!r} (of {fqn}) is missing" for k, (_, _, fqn) in expected.items() if k not in header.entries]
-    return [Finding("header", entry.path, p) for p in missing + header_problems(header, index, keys, unchecked)]
+    borrowed = entry.base is not None
+    return [Finding("header", where, p) for p in missing + header_problems(header, index, keys, unchecked, borrowed=borrowed)]
 
 
 def _stray_findings(loc: Location, manifest: Manifest) -> list[Finding]:
-    listed = {e.path for e in manifest.files} | {MANIFEST_NAME}
+    listed = {e.path for e in manifest.files if e.base is None} | {MANIFEST_NAME}
     try:
         keys = loc.storage.list(loc.name)
     except StorageError:
@@ -236,7 +239,7 @@ def checksum_findings(
         try:
             hashers[i] = BlockHasher(blocks.size) if blocks is not None else hasher_for(manifest.files[i].checksum)
         except CkptkitError as exc:
-            findings.append(Finding("checksum", manifest.files[i].path, str(exc)))
+            findings.append(Finding("checksum", manifest.files[i].where(), str(exc)))
     chunks = [(i, o, min(CHUNK, manifest.files[i].size - o)) for i in hashers for o in range(0, manifest.files[i].size, CHUNK)]
     failed: dict[int, str] = {}
     hashed = 0
@@ -249,7 +252,7 @@ def checksum_findings(
         index, offset, length = chunk
         buffer = free.get()
         try:
-            loc.storage.readinto(loc.key(manifest.files[index].path), offset, memoryview(buffer)[:length])
+            loc.storage.readinto(loc.file_key(manifest.files[index]), offset, memoryview(buffer)[:length])
         except StorageError as exc:
             return buffer, str(exc)
         return buffer, ""
@@ -266,14 +269,14 @@ def checksum_findings(
     for index, hasher in hashers.items():
         entry = manifest.files[index]
         if index in failed:
-            findings.append(Finding("checksum", entry.path, f"cannot read: {failed[index]}"))
+            findings.append(Finding("checksum", entry.where(), f"cannot read: {failed[index]}"))
         elif isinstance(hasher, BlockHasher):
             findings += _block_findings(entry, hasher.finish())
         elif hasher.digest() != entry.checksum:
             findings.append(
-                Finding("checksum", entry.path, f"content hashes to {hasher.digest()}, manifest says {entry.checksum}")
+                Finding("checksum", entry.where(), f"content hashes to {hasher.digest()}, manifest says {entry.checksum}")
             )
-    order = {manifest.files[i].path: n for n, i in enumerate(files)}
+    order = {manifest.files[i].where(): n for n, i in enumerate(files)}
     return sorted(findings, key=lambda f: order.get(f.where, len(order))), hashed  # file by file, as a split run merges them
 
 
@@ -285,7 +288,7 @@ def _block_findings(entry: FileEntry, digests: bytes) -> list[Finding]:
         return []
     size = entry.blocks.size
     first = bad[0] // 8
-    return [Finding("checksum", entry.path, f"{len(bad)} block(s) of {size} bytes do not match their checksums, "
+    return [Finding("checksum", entry.where(), f"{len(bad)} block(s) of {size} bytes do not match their checksums, "
                                             f"the first at bytes {first * size} to {min((first + 1) * size, entry.size)}")]
 
 

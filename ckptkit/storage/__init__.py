@@ -6,12 +6,12 @@ import os
 from collections.abc import Callable
 
 from ..errors import StorageError
-from .base import Capabilities, Storage, check_key
+from .base import Capabilities, Storage, check_key, plain_name
 from .local import LocalStorage
 from .memory import MemoryStorage
 
 __all__ = [
-    "SCHEMES", "Capabilities", "LocalStorage", "MemoryStorage", "Storage", "check_key", "local_path", "open_storage",
+    "SCHEMES", "Capabilities", "LocalStorage", "MemoryStorage", "Storage", "check_key", "local_path", "open_storage", "plain_name",
     "register_scheme",
 ]
 

@@ -108,3 +108,9 @@ def check_key(key: str) -> str:
     if any(p in ("", ".", "..") for p in parts):
         raise StorageError(f"unsafe storage key {key!r}: no empty, '.' or '..' segments")
     return key
+
+
+def plain_name(name: str) -> bool:
+    """Whether `name` is one plain name under a root (a checkpoint's): one path segment,
+    printable, not hidden, not `.` or `..`."""
+    return bool(name) and name.isprintable() and "/" not in name and "\\" not in name and not name.startswith(".")

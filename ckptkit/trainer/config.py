@@ -98,6 +98,8 @@ class TrainConfig:
     log_jsonl: str | None = None
     tie_embeddings: bool = False
     sync_save: bool = False
+    incremental: bool = False  # saves write only the boxes that changed since the previous save
+    freeze_layers: int = 0  # the embedding and the first N layers are not trained (a fine-tune of the top)
     echo: bool = False
     phases: bool = False  # say what the start-up is doing (on a terminal)
 
@@ -114,7 +116,9 @@ class TrainConfig:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["betas"] = list(self.betas)
-        del out["echo"], out["phases"], out["sync_save"]  # how the run reports and saves, not what it trains
+        del out["echo"], out["phases"], out["sync_save"], out["incremental"]  # how the run reports and saves, not what it trains
+        if out["freeze_layers"] == 0:  # a run without it records what it always did
+            del out["freeze_layers"]
         for axis in ("cp", "ep"):
             if out[axis] == 1:  # a run without them records what it always did
                 del out[axis]
@@ -172,6 +176,8 @@ def check_topology(cfg: TrainConfig, model: ModelConfig, *, max_world: int | Non
         )
     if max_world is not None and cfg.world_size > max_world:
         problems.append(f"world size {cfg.world_size} is more than this machine runs ({max_world} ranks)")
+    if cfg.freeze_layers > model.num_layers:
+        problems.append(f"--freeze-layers {cfg.freeze_layers} is more than the model's {model.num_layers} layers")
     if cfg.seq_len > model.max_seq_len:
         problems.append(f"sequence length {cfg.seq_len} exceeds the model's {model.max_seq_len}")
     if problems:

@@ -18,7 +18,7 @@ from torch import nn
 from .config import ModelConfig, TrainConfig
 from .mesh import Groups, Mesh
 from .model import Stage
-from .moe import Axis
+from .moe import Axis, MoE
 from .precision import DTYPES, LossScaler
 from ..layouts import Part
 from .tp import TPContext, parallel_cross_entropy
@@ -67,6 +67,15 @@ class Engine:
             moe.aux_weight = model.aux_loss_coef / cfg.global_batch  # the mean over the global batch's samples
             moe.run_experts = functools.partial(self._call, moe.experts)
         self.optimizer = AdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        # --freeze-layers N: the embedding and layers 0..N-1 (and their experts) keep their
+        # parameters and optimizer state; their gradients are neither reduced nor counted.
+        frozen: list[nn.Module] = [self.stage.embed] if cfg.freeze_layers and self.stage.embed is not None else []
+        for n, layer in enumerate(self.stage.layers):
+            if self.stage.first_layer + n < cfg.freeze_layers:
+                frozen.append(layer)
+                if isinstance(layer.mlp, MoE):
+                    frozen.append(layer.mlp.experts)
+        self.frozen = {id(m) for m in frozen}
         self._norm_masks = {key: self._norm_mask(u) for key, u in self.units.items()}
 
     def _norm_mask(self, unit: Unit) -> torch.Tensor:
@@ -93,7 +102,8 @@ class Engine:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         losses = self._forward_backward([b.to(self.device) for b in micro_batches], global_tokens, aux, scale)
         loss = self._global_loss(losses, aux)
-        grads = {key: u.reduced_grad() for key, u in self.units.items()}
+        trained = {key: u for key, u in self.units.items() if key not in self.frozen}
+        grads = {key: u.reduced_grad() for key, u in trained.items()}
         if self.scaler is not None:
             for g in grads.values():
                 g.div_(scale)
@@ -108,8 +118,9 @@ class Engine:
         norm = self._grad_norm(grads)
         clip = min(1.0, self.cfg.grad_clip / (norm + 1e-6)) if self.cfg.grad_clip > 0 else 1.0
         for key, unit in self.units.items():
-            self.optimizer.update(unit, grads[key], lr, clip)
-            unit.publish()
+            if key in trained:
+                self.optimizer.update(unit, grads[key], lr, clip)
+                unit.publish()
             unit.zero_grad()
         return loss, lr, norm
 
@@ -193,8 +204,8 @@ class Engine:
 
     def _grad_norm(self, grads: dict[int, torch.Tensor]) -> float:
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for key, unit in self.units.items():
-            g = grads[key]
+        for key, g in grads.items():
+            unit = self.units[key]
             own = g[unit.lo - unit.state_lo : unit.hi - unit.state_lo]
             total += (own.double() ** 2 * self._norm_masks[key].double()).sum()
         if self.mesh.world_size > 1:

@@ -132,7 +132,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, plan: Start | None = None)
         log = open(cfg.log_jsonl, "a", encoding="utf-8")
     saves: list[SaveHandle] = []
     with tempfile.TemporaryDirectory() as tok_dir, CheckpointManager(
-        cfg.out, sync=cfg.sync_save, run=plan.run, layout=model.layout()
+        cfg.out, sync=cfg.sync_save, run=plan.run, layout=model.layout(), incremental=cfg.incremental
     ) as manager:
         tokenizer.save(tok_dir)
         for step in range(start + 1, cfg.steps + 1):

@@ -13,6 +13,7 @@ import os
 from pydantic import BaseModel, ConfigDict
 
 from . import retention
+from ..io import leases
 from ..errors import CheckpointNotFoundError
 from ..io.catalog import LEASES_NAME
 from ..ops.listing import list_root
@@ -52,13 +53,13 @@ def clean(root: str | os.PathLike[str], *, dry_run: bool = False) -> CleanReport
     held = retention.busy(storage, [left.name for left in listing.leftovers])
     removed = [Removal(name=left.name, reason=left.reason) for left in listing.leftovers if left.name not in held]
     busy = sorted(held)
-    stale = retention.stale(storage)
+    stale = leases.stale(storage)
     if not dry_run:
         for item in removed:
             storage.delete(item.name)
-            retention.drop_if_empty(storage, item.name)
+            leases.drop_if_empty(storage, item.name)
         for key in stale:
             storage.delete(key)
         for child in storage.list(LEASES_NAME, recursive=False):
-            retention.drop_if_empty(storage, child.rstrip("/").rsplit("/", 1)[-1])
+            leases.drop_if_empty(storage, child.rstrip("/").rsplit("/", 1)[-1])
     return CleanReport(root=str(root), dry_run=dry_run, removed=removed, busy=busy, stale_leases=len(stale))

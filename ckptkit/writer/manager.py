@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from . import retention
+from ..io import leases
 from .snapshot import (
     BufferPool, DeviceCopy, HostCopy, Key, SnapshotChoice, check_snapshot_options, choose_snapshot, copy_to_device,
     copy_to_host, device_memory,
@@ -252,7 +253,7 @@ class CheckpointManager:
         with self._lock:
             self._reading[name] = self._reading.get(name, 0) + 1
         try:
-            with retention.lease(self.storage, name):  # checks that retention is not deleting it
+            with leases.lease(self.storage, name):  # checks that retention is not deleting it
                 yield name
         finally:
             with self._lock:
@@ -277,7 +278,8 @@ class CheckpointManager:
         with self._lock:
             local = set(self._reading)
         doomed = retention.plan_deletions(
-            committed, read_latest(self.storage), retention.Policy(self.policy.keep_last, self.policy.keep_every, frozenset(self._pinned)), local
+            committed, read_latest(self.storage), retention.Policy(self.policy.keep_last, self.policy.keep_every, frozenset(self._pinned)), local,
+            retention.depends(self.storage),
         )
         held = retention.busy(self.storage, doomed)
         return retention.apply(self.storage, [n for n in doomed if n not in held])

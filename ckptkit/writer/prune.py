@@ -26,6 +26,7 @@ class PruneReport(BaseModel):
     removed: list[Removal]  # the checkpoints deleted, and why (with dry_run: what would be)
     kept: list[str]  # the committed checkpoints that stay, oldest first
     busy: list[str]  # the policy would delete them, but a live read lease holds them
+    bases: list[str] = []  # the policy would delete them, but a checkpoint that stays reads their files
 
 
 def prune(
@@ -33,7 +34,8 @@ def prune(
 ) -> PruneReport:
     """Delete the committed checkpoints under `root` that the policy does not keep: all but the
     newest `keep_last` and the steps divisible by `keep_every`; never the one ``latest`` names,
-    the newest, or one a live read lease holds. With `dry_run`, only say which.
+    the newest, one a live read lease holds, or one whose files a checkpoint that stays reads
+    (an incremental save's base). With `dry_run`, only say which.
 
     Raises:
         LayoutError: `keep_last` or `keep_every` is below 1.
@@ -46,7 +48,9 @@ def prune(
         raise CheckpointNotFoundError(f"{root}: not a root of checkpoints ({listing.kind}); prune the root that holds it")
     storage = open_storage(root)
     committed = [(c.name, c.step) for c in listing.checkpoints if c.step is not None]
-    doomed = retention.plan_deletions(committed, listing.latest or "", retention.Policy(keep_last, keep_every))
+    policy = retention.Policy(keep_last, keep_every)
+    by_policy = retention.plan_deletions(committed, listing.latest or "", policy)
+    doomed = retention.plan_deletions(committed, listing.latest or "", policy, depends=retention.depends(storage))
     held = retention.busy(storage, doomed)
     free = [name for name in doomed if name not in held]
     deleted = free if dry_run else retention.apply(storage, free)
@@ -54,4 +58,5 @@ def prune(
     kept = [c.name for c in listing.checkpoints if c.name not in deleted]
     why = f"not among the newest {keep_last}" + (f" nor a step divisible by {keep_every}" if keep_every else "")
     return PruneReport(root=str(root), dry_run=dry_run, keep_last=keep_last, keep_every=keep_every,
-                       removed=[Removal(name=name, reason=why) for name in deleted], kept=kept, busy=busy)
+                       removed=[Removal(name=name, reason=why) for name in deleted], kept=kept, busy=busy,
+                       bases=[name for name in by_policy if name not in doomed])

@@ -16,7 +16,7 @@ import torch
 
 import ckptkit
 from ckptkit.storage import open_storage
-from ckptkit.writer import retention
+from ckptkit.io import leases
 from ..conftest import cli_schema
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas" / "cli"
@@ -77,7 +77,7 @@ def test_clean_removes_leftovers_and_stale_leases_and_nothing_else(root: Path, r
 def test_clean_keeps_a_leftover_a_live_lease_holds(root: Path) -> None:
     storage = open_storage(root)
     (root / "step_00000007" / "manifest.json").write_text("{}")  # lease() needs a manifest to take the lease
-    with retention.lease(storage, "step_00000007"):
+    with leases.lease(storage, "step_00000007"):
         (root / "step_00000007" / "manifest.json").unlink()  # then the checkpoint loses it: a leftover, being read
         report = ckptkit.clean(root)
     assert report.busy == ["step_00000007"]
@@ -94,7 +94,7 @@ def test_clean_of_a_checkpoint_directory_is_refused(root: Path, run_ckptkit: Any
 
 
 def test_a_released_lease_leaves_no_empty_folder(root: Path) -> None:
-    with retention.lease(open_storage(root), "step_00000004"):
+    with leases.lease(open_storage(root), "step_00000004"):
         assert len(list((root / ".leases" / "step_00000004").iterdir())) == 1
     assert not (root / ".leases" / "step_00000004").exists()
 
@@ -119,7 +119,7 @@ def test_prune_deletes_what_the_policy_does_not_keep(root: Path, run_ckptkit: An
 
 
 def test_prune_keeps_a_checkpoint_a_live_lease_holds(root: Path) -> None:
-    with retention.lease(open_storage(root), "step_00000001"):
+    with leases.lease(open_storage(root), "step_00000001"):
         report = ckptkit.prune(root, keep_last=1)
         assert ckptkit.verify(root / "step_00000001").ok
     assert [e.name for e in report.removed] == ["step_00000002", "step_00000003", "step_00000004"]

@@ -1,0 +1,213 @@
+"""Incremental saves: a checkpoint that reads its unchanged boxes from an earlier one behaves as
+a full one (load, verify, inspect, diff, reshard, S3), retention keeps what it reads, and a
+broken chain is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptkit
+from ckptkit.manifest import seal
+from ckptkit.io.catalog import locate
+from ckptkit.io.chain import base_problems
+from ckptkit.io import leases
+from ckptkit.storage import open_storage
+from ckptkit.writer import retention
+
+
+def _flat(step: int) -> dict[str, torch.Tensor]:
+    """A model whose first three layers are frozen (the same bytes every step) and whose head,
+    optimizer moment and bf16 copy change every step."""
+    frozen = torch.Generator().manual_seed(0)
+    moving = torch.Generator().manual_seed(step)
+    flat = {f"model/layers/{i}/w": torch.randn(48, 40, generator=frozen) for i in range(3)}
+    flat["model/head"] = torch.randn(40, 24, generator=moving)
+    flat["model/half"] = torch.randn(24, 16, generator=moving).to(torch.bfloat16)
+    flat["optim/head/exp_avg"] = torch.randn(40, 24, generator=moving)
+    return flat
+
+
+def _state(step: int) -> dict:
+    nested: dict = {}
+    for name, value in _flat(step).items():
+        *path, last = name.split("/")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return nested
+
+
+FROZEN = 3 * 48 * 40 * 4
+MOVING = 40 * 24 * 4 * 2 + 24 * 16 * 2
+
+
+def _chain(root: Path, steps: int, **options: object) -> list[ckptkit.Manifest]:
+    return [ckptkit.save(_state(s), root / f"step_{s}", step=s, incremental=True, **options) for s in range(1, steps + 1)]
+
+
+def _assert_state(loaded: dict, step: int) -> None:
+    for name, value in _flat(step).items():
+        got = loaded
+        for part in name.split("/"):
+            got = got[part]
+        assert got.dtype == value.dtype and torch.equal(got, value), (step, name)
+
+
+def test_unchanged_boxes_are_read_from_the_first_save_and_every_step_loads_bitwise(tmp_path: Path) -> None:
+    manifests = _chain(tmp_path, 4)
+    first, *later = manifests
+    assert first.bases() == () and all(f.contents for f in first.files)
+    for m in later:
+        assert m.bases() == ("step_1",)  # flat: every step names the checkpoint holding the file
+        own = [f for f in m.files if f.base is None]
+        assert len(own) == 1 and sorted(own[0].contents or {}) == ["model/half", "model/head", "optim/head/exp_avg"]
+    for step in range(1, 5):
+        _assert_state(ckptkit.load(str(tmp_path / f"step_{step}")), step)
+        assert ckptkit.verify(str(tmp_path / f"step_{step}")).ok
+    # the bytes of a step's own file: the changed tensors and a header, never the frozen layers
+    own_bytes = sum(f.size for f in later[-1].files if f.base is None)
+    assert MOVING <= own_bytes < MOVING + 2048
+    report = ckptkit.inspect(str(tmp_path / "step_4"))
+    assert report.owned_bytes == own_bytes
+    assert [(b.checkpoint, b.files, b.tensor_bytes) for b in report.borrowed] == [("step_1", 1, FROZEN)]
+
+
+def test_an_incremental_step_equals_a_full_save_of_the_same_state(tmp_path: Path, run_ckptkit) -> None:
+    _chain(tmp_path / "inc", 3)
+    ckptkit.save(_state(3), tmp_path / "full" / "step_3", step=3)
+    result = run_ckptkit("diff", str(tmp_path / "inc" / "step_3"), str(tmp_path / "full" / "step_3"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    # load-time resharding reads boxes across the two files of the chain
+    target = {"model": {"layers": {"1": {"w": ckptkit.ShardedTensor(torch.empty(24, 40), (48, 40), (24, 0))}}}}
+    part = ckptkit.load(str(tmp_path / "inc" / "step_3"), target)["model"]["layers"]["1"]["w"]
+    assert torch.equal(part.local, _flat(3)["model/layers/1/w"][24:])
+
+
+def test_a_save_over_a_full_checkpoint_writes_everything_and_records_digests(tmp_path: Path) -> None:
+    ckptkit.save(_state(1), tmp_path / "step_1", step=1)
+    m = ckptkit.save(_state(2), tmp_path / "step_2", step=2, incremental=True)
+    assert m.bases() == () and all(f.contents for f in m.files)
+    assert ckptkit.save(_state(3), tmp_path / "step_3", step=3, incremental=True).bases() == ("step_2",)
+
+
+def test_a_damaged_base_is_caught_by_load_and_verify(tmp_path: Path, run_ckptkit) -> None:
+    _chain(tmp_path, 3)
+    payload = tmp_path / "step_1" / "rank00000.safetensors"
+    data = bytearray(payload.read_bytes())
+    data[-100] ^= 0x01  # a byte of a frozen layer, which step 3 reads from step 1
+    payload.write_bytes(bytes(data))
+    with pytest.raises(ckptkit.IntegrityError, match="step_1/rank00000.safetensors: block"):
+        ckptkit.load(str(tmp_path / "step_3"))
+    report = ckptkit.verify(str(tmp_path / "step_3"))
+    assert not report.ok and [(f.code, f.where) for f in report.findings] == [("checksum", "../step_1/rank00000.safetensors")]
+    result = run_ckptkit("verify", str(tmp_path / "step_3"))
+    assert result.returncode == 1 and "../step_1/rank00000.safetensors" in result.stdout + result.stderr
+
+
+def test_a_missing_base_refuses_the_checkpoint_in_one_line(tmp_path: Path, run_ckptkit) -> None:
+    _chain(tmp_path, 3)
+    shutil.rmtree(tmp_path / "step_1")
+    with pytest.raises(ckptkit.IntegrityError, match="refers to ../step_1: a base this checkpoint reads files of is not committed"):
+        ckptkit.load(str(tmp_path / "step_3"))
+    for command in ("inspect", "diff"):
+        args = [str(tmp_path / "step_3")] + ([str(tmp_path / "step_2")] if command == "diff" else [])
+        result = run_ckptkit(command, *args)
+        assert result.returncode == 1, (command, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and "step_1" in result.stderr
+        assert "Traceback" not in result.stderr
+    findings = ckptkit.verify(str(tmp_path / "step_3")).findings
+    assert ("base", "../step_1") in [(f.code, f.where) for f in findings]
+
+
+def _edit(path: Path, change) -> None:
+    doc = json.loads((path / "manifest.json").read_bytes())
+    change(doc)
+    (path / "manifest.json").write_bytes(seal(doc))
+
+
+@pytest.mark.parametrize("base, message", [
+    ("step_3", "a base must be an earlier step, it is step 3"),  # a reference forward: a cycle with step 3's own
+    ("step_2", "not an earlier checkpoint of the same root"),  # itself
+    ("step_9", "not committed"),
+])
+def test_a_base_that_is_not_an_earlier_committed_checkpoint_is_refused(tmp_path: Path, base: str, message: str) -> None:
+    _chain(tmp_path, 3)
+
+    def rebase(doc: dict) -> None:
+        for f in doc["files"]:
+            if f.get("base"):
+                f["base"] = base
+    _edit(tmp_path / "step_2", rebase)
+    with pytest.raises(ckptkit.IntegrityError, match=message):
+        ckptkit.load(str(tmp_path / "step_2"))
+
+
+def test_a_base_outside_the_root_is_refused(tmp_path: Path) -> None:
+    _chain(tmp_path, 2)
+    _edit(tmp_path / "step_2", lambda doc: [f.update(base="../elsewhere") for f in doc["files"] if f.get("base")])
+    with pytest.raises(ckptkit.ManifestError, match="base is not the name of a checkpoint of the same root"):
+        ckptkit.load(str(tmp_path / "step_2"))
+
+
+def test_a_file_the_base_does_not_hold_as_its_own_is_refused(tmp_path: Path) -> None:
+    _chain(tmp_path, 2)
+    _edit(tmp_path / "step_2", lambda doc: [f.update(checksum="xxh3-128:" + "0" * 32, blocks=None)
+                                             for f in doc["files"] if f.get("base")])
+    problems = base_problems(locate(tmp_path / "step_2"), ckptkit.read_manifest(str(tmp_path / "step_2")))
+    assert problems == [("../step_1/rank00000.safetensors",
+                         "its base's manifest does not list it as its own file of this size and checksum")]
+
+
+def test_retention_keeps_every_base_a_kept_checkpoint_reads(tmp_path: Path) -> None:
+    with ckptkit.CheckpointManager(tmp_path, keep_last=2, sync=True, incremental=True) as manager:
+        for step in range(1, 6):
+            manager.save(step, _state(step))
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".") and p.is_dir())
+    assert names == ["step_00000001", "step_00000004", "step_00000005"]  # step 1 holds the frozen layers
+    for step in (4, 5):
+        _assert_state(ckptkit.load(str(tmp_path / f"step_{step:08d}")), step)
+
+
+def test_prune_keeps_a_base_until_nothing_that_stays_reads_it(tmp_path: Path) -> None:
+    _chain(tmp_path, 3)
+    report = ckptkit.prune(str(tmp_path), keep_last=1)
+    assert [r.name for r in report.removed] == ["step_2"] and report.bases == ["step_1"]
+    _assert_state(ckptkit.load(str(tmp_path / "step_3")), 3)
+    ckptkit.save({"model": {"other": torch.ones(3)}}, tmp_path / "step_4", step=4)  # a full save
+    report = ckptkit.prune(str(tmp_path), keep_last=1)
+    assert sorted(r.name for r in report.removed) == ["step_1", "step_3"] and report.bases == []
+
+
+def test_a_deleter_backs_off_from_a_base_a_save_holds_or_a_committed_checkpoint_reads(tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path))
+    _chain(tmp_path, 1)
+    with leases.lease(storage, "step_1"):  # what an incremental save holds on its base until it commits
+        assert retention.apply(storage, ["step_1"]) == []
+    ckptkit.save(_state(2), tmp_path / "step_2", step=2, incremental=True)  # reads step_1, which a stale plan would still delete
+    assert retention.apply(storage, ["step_1"]) == []
+    assert ckptkit.verify(str(tmp_path / "step_2")).ok
+
+
+def test_a_base_being_deleted_is_not_referred_to(tmp_path: Path) -> None:
+    _chain(tmp_path, 1)
+    mark = tmp_path / ".leases" / "step_1" / f"{leases.MARK_PREFIX}me"
+    mark.parent.mkdir(parents=True)
+    mark.write_text(json.dumps({"host": "elsewhere", "pid": 1}))  # another machine's deleter: live
+    m = ckptkit.save(_state(2), tmp_path / "step_2", step=2, incremental=True)
+    assert m.bases() == ()
+    _assert_state(ckptkit.load(str(tmp_path / "step_2")), 2)
+
+
+def test_incremental_saves_on_s3(s3_bucket: str) -> None:
+    root = f"s3://{s3_bucket}/inc"
+    for step in (1, 2):
+        m = ckptkit.save(_state(step), f"{root}/step_{step}", step=step, incremental=True)
+    assert m.bases() == ("step_1",)
+    _assert_state(ckptkit.load(f"{root}/step_2"), 2)
+    assert ckptkit.verify(f"{root}/step_2").ok
