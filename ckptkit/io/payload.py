@@ -81,7 +81,11 @@ def header_problems(
     for key, got in header.entries.items():
         found = index.shard(file, key)
         if found is None:
-            if key not in unchecked and not borrowed:
+            patch = index.patch_key(file, key)
+            if patch is not None:
+                if (got.dtype, got.shape) != patch:
+                    problems.append(f"patch array {key!r} is {got.dtype}{list(got.shape)}, manifest says {patch[0]}{list(patch[1])}")
+            elif key not in unchecked and not borrowed:
                 problems.append(f"tensor {key[:200]!r} is not in the manifest")
             continue
         fqn, box = found

@@ -23,6 +23,7 @@ bytes, as ``load`` always did.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import warnings
 from collections import OrderedDict
@@ -37,9 +38,9 @@ from numpy.lib.stride_tricks import as_strided
 from ..boxes import Box, byte_runs
 from ..manifest.dtypes import itemsize
 from ..errors import IntegrityError
-from ..manifest import BlockChecksums, Manifest
+from ..manifest import BlockChecksums, Manifest, Patch
 from .payload import Headers, header_entry, header_problems, read_header
-from ..manifest.shards import KeyIndex, spec_files
+from ..manifest.shards import KeyIndex, patch_index_dtype, spec_files
 from ..plan.load import Read, TargetPlan
 from .catalog import Location
 from .checksum import hasher_for
@@ -210,7 +211,9 @@ class Reader:
                 its checksum.
             StorageError: a read failed.
         """
-        for file in sorted({r.file for p in plans for r in p.reads}):
+        patched = [(plan, dest, patch) for plan, dest in zip(plans, dests) for patch in self.manifest.tensors[plan.fqn].patches
+                   if not plan.box.ndim or plan.box.intersect(Box(patch.offsets, patch.lengths)) is not None]
+        for file in sorted({r.file for p in plans for r in p.reads} | {patch.file for _, _, patch in patched}):
             self.header_of(file)
         arena = self._arena()
         arena.reset()
@@ -222,6 +225,16 @@ class Reader:
             for read in plan.reads:
                 region = dest[byte_slices(read.overlap.shifted(plan.box.offsets), size)] if read.overlap.ndim else dest
                 self._plan_read(read, self.begin(read, dtype), region, size, segments, finish)
+        # (plan, dest, patch, its indices, its values as bytes): read with the rest, applied after it
+        patches: list[tuple[TargetPlan, np.ndarray[Any, Any], Patch, np.ndarray[Any, Any], np.ndarray[Any, Any]]] = []
+        for plan, dest, patch in patched:
+            arrays = []
+            for key, dtype in ((patch.indices, patch_index_dtype(patch)), (patch.values, self.manifest.tensors[plan.fqn].dtype)):
+                array = np.empty(patch.count * itemsize(dtype), np.uint8)
+                whole = Read(patch.file, key, Box((0,), (patch.count,)), Box((0,), (patch.count,)))
+                self._plan_read(whole, self.begin(whole, dtype), array, itemsize(dtype), segments, finish)
+                arrays.append(array)
+            patches.append((plan, dest, patch, arrays[0], arrays[1]))
         work: list[Piece] = []
         checks: list[Callable[[], None]] = []
         for file, segs in sorted(segments.items()):
@@ -244,6 +257,8 @@ class Reader:
             copy()
         for check in checks:
             check()
+        for plan, dest, patch, indices, values in patches:  # in the manifest's order: a later patch wins
+            apply_patch(dest, plan.box, patch, indices, values, itemsize(self.manifest.tensors[plan.fqn].dtype))
         total = sum(p.nbytes for p in work)
         with self._lock:
             self.bytes_read += total
@@ -332,6 +347,31 @@ class Reader:
         out = np.empty(byte_shape(entry.shape, itemsize(entry.dtype)), np.uint8)
         self.fill(plan_load(self.manifest, [(fqn, Box((0,) * len(entry.shape), entry.shape))]).targets, [out], pool=pool)
         return out
+
+
+def apply_patch(dest: np.ndarray[Any, Any], box: Box, patch: Patch, indices: np.ndarray[Any, Any],
+                values: np.ndarray[Any, Any], size: int) -> None:
+    """Write the elements of `patch` that fall inside `box` into `dest` (the bytes of `box`, see
+    `byte_shape`); `indices` and `values` are the patch's arrays as bytes."""
+    if not patch.count:
+        return
+    flat = indices.view(np.dtype(patch_index_dtype(patch)).newbyteorder("<"))
+    if len(flat) > 1 and not bool((flat[1:] > flat[:-1]).all()) or int(flat[-1]) >= math.prod(patch.lengths):
+        raise IntegrityError(f"a patch of {len(flat)} elements at {list(patch.offsets)} holds indices that are not rising "
+                             f"positions inside its box")
+    typed = dest.view(_UINT[size])
+    new = values.view(_UINT[size])
+    if not box.ndim:
+        typed[0] = new[-1]
+        return
+    coords = np.unravel_index(flat, patch.lengths)
+    inside = np.ones(len(flat), dtype=bool)
+    at = []
+    for c, po, bo, n in zip(coords, patch.offsets, box.offsets, box.lengths):
+        g = c.astype(np.int64) + (po - bo)
+        inside &= (g >= 0) & (g < n)
+        at.append(g)
+    typed[tuple(g[inside] for g in at)] = new[inside]
 
 
 def _consecutive(reads: list[Segment]) -> list[tuple[int, list[memoryview]]]:

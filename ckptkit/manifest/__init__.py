@@ -26,6 +26,7 @@ from .model import (
     ModelInfo,
     OptimizerInfo,
     ParamGroup,
+    Patch,
     Producer,
     ShardSpec,
     SourceInfo,
@@ -43,7 +44,7 @@ from .model import (
 __all__ = [
     "FORMAT", "KINDS", "MANIFEST_LIMIT", "MANIFEST_NAME", "SCHEMA_MAJOR", "SCHEMA_MINOR", "SCHEMA_VERSION", "BlockChecksums", "BoxShard",
     "BoxShards", "CheckpointInfo", "CodeVersion", "DataProgress", "DataVersion", "FileEntry", "FileRange", "GridShards",
-    "Kind", "Manifest", "Model", "ModelInfo", "OptimizerInfo", "ParamGroup", "Producer", "ShardSpec", "SourceInfo", "TensorEntry",
+    "Kind", "Manifest", "Model", "ModelInfo", "OptimizerInfo", "ParamGroup", "Patch", "Producer", "ShardSpec", "SourceInfo", "TensorEntry",
     "TokenizerInfo", "Topology", "check_seal", "check_version", "manifest_json_schema", "manifest_to_json", "parse_manifest",
     "seal",
 ]

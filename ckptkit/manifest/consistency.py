@@ -117,6 +117,14 @@ def _mapping_findings(manifest: Manifest) -> list[Finding]:
                 owner[f, key] = fqn
             if f in raw_files:
                 raw.setdefault(f, []).append((fqn, n, largest))
+        for patch in tensor.patches:
+            for key, n in ((patch.indices, patch.count * 8), (patch.values, patch.count * item)):
+                if (patch.file, key) in owner:
+                    findings.append(Finding("mapping", fqn, f"a patch reads key {key!r} of {manifest.files[patch.file].where()}, "
+                                                            f"which {owner[patch.file, key]} reads too"))
+                owner[patch.file, key] = fqn
+            if patch.file in raw_files:
+                findings.append(Finding("mapping", fqn, f"a patch names the raw file {manifest.files[patch.file].where()}"))
     for index in sorted(raw_files):
         entry = manifest.files[index]
         if entry.role != "tensors":
@@ -140,7 +148,7 @@ def _tensor_findings(fqn: str, tensor: TensorEntry, n_files: int) -> list[Findin
     if isinstance(spec, GridShards):
         # Rising cuts from 0 to the size tile the tensor by construction: no need to expand cells.
         problem = _grid_problem(tensor, spec, n_files)
-        return [Finding("tiling", fqn, problem)] if problem else []
+        return [Finding("tiling", fqn, problem)] if problem else _patch_findings(fqn, tensor, n_files)
     shards = list(iter_shards(tensor))
     findings = []
     for s in shards:
@@ -150,6 +158,23 @@ def _tensor_findings(fqn: str, tensor: TensorEntry, n_files: int) -> list[Findin
         return findings
     for problem in tiling_problems(tensor.shape, [s.box for s in shards]):
         findings.append(Finding("tiling", fqn, problem))
+    return findings + _patch_findings(fqn, tensor, n_files)
+
+
+def _patch_findings(fqn: str, tensor: TensorEntry, n_files: int) -> list[Finding]:
+    """A patch names a listed file, a box inside the tensor, two keys, and no more elements than the box holds."""
+    findings = []
+    for n, p in enumerate(tensor.patches):
+        where = f"patch {n} (at {list(p.offsets)})"
+        if not 0 <= p.file < n_files:
+            findings.append(Finding("schema", fqn, f"{where} names file #{p.file}, but there are {n_files}"))
+        if len(p.offsets) != len(tensor.shape) or len(p.lengths) != len(tensor.shape) or any(
+                o < 0 or n_ < 0 or o + n_ > size for o, n_, size in zip(p.offsets, p.lengths, tensor.shape)):
+            findings.append(Finding("schema", fqn, f"{where}: box {list(p.offsets)}+{list(p.lengths)} is not inside {list(tensor.shape)}"))
+        elif p.count > math.prod(p.lengths):
+            findings.append(Finding("schema", fqn, f"{where}: {p.count} elements, its box holds {math.prod(p.lengths)}"))
+        if p.indices == p.values:
+            findings.append(Finding("schema", fqn, f"{where}: indices and values under one key {p.indices!r}"))
     return findings
 
 

@@ -179,13 +179,32 @@ class GridShards(Model):
 ShardSpec = Annotated[Union[BoxShards, GridShards], Field(discriminator="layout")]
 
 
+class Patch(Model):
+    """Since 1.4 (incremental saves): the elements of one box of a tensor that differ from what
+    its shards (and the patches before this one) hold. ``indices`` names a 1-d ``uint32`` (or
+    ``int64``) array of ``count`` strictly increasing flat, C-order positions inside the box,
+    ``values`` a 1-d array of the tensor's dtype of their new values, both keys of payload file
+    ``file``; ``digest`` is the xxh3-128 of the box's bytes once patched (what a later save
+    compares its box with)."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    file: int = Field(ge=0)
+    indices: str
+    values: str
+    count: int = Field(ge=0)
+    digest: str
+
+
 class TensorEntry(Model):
-    """A global (logical) tensor and its shards."""
+    """A global (logical) tensor and its shards; since 1.4, the patches applied over them, in
+    order (an incremental save's sparse changes, `Patch`)."""
 
     shape: tuple[int, ...]
     dtype: str
     kind: Kind
     shards: ShardSpec
+    patches: tuple[Patch, ...] = Field(default=(), exclude_if=lambda v: not v)
 
 
 class ParamGroup(Model):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..boxes import Box, chunk_cuts, chunk_step
-from .model import BoxShard, BoxShards, FileRange, GridShards, TensorEntry
+from .model import BoxShard, BoxShards, FileRange, GridShards, Patch, TensorEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,15 @@ def file_keys(tensors: Mapping[str, TensorEntry], skip: Collection[str] = ()) ->
             continue
         for shard in iter_shards(tensor):
             out.setdefault(shard.file, {})[shard.key] = (tensor.dtype, shard.box.lengths, fqn)
+        for p in tensor.patches:
+            out.setdefault(p.file, {})[p.indices] = (patch_index_dtype(p), (p.count,), fqn)
+            out.setdefault(p.file, {})[p.values] = (tensor.dtype, (p.count,), fqn)
     return out
+
+
+def patch_index_dtype(patch: Patch) -> str:
+    """The dtype of a patch's flat indices: ``uint32``, or ``int64`` for a box of 2^32 elements or more."""
+    return "uint32" if math.prod(patch.lengths) <= 1 << 32 else "int64"
 
 
 def spec_keys(entry: TensorEntry) -> set[str]:
@@ -137,6 +145,12 @@ class KeyIndex:
                 self._owners.setdefault(key, []).append(fqn)
         self._boxes: dict[str, dict[tuple[int, str], Box]] = {}
         self._cells: dict[str, dict[int, int]] = {}
+        self._patches = {(p.file, key): (dtype, (p.count,)) for entry in tensors.values() for p in entry.patches
+                         for key, dtype in ((p.indices, patch_index_dtype(p)), (p.values, entry.dtype))}
+
+    def patch_key(self, file: int, key: str) -> tuple[str, tuple[int, ...]] | None:
+        """(dtype, shape) of the patch array stored in `file` under `key`, or None."""
+        return self._patches.get((file, key))
 
     def shard(self, file: int, key: str) -> tuple[str, Box] | None:
         """(tensor, box) of the non-empty shard stored in `file` under `key`, or None."""

@@ -16,7 +16,7 @@ from ..io.kinds import Kind, what
 from ..io.payload import open_checkpoint
 from ..manifest.dtypes import itemsize
 from ..manifest import CheckpointInfo, Manifest, Producer, SourceInfo, TensorEntry, Topology
-from ..manifest.shards import iter_shards, shard_count
+from ..manifest.shards import iter_shards, patch_index_dtype, shard_count
 
 
 class ModelSummary(BaseModel):
@@ -89,8 +89,9 @@ def tensor_summary(fqn: str, entry: TensorEntry) -> TensorSummary:
 
 
 class Borrowed(BaseModel):
-    """An earlier checkpoint an incremental save reads unchanged boxes from: its name, how many
-    of its files, and the bytes of this checkpoint's tensors read from them (not written again)."""
+    """An earlier checkpoint an incremental save reads unchanged boxes (and earlier patches) from:
+    its name, how many of its files, and the bytes of this checkpoint's tensors and patches read
+    from them (not written again)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     checkpoint: str
@@ -133,6 +134,8 @@ class InspectReport(BaseModel):
     # An incremental save's: the bytes of its own files, and what it reads from earlier checkpoints.
     owned_bytes: int | None = None
     borrowed: list[Borrowed] = []
+    patches: int = 0  # sparse patches over the tensors (an incremental save's), their elements
+    patched_elements: int = 0
 
     def render(self, *, tensors: bool = False) -> str:
         """Return the report as a few readable lines (and, with `tensors`, one per tensor)."""
@@ -149,9 +152,12 @@ class InspectReport(BaseModel):
             if report.borrowed:
                 saved = sum(b.tensor_bytes for b in report.borrowed)
                 lines.append(f"incremental owns {human_bytes(report.owned_bytes or 0)}; reads {human_bytes(saved)} of unchanged "
-                             f"tensors from " + ", ".join(f"{b.checkpoint} ({human_bytes(b.tensor_bytes)}, {b.files} "
+                             f"tensors and earlier patches from " + ", ".join(f"{b.checkpoint} ({human_bytes(b.tensor_bytes)}, {b.files} "
                                                         f"file{'s' if b.files != 1 else ''})" for b in report.borrowed)
                              + ", not written again")
+            if report.patches:
+                lines.append(f"patches     {report.patches} over the tensors' boxes, {report.patched_elements} elements "
+                             f"(16-bit boxes that changed in few elements)")
         else:
             lines = [f"checkpoint  {report.source}   ({what(report.kind or 'unknown')}, read through the {report.read_through} adapter; "
                      f"`ckptkit convert {report.source} DST` brings it in)",
@@ -292,6 +298,8 @@ def _summary(path: str, m: Manifest, match: str) -> InspectReport:
         tensor_list=[tensor_summary(fqn, t) for fqn, t in sorted(m.tensors.items()) if fnmatch.fnmatchcase(fqn, match)],
         owned_bytes=sum(f.size for f in m.files if f.base is None) if m.bases() else None,
         borrowed=_borrowed(m),
+        patches=sum(len(t.patches) for t in m.tensors.values()),
+        patched_elements=sum(p.count for t in m.tensors.values() for p in t.patches),
     )
 
 
@@ -306,6 +314,10 @@ def _borrowed(m: Manifest) -> list[Borrowed]:
             base = m.files[shard.file].base
             if base is not None:
                 nbytes[base] += shard.box.volume * size
+        for patch in t.patches:
+            base = m.files[patch.file].base
+            if base is not None:
+                nbytes[base] += patch.count * (itemsize(patch_index_dtype(patch)) + size)
     files = Counter(f.base for f in m.files if f.base is not None)
     return [Borrowed(checkpoint=b, files=files[b], tensor_bytes=nbytes[b]) for b in m.bases()]
 

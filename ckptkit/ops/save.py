@@ -10,32 +10,32 @@ import platform
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
 
 from .. import __version__
 from ..boxes import Box
-from ..io.catalog import Location, locate, read_latest, read_manifest
-from ..io.leases import lease
+from ..io.catalog import Location, locate
 from ..io.commit import Staging, commit, discard, refuse_existing, staging
 from .collective import Collective, default_collective, guard, unwrap
-from ..errors import CheckpointNotFoundError, CkptkitError, LayoutError, ManifestError, StorageError, IntegrityError, summarize
+from ..errors import CkptkitError, LayoutError, StorageError, summarize
 from ..layouts import Layout, fit_problems, topology_problems
 from ..manifest import (
     KINDS,
     CheckpointInfo,
     FileEntry,
     Manifest,
+    Patch,
     Producer,
+    TensorEntry,
     TokenizerInfo,
     Topology,
     manifest_to_json,
 )
 from ..io.write import Written, write_safetensors, write_small
-from ..plan.incremental import DIGEST, Held, Outcome, borrowed_files, held_boxes, held_for, written_part
+from ..plan.incremental import Ask, Outcome
+from .incremental import Base, assembled, base_reader, find_base, no_base, write_changed
 from ..plan.save import FilePlan, ItemDesc, SavePlan, plan_save, tensor_entries
 from ..storage import Storage
 from ..state.device import DEFAULT_PINNED_BYTES, BouncePool, device_problems, staged_bytes
@@ -128,10 +128,9 @@ def save(
             if planned[0] == "ok":
                 plan, uid, topo = planned[1]
                 if incremental:
-                    base = _base(loc, plan, held_base)
-                digests = (base.digests() if base is not None else
-                           [[[None] * len(f.items) for f in files] for files in plan.files])
-                shares = [(files, uid, found) for files, found in zip(plan.files, digests)]
+                    base = find_base(loc, plan, held_base)
+                asks = base.asks(plan) if base is not None else no_base(plan)
+                shares = [(files, uid, ask) for files, ask in zip(plan.files, asks)]
         # Every rank learns whether planning worked, then receives only its own files.
         unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
         my_files, uid, found = coll.scatter(shares)
@@ -214,56 +213,6 @@ def _plan(
     return plan, uuid.uuid4().hex[:12], topo
 
 
-@dataclass(frozen=True, slots=True)
-class Base:
-    """The checkpoint an incremental save refers to, and what it holds of each planned item
-    (by rank, file, item)."""
-
-    name: str
-    held: list[list[list[Held | None]]]
-
-    def digests(self) -> list[list[list[str | None]]]:
-        """What each rank needs of it: the digest held for each of its items."""
-        return [[[h.digest if h is not None else None for h in f] for f in files] for files in self.held]
-
-
-def _base(loc: Location, plan: SavePlan, stack: contextlib.ExitStack) -> Base | None:
-    """The checkpoint the root's ``latest`` names, leased for as long as `stack` is open, with
-    what it holds of the plan's items; None (a full save) when there is none, it is being
-    deleted, or it cannot be read."""
-    try:
-        name = read_latest(loc.storage)
-        if not name or name == loc.name:
-            return None
-        stack.enter_context(lease(loc.storage, name))
-        base = read_manifest(Location(loc.storage, name))
-    except (CheckpointNotFoundError, IntegrityError, ManifestError, StorageError):
-        return None
-    return Base(name, held_for(plan, held_boxes(base, name)))
-
-
-def _incremental_files(
-    results: list[Any], plan: SavePlan, stage: Staging, base: Base | None
-) -> tuple[SavePlan, list[FileEntry]]:
-    """The files of an incremental save (what each rank wrote, then the earlier checkpoint's
-    files its unchanged items are read from) and the plan of their items, in that order."""
-    own: list[FilePlan] = []
-    files: list[FileEntry] = []
-    planned, outcomes, held = [], [], []
-    for rank, (_, done) in enumerate(results):
-        for n, (written, outcome) in enumerate(done):
-            f = plan.files[rank][n]
-            planned.append(f)
-            outcomes.append(outcome)
-            held.append(base.held[rank][n] if base is not None else [None] * len(f.items))
-            if written is not None:
-                own.append(written_part(f, outcome))
-                files.append(written.entry(stage.path(f.path)).model_copy(update={"contents": outcome.digests}))
-    borrowed = borrowed_files(planned, outcomes, held)
-    files += [entry for entry, _ in borrowed]
-    return SavePlan(((*own, *(p for _, p in borrowed)),), plan.tensors), files
-
-
 def _check_layout(layout: Layout, topology: Topology, shapes: dict[str, tuple[int, ...]]) -> None:
     problems = fit_problems(layout, shapes) + topology_problems(layout, topology)
     if problems:
@@ -272,39 +221,22 @@ def _check_layout(layout: Layout, topology: Topology, shapes: dict[str, tuple[in
 
 def _write_files(
     storage: Storage, stage: Staging, files: tuple[FilePlan, ...], local: dict[tuple[str, Box], torch.Tensor], threads: int,
-    staging_pool: BouncePool | None, held: list[list[str | None]] | None,
+    staging_pool: BouncePool | None, asks: tuple[str, list[list[Ask]]] | None,
 ) -> list[tuple[Written | None, Outcome | None]]:
-    """Write this rank's files; incrementally (`held`: the digest an earlier checkpoint recorded
-    for each item, if any), only the items whose bytes hash to another digest, and with what
-    was done with each item."""
+    """Write this rank's files; incrementally (`asks`: the base's name and what it holds of each
+    item), only what changed, and with what was done with each item."""
+    base = base_reader(storage, asks[0]) if asks is not None and any(a.patch_budget for f in asks[1] for a in f) else None
+
     def one(n: int) -> tuple[Written | None, Outcome | None]:
         f = files[n]
-        if held is None:
+        if asks is None:
             return _write_file(storage, stage.key(f.path), f, local, staging_pool), None
-        outcome = _hashed(f, local, held[n])
-        part = written_part(f, outcome)
-        return (_write_file(storage, stage.key(f.path), part, local, staging_pool) if part.items else None), outcome
+        return write_changed(storage, stage.key(f.path), f, local, asks[1][n], base)
 
     if threads <= 1 or len(files) <= 1:
         return [one(n) for n in range(len(files))]
     with ThreadPoolExecutor(max_workers=threads) as pool:
         return list(pool.map(one, range(len(files))))
-
-
-def _hashed(f: FilePlan, local: dict[tuple[str, Box], torch.Tensor], held: list[str | None]) -> Outcome:
-    """Hash each item of a planned file: which to write (with their digests) and which an earlier
-    checkpoint holds already (the same digest)."""
-    written: list[int] = []
-    digests: dict[str, str] = {}
-    unchanged: list[int] = []
-    for i, (item, key) in enumerate(f.items):
-        digest = DIGEST + xxhash.xxh3_128_hexdigest(byte_view(host_contiguous(local[(item.fqn, item.box)])))
-        if digest == held[i]:
-            unchanged.append(i)
-        else:
-            written.append(i)
-            digests[key] = digest
-    return Outcome(tuple(written), digests, tuple(unchanged))
 
 
 def _write_file(
@@ -333,8 +265,10 @@ def _commit(
     errors = [f"rank {r}: {res[1]}" for r, res in enumerate(results) if res[0] != "ok"]
     if errors:
         raise StorageError("payload writes failed, nothing committed: " + summarize(errors))
+    patches: dict[str, list[Patch]] = {}
     if any(outcome is not None for _, done in results for _, outcome in done):
-        plan, files = _incremental_files(results, plan, stage, base)
+        parts = assembled(results, plan, stage, base)
+        plan, files, patches = parts.plan, parts.files, parts.patches
     else:
         written = {w.path: w for _, ws in results for w, _ in ws}
         files = [written[f.path].entry(stage.path(f.path)) for f in plan.all_files()]
@@ -351,7 +285,7 @@ def _commit(
         producer=Producer(ckptkit=__version__, torch=torch.__version__, python=platform.python_version()),
         topology=topo,
         files=tuple(files),
-        tensors=tensor_entries(plan, index, lambda fqn: kind_of(fqn, kinds or {})),
+        tensors=_with_patches(tensor_entries(plan, index, lambda fqn: kind_of(fqn, kinds or {})), patches),
         objects=objects,
         info=info or CheckpointInfo(),
         tokenizer=tok_info,
@@ -359,6 +293,10 @@ def _commit(
     )
     commit(loc, stage, manifest_to_json(manifest), update_latest=update_latest, step=step)
     return manifest
+
+
+def _with_patches(tensors: dict[str, TensorEntry], patches: dict[str, list[Patch]]) -> dict[str, TensorEntry]:
+    return {fqn: e.model_copy(update={"patches": tuple(patches[fqn])}) if patches.get(fqn) else e for fqn, e in tensors.items()}
 
 
 def kind_of(fqn: str, kinds: Mapping[str, str]) -> str:

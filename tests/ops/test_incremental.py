@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,3 +212,100 @@ def test_incremental_saves_on_s3(s3_bucket: str) -> None:
     assert m.bases() == ("step_1",)
     _assert_state(ckptkit.load(f"{root}/step_2"), 2)
     assert ckptkit.verify(f"{root}/step_2").ok
+
+
+def _rl_states(steps: int, scale: float = 1e-4) -> list[dict]:
+    """bf16 weights of fp32 masters moved by small updates (few bf16 elements change per step),
+    the masters themselves (every element changes) and a bf16 tensor of an odd size."""
+    g = torch.Generator().manual_seed(7)
+    master = torch.randn(256, 96, generator=g)
+    out = []
+    for _ in range(steps):
+        master = master + torch.randn(master.shape, generator=g) * scale
+        out.append({"model": {"w": master.to(torch.bfloat16), "odd": master[:3, :7].to(torch.bfloat16).contiguous()},
+                    "optim": {"master": master.clone()}})
+    return out
+
+
+def _equal(loaded: dict, state: dict) -> None:
+    for group, tensors in state.items():
+        for name, value in tensors.items():
+            assert torch.equal(loaded[group][name], value), (group, name)
+
+
+def test_a_bf16_tensor_that_changed_in_few_elements_is_written_as_a_patch_and_restores_bitwise(tmp_path: Path) -> None:
+    states = _rl_states(5)
+    manifests = [ckptkit.save(s, tmp_path / f"step_{n}", step=n, incremental=True) for n, s in enumerate(states, 1)]
+    w = [m.tensors["model/w"] for m in manifests]
+    assert not w[0].patches and [len(e.patches) for e in w[1:]] == [1, 2, 3, 4]  # a chain of patches over step 1's box
+    for n, state in enumerate(states, 1):
+        changed = int((state["model"]["w"] != states[n - 2]["model"]["w"]).sum()) if n > 1 else 0
+        if n > 1:
+            assert 0 < w[n - 1].patches[-1].count == changed < 256 * 96 // 12
+        _equal(ckptkit.load(str(tmp_path / f"step_{n}")), state)
+        assert ckptkit.verify(str(tmp_path / f"step_{n}")).ok
+    assert not manifests[-1].tensors["optim/master"].patches  # fp32: whole every time
+    # a box read across the patches: only the patched elements inside it are applied
+    target = {"model": {"w": ckptkit.ShardedTensor(torch.empty(50, 30, dtype=torch.bfloat16), (256, 96), (101, 33))}}
+    part = ckptkit.load(str(tmp_path / "step_5"), target)["model"]["w"].local
+    assert torch.equal(part, states[-1]["model"]["w"][101:151, 33:63])
+    report = ckptkit.inspect(str(tmp_path / "step_5"))
+    assert report.patches == 4 + len(manifests[-1].tensors["model/odd"].patches)  # counted over every tensor
+    assert report.patched_elements == sum(p.count for t in manifests[-1].tensors.values() for p in t.patches)
+
+
+def test_a_box_whose_patches_would_outgrow_it_is_written_whole_again(tmp_path: Path) -> None:
+    states = _rl_states(6, scale=2e-4)  # about a tenth of the elements change each step
+    manifests = [ckptkit.save(s, tmp_path / f"step_{n}", step=n, incremental=True) for n, s in enumerate(states, 1)]
+    chain = [len(m.tensors["model/w"].patches) for m in manifests]
+    assert chain == [0, 1, 2, 3, 0, 1]  # 30% of the box a patch: 3 fit in it, the 4th is written whole, a new start
+    for m in manifests:  # never more patch bytes than the box itself
+        assert sum(p.count * 6 for p in m.tensors["model/w"].patches) <= 256 * 96 * 2
+    for n, state in enumerate(states, 1):
+        _equal(ckptkit.load(str(tmp_path / f"step_{n}")), state)
+
+
+def test_a_damaged_patch_is_caught(tmp_path: Path) -> None:
+    states = _rl_states(2)
+    for n, s in enumerate(states, 1):
+        ckptkit.save(s, tmp_path / f"step_{n}", step=n, incremental=True)
+    own = tmp_path / "step_2" / "rank00000.safetensors"
+    data = bytearray(own.read_bytes())
+    data[-3] ^= 0x40  # the last bytes of the file: the patch's values (the smallest element size, last)
+    own.write_bytes(bytes(data))
+    with pytest.raises(ckptkit.IntegrityError, match="does not match its checksum"):
+        ckptkit.load(str(tmp_path / "step_2"))
+
+
+def test_a_patch_that_claims_more_elements_than_its_box_is_refused(tmp_path: Path) -> None:
+    for n, s in enumerate(_rl_states(2), 1):
+        ckptkit.save(s, tmp_path / f"step_{n}", step=n, incremental=True)
+    _edit(tmp_path / "step_2", lambda doc: doc["tensors"]["model/w"]["patches"][0].update(count=256 * 96 + 1))
+    with pytest.raises(ckptkit.ManifestError, match="elements, its box holds"):
+        ckptkit.load(str(tmp_path / "step_2"))
+
+
+def test_reshard_of_a_patched_checkpoint_writes_whole_tensors(tmp_path: Path) -> None:
+    states = _rl_states(3)
+    for n, s in enumerate(states, 1):
+        ckptkit.save(s, tmp_path / "run" / f"step_{n}", step=n, incremental=True)
+    assert ckptkit.read_manifest(str(tmp_path / "run" / "step_3")).tensors["model/w"].patches
+    assert ckptkit.diff(str(tmp_path / "run" / "step_3"), str(tmp_path / "run" / "step_3")).ok
+    ckptkit.save(states[-1], tmp_path / "full" / "step_3", step=3)
+    assert ckptkit.diff(str(tmp_path / "run" / "step_3"), str(tmp_path / "full" / "step_3")).ok
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 1001])
+def test_changed_positions_are_those_numpy_finds(n: int) -> None:
+    from ckptkit.ops.incremental import changed_positions
+
+    rng = np.random.default_rng(n)
+    before = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+    after = before.copy()
+    flip = rng.choice(n, size=n // 7 + (n > 0), replace=False) if n else np.array([], dtype=np.int64)
+    after[flip] ^= 1
+    expected = np.flatnonzero(before != after)
+    got = changed_positions(before.view(np.uint8), after.view(np.uint8), n)
+    assert got is not None and got.tolist() == expected.tolist()
+    if len(expected):
+        assert changed_positions(before.view(np.uint8), after.view(np.uint8), len(expected) - 1) is None

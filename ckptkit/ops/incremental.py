@@ -1,0 +1,164 @@
+"""The I/O of an incremental save (``ckptkit.save(..., incremental=True)``; the plan is
+``ckptkit.plan.incremental``): the checkpoint it refers to, leased until the commit; on each rank,
+each box hashed, a changed 16-bit box compared with the earlier checkpoint's to find the elements
+that changed, and the rank's file of what changed written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ..boxes import Box
+from ..errors import CheckpointNotFoundError, IntegrityError, ManifestError, StorageError
+from ..io.catalog import Location, read_latest, read_manifest
+from ..io.commit import Staging
+from ..io.leases import lease
+from ..io.read import Reader
+from ..io.write import Written, write_safetensors
+from ..manifest import FileEntry, Manifest
+from ..manifest.dtypes import itemsize
+from ..plan.incremental import DIGEST, Ask, Assembled, Held, Outcome, ask_of, asks_for, assemble, held_boxes
+from ..plan.load import plan_load
+from ..plan.save import FilePlan, SavePlan
+from ..state.torch_io import byte_view, host_contiguous
+from ..storage import Storage
+
+
+@dataclass(frozen=True, slots=True)
+class Base:
+    """The checkpoint an incremental save refers to: its name and manifest, and what it holds
+    of each planned item (by rank, file, item)."""
+
+    name: str
+    manifest: Manifest
+    held: list[list[list[Held | None]]]
+
+    def asks(self, plan: SavePlan) -> list[tuple[str, list[list[Ask]]]]:
+        """What each rank is told: the base's name and, for each of its items, what it holds."""
+        return [(self.name, [[ask_of(item, h) for (item, _), h in zip(f.items, found)] for f, found in zip(files, held)])
+                for files, held in zip(plan.files, self.held)]
+
+
+def find_base(loc: Location, plan: SavePlan, stack: contextlib.ExitStack) -> Base | None:
+    """The checkpoint the root's ``latest`` names, leased for as long as `stack` is open, with what
+    it holds of the plan's items; None (a full save) when there is none, it is being deleted, or
+    it cannot be read."""
+    try:
+        name = read_latest(loc.storage)
+        if not name or name == loc.name:
+            return None
+        stack.enter_context(lease(loc.storage, name))
+        manifest = read_manifest(Location(loc.storage, name))
+    except (CheckpointNotFoundError, IntegrityError, ManifestError, StorageError):
+        return None
+    return Base(name, manifest, asks_for(plan, held_boxes(manifest, name)))
+
+
+def no_base(plan: SavePlan) -> list[tuple[str, list[list[Ask]]]]:
+    """What each rank is told when there is nothing to refer to: every item is written whole."""
+    return [("", [[Ask(None)] * len(f.items) for f in files]) for files in plan.files]
+
+
+def write_changed(
+    storage: Storage, key: str, f: FilePlan, local: dict[tuple[str, Box], torch.Tensor], asks: Sequence[Ask],
+    base: Reader | None,
+) -> tuple[Written | None, Outcome]:
+    """Hash each item of a planned file; write the file of the items that changed (whole, or as a
+    patch over the base's box, `base` read for it); return it (None: nothing changed) and what
+    was done with each item."""
+    written: list[int] = []
+    digests: dict[str, str] = {}
+    unchanged: list[int] = []
+    patched: list[tuple[int, int, str, str, str]] = []
+    arrays: list[tuple[str, str, tuple[int, ...], memoryview]] = []
+    for i, (item, name) in enumerate(f.items):
+        data = byte_view(host_contiguous(local[(item.fqn, item.box)]))
+        digest = DIGEST + xxhash.xxh3_128_hexdigest(data)
+        ask = asks[i]
+        if digest == ask.digest:
+            unchanged.append(i)
+            continue
+        changed = _changed(base, item.fqn, item.box, data, ask.patch_budget) if ask.patch_budget and base is not None else None
+        if changed is None:
+            written.append(i)
+            digests[name] = digest
+            arrays.append((name, item.dtype, item.box.lengths, data))
+            continue
+        indices = changed.astype(np.uint32 if item.box.volume <= 1 << 32 else np.int64)
+        values = np.frombuffer(data, np.uint16)[changed]
+        keys = (f"{name}@indices", f"{name}@values")
+        arrays += [(keys[0], "uint32" if indices.dtype == np.uint32 else "int64", (len(indices),), indices.view(np.uint8).data),
+                   (keys[1], item.dtype, (len(values),), values.view(np.uint8).data)]
+        patched.append((i, len(indices), digest, *keys))
+    outcome = Outcome(tuple(written), digests, tuple(unchanged), tuple(patched))
+    if not arrays:
+        return None, outcome
+    arrays.sort(key=lambda a: -itemsize(a[1]))  # each array aligned to its element size in the file
+    bodies: Iterator[memoryview] = (a[3] for a in arrays)
+    return write_safetensors(storage, key, f.path, [(k, d, s) for k, d, s, _ in arrays], bodies), outcome
+
+
+def _changed(base: Reader, fqn: str, box: Box, data: memoryview, budget: int) -> np.ndarray[Any, Any] | None:
+    """The flat positions of the 16-bit elements of `data` that differ from the base's box, or
+    None when they take more than `budget` bytes as a patch (the box is then written whole)."""
+    before = np.empty(len(data), np.uint8)
+    try:
+        base.fill(plan_load(base.manifest, [(fqn, box)]).targets, [before.reshape(_byte_shape(box))])
+    except (IntegrityError, StorageError, KeyError):  # the base cannot give its box: written whole
+        return None
+    return changed_positions(before, np.frombuffer(data, np.uint8), budget // (4 + 2))
+
+
+def _byte_shape(box: Box) -> tuple[int, ...]:
+    return (*box.lengths[:-1], box.lengths[-1] * 2) if box.ndim else (2,)
+
+
+def changed_positions(before: np.ndarray[Any, Any], after: np.ndarray[Any, Any], limit: int) -> np.ndarray[Any, Any] | None:
+    """The positions of the 16-bit elements that differ between two byte arrays of equal length,
+    rising, or None when there are more than `limit`. Eight bytes are compared at a time, and only
+    the words that differ are looked at element by element."""
+    n = len(before) // 2
+    words = n // 4
+    a64, b64 = before[: words * 8].view(np.uint64), after[: words * 8].view(np.uint64)
+    differ = np.flatnonzero(a64 != b64)
+    if len(differ) > limit:
+        return None
+    lanes = before[: words * 8].view(np.uint16).reshape(-1, 4)[differ] != after[: words * 8].view(np.uint16).reshape(-1, 4)[differ]
+    at = (differ[:, None] * 4 + np.arange(4))[lanes]
+    tail = np.flatnonzero(before[words * 8 : n * 2].view(np.uint16) != after[words * 8 : n * 2].view(np.uint16)) + words * 4
+    out = np.concatenate([at, tail]) if len(tail) else at
+    return out if len(out) <= limit else None
+
+
+def assembled(results: list[Any], plan: SavePlan, stage: Staging, base: Base | None) -> Assembled:
+    """An incremental save's files, shards and patches from what each rank wrote (rank 0)."""
+    own: list[list[FileEntry | None]] = []
+    outcomes: list[list[Outcome]] = []
+    for rank, (_, done) in enumerate(results):
+        own.append([None if written is None else written.entry(stage.path(plan.files[rank][n].path)).model_copy(
+            update={"contents": outcome.digests}) for n, (written, outcome) in enumerate(done)])
+        outcomes.append([outcome for _, outcome in done])
+    held = base.held if base is not None else [[[None] * len(f.items) for f in files] for files in plan.files]
+    return assemble(plan, own, outcomes, held)
+
+
+def base_reader(storage: Storage, name: str) -> Reader | None:
+    """A reader of the base `name` of the same root, for the boxes a rank compares (None when
+    there is no base, or it cannot be read: changed boxes are then written whole)."""
+    if not name:
+        return None
+    try:
+        loc = Location(storage, name)
+        return Reader(loc, read_manifest(loc))
+    except (CheckpointNotFoundError, ManifestError, StorageError):
+        return None
+
+
+__all__ = ["Base", "assembled", "base_reader", "changed_positions", "find_base", "no_base", "write_changed"]
