@@ -86,6 +86,10 @@ ASYNC_VS_DCP = 0.5
 S3_VS_BOTO3 = 0.9
 CHECKSUM_COST = 0.97  # throughput with block checksums / without: at most 3 % lost
 PARTIAL_READ_AMPLIFICATION = 1.1  # bytes a partial load reads / bytes its targets need: at most
+INCREMENTAL_BYTES = 1.1  # value bytes an incremental save writes / bytes that changed: at most
+INCREMENTAL_THROUGHPUT = 0.95  # incremental save throughput / full, where nothing repeats: at least
+INCREMENTAL_ENCODE = 0.5  # finding changed elements / memcpy of the box: at least
+INCREMENTAL_RESTORE = 1.2  # cold restore of a chain's newest step / of a full save: at most
 
 
 def time_ratio(runs: Runs, subject: str, other: str, key: str = "seconds") -> float | None:
@@ -206,6 +210,18 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             if name != "error" and "checked" in variants and name.endswith("of 4"):
                 add(f"partial load ({name}) bytes read / needed", variants["checked"]["amplification"],
                     PARTIAL_READ_AMPLIFICATION + 1e-9, False)
+    block = results.get("incremental")
+    if block:
+        for name, s in block["scenarios"].items():
+            if "error" in s:
+                continue
+            if name in ("frozen", "rl-bf16"):
+                add(f"incremental {name}: value bytes written / changed", s["bytes_vs_changed"], INCREMENTAL_BYTES + 1e-9, False)
+                add(f"incremental {name}: restore of newest / full", s["restore_vs_full"], INCREMENTAL_RESTORE + 1e-9, False)
+            if name == "dense":
+                add("incremental dense: save throughput / full", s["throughput_vs_full"], INCREMENTAL_THROUGHPUT, True)
+        if block.get("encode"):
+            add("incremental: finding changed bf16 / memcpy", block["encode"]["vs_memcpy"], INCREMENTAL_ENCODE, True)
     plan = results.get("reshard_plan")
     if plan and "error" not in plan:
         add("reshard plan 4096 -> 2048 ranks seconds", plan["seconds"], RESHARD_PLAN_S, False)

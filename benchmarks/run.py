@@ -1,6 +1,6 @@
 """Benchmark ckptkit against torch.save, safetensors and DCP, and against the machine's limits.
 
-Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export,convert,async,s3,checksums]``.
+Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export,convert,async,s3,checksums,incremental]``.
 Prints a table and writes a JSON document (``<out>/results.json`` unless ``--json``); the
 checkpoints it writes under ``<out>/work`` are deleted at the end. See docs/PERFORMANCE.md.
 """
@@ -28,7 +28,8 @@ from .phases import Runs, Settings, load_phase, run_rounds, run_worker, save_pha
 from .state import state_bytes, state_specs
 from .table import render
 
-PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export", "convert", "async", "s3", "checksums")
+PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export", "convert", "async", "s3", "checksums",
+          "incremental")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,6 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="stop repeating the scale benchmark once it has taken this long (default 120)",
     )
     parser.add_argument("--s3-size-mb", type=int, default=1024, help="state size of the s3 phase in MiB (default 1024)")
+    parser.add_argument("--incremental-mb", type=int, default=512, help="state size of the incremental phase in MiB (default 512)")
+    parser.add_argument("--incremental-saves", type=int, default=20, help="saves of each incremental scenario (default 20)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints under <out>/work")
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(PHASES)
@@ -297,6 +300,37 @@ def run_checksums_phase(settings: Settings) -> dict[str, Any]:
     return {**checksums.summary(runs, prepared, reads), "runs": runs}
 
 
+def run_incremental_phase(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+    """Each scenario's saves, full and incremental interleaved, once per repeat (a fresh process
+    each); then the speed of finding changed elements and of a codec. Medians over repeats."""
+    from . import incremental
+
+    block: dict[str, Any] = {"size_mib": args.incremental_mb, "saves": args.incremental_saves, "scenarios": {}}
+    for scenario in incremental.SCENARIOS:
+        summaries = []
+        for repeat in range(settings.repeats):
+            result = run_worker({"kind": "incremental", "scenario": scenario, "work": settings.work, "size_mib": args.incremental_mb,
+                                 "saves": args.incremental_saves})
+            if "error" in result:
+                settings.say(f"[incremental {scenario}] FAILED: {result['error']}")
+                summaries = []
+                block["scenarios"][scenario] = {"error": result["error"]}
+                break
+            s = incremental.summary(result)
+            settings.say(f"[incremental {scenario} {repeat + 1}/{settings.repeats}] bytes {s['incremental_written'] / 1e6:.1f} MB "
+                         f"vs full {s['full_written'] / 1e6:.1f} MB (changed {s['changed_bytes'] / 1e6:.1f} MB); save "
+                         f"{s['incremental_s']:.3f} s vs {s['full_s']:.3f} s; restore x{s['restore_vs_full']:.2f}")
+            summaries.append(s)
+        if summaries:
+            block["scenarios"][scenario] = {k: statistics.median(s[k] for s in summaries if s[k] is not None)
+                                            if any(s[k] is not None for s in summaries) else None for k in summaries[0]}
+    speed = run_worker({"kind": "incremental-speed", "work": settings.work, "size_mib": 1})
+    if "error" in speed:
+        settings.say(f"[incremental] speed FAILED: {speed['error']}")
+    block["encode"], block["codec"] = speed.get("encode"), speed.get("codec")
+    return block
+
+
 def run_reshard_plan_phase(settings: Settings) -> dict[str, Any]:
     """Time reshard planning at scale --repeats times (a fresh process each); report the median run."""
     runs = []
@@ -353,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             results["reshard_plan"] = run_reshard_plan_phase(settings)
         if "checksums" in args.only.split(","):
             results["checksums"] = run_checksums_phase(settings)
+        if "incremental" in args.only.split(","):
+            results["incremental"] = run_incremental_phase(args, settings)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -41,6 +41,8 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", *_plan_table(results["reshard_plan"])]
     if "checksums" in results:
         lines += ["", *_checksums_table(results["checksums"], results["state"]["bytes"])]
+    if "incremental" in results:
+        lines += ["", *_incremental_table(results["incremental"])]
     lines += ["", *_targets_table(results["targets"])]
     return "\n".join(lines)
 
@@ -277,6 +279,32 @@ def _checksums_table(block: dict[str, Any], nbytes: int) -> list[str]:
         what = f"rank r of {checked.get('ranks', '?')}, {name.split(' of ')[0]} ({checked.get('needed_bytes', 0) / 1e9:.2f} GB needed in all)"
         lines.append(f"    {what:<66}{checked.get('amplification', 0):>10.3f}{checked.get('worst_rank', 0):>12.3f}"
                      f"{unchecked.get('amplification', 0):>11.3f}{checked.get('block_bound', 0):>16.3f}")
+    return lines
+
+
+def _incremental_table(block: dict[str, Any]) -> list[str]:
+    title = f"INCREMENTAL: {block['saves']} saves of a {block['size_mib']} MiB state, full vs incremental, interleaved, durable"
+    lines = [title, f"  {'scenario':<10}{'changed MB':>11}{'full MB':>9}{'incr MB':>9}{'index MB':>9}{'value/changed':>14}"
+                    f"{'full s':>8}{'incr s':>8}{'thru x':>8}{'restore x':>10}"]
+    for name, s in block["scenarios"].items():
+        if "error" in s:
+            lines.append(f"  {name:<10}FAILED: {s['error'][:100]}")
+            continue
+        ratio = "-" if s["bytes_vs_changed"] is None else f"{s['bytes_vs_changed']:.3f}"
+        lines.append(f"  {name:<10}{s['changed_bytes'] / 1e6:>11.2f}{s['full_written'] / 1e6:>9.1f}{s['incremental_written'] / 1e6:>9.2f}"
+                     f"{s['index_bytes'] / 1e6:>9.2f}{ratio:>14}{s['full_s']:>8.3f}{s['incremental_s']:>8.3f}"
+                     f"{s['throughput_vs_full']:>8.2f}{s['restore_vs_full']:>10.2f}")
+    lines.append("  (medians over the saves after the first; thru x: full save time / incremental; restore x: cold load of the")
+    lines.append("   newest incremental step / of the newest full save)")
+    encode, codec = block.get("encode"), block.get("codec")
+    if encode:
+        lines.append(f"  finding the changed elements of {encode['bytes'] / (1 << 20):.0f} MiB of bf16 ({100 * encode['changed']:.0f} % changed): "
+                     f"{encode['bytes'] / encode['diff_s'] / 1e9:.2f} GB/s, memcpy {encode['bytes'] / encode['memcpy_s'] / 1e9:.2f} GB/s "
+                     f"(x{encode['vs_memcpy']:.2f})")
+    if codec:
+        lines.append(f"  zlib-1 over byte planes of fp32 Adam moments: ratio {codec['ratio']:.3f}, compress "
+                     f"{codec['bytes'] / codec['compress_s'] / 1e9:.2f} GB/s, durable write {codec['bytes'] / codec['write_s'] / 1e9:.2f} GB/s: "
+                     f"compress+write / write x{codec['time_vs_plain']:.1f} ({'pays' if codec['time_vs_plain'] < 1 else 'does not pay: off'})")
     return lines
 
 

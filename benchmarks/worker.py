@@ -173,6 +173,17 @@ def run_reshard(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, A
     return reshards.run(request)
 
 
+def run_incremental(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
+    import os
+
+    from . import incremental
+
+    if request["kind"] == "incremental-speed":
+        return {"encode": incremental.encode_speed(), "codec": incremental.codec(os.path.join(request["work"], "codec")),
+                "seconds": 0.0}
+    return incremental.run(request)
+
+
 RUNNERS = {
     "save": run_save,
     "load": run_load,
@@ -192,6 +203,8 @@ RUNNERS = {
     "checksums-save": run_checksums,
     "checksums-prepare": run_checksums,
     "checksums-reads": run_checksums,
+    "incremental": run_incremental,
+    "incremental-speed": run_incremental,
 }
 
 

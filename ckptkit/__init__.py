@@ -40,6 +40,7 @@ from .state.sharded import ShardedTensor
 from .storage import Storage, open_storage
 
 if TYPE_CHECKING:
+    from .ops.compact import CompactReport, compact
     from .ops.convert import ConvertReport, convert, detect_format, list_converters
     from .ops.diff import DiffReport, diff
     from .ops.failure import ErrorReport
@@ -66,6 +67,7 @@ __all__ = [
     "CkptkitError",
     "CleanReport",
     "CodeVersion",
+    "CompactReport",
     "ConvertReport",
     "DataProgress",
     "DataVersion",
@@ -97,6 +99,7 @@ __all__ = [
     "__version__",
     "clean",
     "code_version",
+    "compact",
     "convert",
     "detect_format",
     "diff",
@@ -126,7 +129,7 @@ _LAZY = {
     "InspectReport": "ops.inspect", "reshard": "ops.reshard", "ReshardReport": "ops.reshard", "ListingReport": "ops.listing",
     "Layout": "layouts", "convert": "ops.convert", "ConvertReport": "ops.convert", "detect_format": "ops.convert",
     "list_converters": "ops.convert", "clean": "writer.clean", "CleanReport": "writer.clean", "prune": "writer.prune",
-    "PruneReport": "writer.prune",
+    "PruneReport": "writer.prune", "compact": "ops.compact", "CompactReport": "ops.compact",
     "human_bytes": "ops.inspect", "ErrorReport": "ops.failure", "EXPORT_FORMATS": "exports.formats",
 }
 

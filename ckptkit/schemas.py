@@ -24,6 +24,7 @@ from .manifest import SCHEMA_MAJOR, manifest_json_schema
 from .ops.listing import ListingReport
 from .ops.reshard import ReshardReport
 from .ops.verify import VerifyReport
+from .ops.compact import CompactReport
 from .writer.clean import CleanReport
 from .writer.prune import PruneReport
 
@@ -34,7 +35,7 @@ from .writer.prune import PruneReport
 CLI_REPORTS: dict[str, tuple[int, type[BaseModel]]] = {
     "verify": (2, VerifyReport), "inspect": (2, InspectReport), "ls": (2, ListingReport), "reshard": (2, ReshardReport),
     "export": (2, ExportReport), "convert": (2, ConvertReport), "clean": (2, CleanReport), "prune": (2, PruneReport),
-    "diff": (2, DiffReport), "error": (1, ErrorReport),
+    "diff": (2, DiffReport), "error": (1, ErrorReport), "compact": (1, CompactReport),
 }
 
 

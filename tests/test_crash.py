@@ -27,7 +27,7 @@ def _save_forever(root: str, first: int, ready: Any, incremental: bool) -> None:
     ready.set()
     if incremental:
         with ckptkit.CheckpointManager(root, keep_last=2, sync=True, incremental=True, name_format="step_{step:04d}",
-                                       max_file_bytes=600_000) as manager:
+                                       max_file_bytes=600_000, compact_after=2) as manager:
             for step in range(first, first + 1000):
                 manager.save(step, {"model": _expected(step, incremental), "meta": {"step": step}})
     for step in range(first, first + 1000):
@@ -36,10 +36,16 @@ def _save_forever(root: str, first: int, ready: Any, incremental: bool) -> None:
 
 
 def _expected(step: int, incremental: bool = False) -> dict[str, torch.Tensor]:
-    """Six tensors of `step`; incremental: the first four the same at every step (frozen)."""
+    """Six tensors of `step`; incremental: the first four the same at every step (frozen), and a
+    bf16 one of which each step changes one element more (patched, then compacted)."""
     g = torch.Generator().manual_seed(step)
     frozen = torch.Generator().manual_seed(0)
-    return {f"w{i}": torch.randn(64, 1024, generator=frozen if incremental and i < 4 else g) for i in range(6)}
+    out = {f"w{i}": torch.randn(64, 1024, generator=frozen if incremental and i < 4 else g) for i in range(6)}
+    if incremental:
+        half = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        half.view(-1)[: step % 4096] += 1
+        out["half"] = half
+    return out
 
 
 # The saving processes are forked from a server that imported torch and ckptkit once, so that
@@ -73,9 +79,9 @@ def _check(root: Path, names: set[str], incremental: bool) -> None:
 
 @pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
 def test_sigkill_during_saves_never_leaves_a_broken_commit(tmp_path: Path, incremental: bool) -> None:
-    """Full saves; and incremental ones through a manager keeping the last 2 (kills land in
-    hashing, writes, commits and the retention that follows them): every committed checkpoint
-    still verifies and loads, its bases included."""
+    """Full saves; and incremental ones through a manager keeping the last 2 and compacting every
+    second save (kills land in hashing, diffs, writes, commits, compactions and the retention
+    that follows them): every committed checkpoint still verifies and loads, its bases included."""
     rng = random.Random(20261130)
     lives_per_root = 4
     committed = 0
@@ -101,3 +107,8 @@ def test_sigkill_during_saves_never_leaves_a_broken_commit(tmp_path: Path, incre
         committed += len(names - old)
     # The kill instants must have landed both between and after commits to mean anything.
     assert committed > 0
+    if incremental:  # and the saves must have patched and compacted (and read earlier ones)
+        manifests = [ckptkit.read_manifest(str(d)) for d in tmp_path.glob("root*/step_*") if (d / "manifest.json").exists()]
+        assert any(t.patches for m in manifests for t in m.tensors.values())
+        assert any(f.role == "kept" for m in manifests for f in m.files)
+        assert any(m.bases() for m in manifests)

@@ -233,3 +233,32 @@ def layout_check_cmd(file: str, tp: int | None, pp: int | None, dp: int | None, 
         sys.exit(1)
     layout = parse_layout(data, source=file)
     click.echo(f"{file}: sound ({layout.name}: {len(layout.tensors())} tensors, {layout.num_layers} layers)")
+
+
+@cli.command("compact")
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def compact_cmd(path: str, as_json: bool) -> None:
+    """Rewrite the incremental checkpoint at PATH as a full one, in place.
+
+    Every tensor is written whole (its patches applied, every byte read checked) into new files
+    of the checkpoint, then its manifest is replaced in one atomic write: it keeps its name, step
+    and content, and reads no earlier checkpoint any more (retention may then release them). A
+    full checkpoint is left as it is. Cut off before the end, nothing it holds has changed;
+    `ckptkit clean` removes the files left behind.
+
+    \b
+    Examples:
+      ckptkit compact runs/a/step_00000020
+    """
+    report = ckptkit.compact(path)
+    if as_json:
+        emit_json(report)
+        return
+    if not report.compacted:
+        click.echo(f"{report.checkpoint}: a full checkpoint already (it reads no earlier one); nothing written")
+        return
+    click.echo(f"{report.checkpoint}: rewritten whole ({report.files_written} file(s), {ckptkit.human_bytes(report.bytes_written)}); "
+               f"it read {', '.join(report.bases_before) or 'no earlier checkpoint'}"
+               + (f" and {report.patches_before} patch(es)" if report.patches_before else "")
+               + (f"; {report.kept_files} earlier file(s) kept for the checkpoints that read them" if report.kept_files else ""))

@@ -364,6 +364,9 @@ def apply_patch(dest: np.ndarray[Any, Any], box: Box, patch: Patch, indices: np.
     if not box.ndim:
         typed[0] = new[-1]
         return
+    if tuple(patch.offsets) == box.offsets and tuple(patch.lengths) == box.lengths and typed.flags.c_contiguous:
+        typed.reshape(-1)[flat] = new  # the whole box: positions are the destination's own
+        return
     coords = np.unravel_index(flat, patch.lengths)
     inside = np.ones(len(flat), dtype=bool)
     at = []

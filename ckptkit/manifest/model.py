@@ -112,7 +112,8 @@ class FileEntry(Model):
 
     ``role``: ``tensors`` (payload), ``tokenizer`` and ``asset`` (carried over by reshard and
     export), ``format`` (since 1.1: a file of the storage form itself, such as the ``zarr.json``
-    documents of the zarr form, never carried over). ``encoding`` of a tensors file: ``safetensors`` (the default, omitted when written), or
+    documents of the zarr form, never carried over), ``kept`` (since 1.4: a payload file of this
+    checkpoint from before it was compacted, read by later checkpoints only, never carried over). ``encoding`` of a tensors file: ``safetensors`` (the default, omitted when written), or
     ``raw`` (since 1.1): the file is the bytes of exactly one shard, C order, little-endian,
     from offset 0, possibly followed by padding (the chunks of the zarr form).
 
@@ -125,7 +126,7 @@ class FileEntry(Model):
     path: str
     size: int = Field(ge=0)
     checksum: str
-    role: Literal["tensors", "tokenizer", "asset", "format"] = "tensors"
+    role: Literal["tensors", "tokenizer", "asset", "format", "kept"] = "tensors"
     encoding: Literal["safetensors", "raw"] = Field(default="safetensors", exclude_if=lambda v: v == "safetensors")
     blocks: BlockChecksums | None = Field(default=None, exclude_if=lambda v: v is None)
     base: str | None = Field(default=None, exclude_if=lambda v: v is None)  # since 1.4

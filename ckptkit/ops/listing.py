@@ -23,6 +23,7 @@ from ..io.catalog import (
     locate,
     read_latest,
     root_exists,
+    COMPACT_LEFTOVER,
     sealed_manifest,
 )
 from ..io.kinds import DESCRIPTIONS, FOREIGN, Kind, classify
@@ -123,11 +124,13 @@ def _entry(storage: Storage, child: str, latest: str | None, checkpoints: list[L
     if tmp:
         leftovers.append(Leftover(name=name, reason=f"uncommitted save of {tmp['name']}"))
         return
-    kind = classify([key.removeprefix(f"{name}/") for key in storage.list(name, recursive=False)])
+    keys = [key.removeprefix(f"{name}/") for key in storage.list(name, recursive=False)]
+    kind = classify(keys)
     if kind == "checkpoint":
         listed, problem = _checkpoint(storage, name, latest)
         if listed is not None:
             checkpoints.append(listed)
+            leftovers += _compaction_leftovers(storage, name, keys)
         else:  # a manifest is there: not a leftover, and nothing that clean removes
             others.append(Other(name=name, kind="damaged", detail=f"unreadable {MANIFEST_NAME}: {problem}"))
     elif kind == "leftover":
@@ -155,6 +158,21 @@ def _checkpoint(storage: Storage, name: str, latest: str | None) -> tuple[Listed
         payload_bytes=sum(n for n in sizes if type(n) is int) if sizes else None,
         created_at=created if isinstance(created, str) else None, is_latest=name == latest,
     ), ""
+
+
+def _compaction_leftovers(storage: Storage, name: str, keys: list[str]) -> list[Leftover]:
+    """The folders an interrupted compaction left in checkpoint `name` (its manifest names none of
+    their files)."""
+    folders = [k.rstrip("/") for k in keys if COMPACT_LEFTOVER.match(k.rstrip("/"))]
+    if not folders:
+        return []
+    raw, _ = sealed_manifest(storage, name)
+    files = raw.get("files") if raw is not None else None
+    if not isinstance(files, list):  # unreadable now: nothing is called a leftover
+        return []
+    used = {f["path"].split("/", 1)[0] for f in files if isinstance(f, dict) and isinstance(f.get("path"), str)}
+    return [Leftover(name=f"{name}/{folder}", reason=f"files of an interrupted compaction of {name}") for folder in folders
+            if folder not in used]
 
 
 def _foreign(path: str, warnings: list[str]) -> ListedCheckpoint | None:

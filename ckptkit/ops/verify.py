@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .collective import default_collective, guard, unwrap
 from .reports import SkippedEntry
-from ..io.catalog import Location, manifest_bytes, removed, removed_error, resolve
+from ..io.catalog import COMPACT_LEFTOVER, Location, manifest_bytes, removed, removed_error, resolve
 from ..io.chain import base_problems
 from ..io.checksum import BlockHasher, Hasher, hasher_for
 from ..manifest.consistency import Finding, manifest_findings
@@ -216,10 +216,12 @@ def _stray_findings(loc: Location, manifest: Manifest) -> list[Finding]:
     except StorageError:
         return []
     head = loc.name + "/"
+    used = {e.path.split("/")[0] for e in manifest.files if e.base is None}
+    # an interrupted compaction's new files (`ckptkit.ops.compact`): not damage, `ckptkit clean` removes them
     return [
         Finding("extra", k[len(head) :], "file is not listed in the manifest")
         for k in keys
-        if k[len(head) :] not in listed
+        if k[len(head) :] not in listed and not (COMPACT_LEFTOVER.match(k[len(head) :]) and k[len(head) :].split("/")[0] not in used)
     ]
 
 

@@ -92,7 +92,13 @@ class CheckpointManager:
         max_device_bytes: the most GPU memory a device snapshot's buffers may hold (None: what
             the GPU has free, less 5% of its memory). Over it, "auto" takes host snapshots and
             "device" refuses to save.
-        save_options: passed to every ``ckptkit.save`` (max_file_bytes, io_threads, layout).
+        compact_after: with ``incremental=True`` (a save option), once a committed save holds a
+            box under this many patches, compact it (``ckptkit.compact``) in the background,
+            before the next save starts: a restore of it then reads one full copy, and the next
+            save compares with it (None: never). A failed compaction is a warning; the
+            checkpoint stays as it was.
+        save_options: passed to every ``ckptkit.save`` (max_file_bytes, io_threads, layout,
+            incremental).
 
     Use as a context manager, or call `close`, so the last save is committed.
     """
@@ -110,6 +116,7 @@ class CheckpointManager:
         run: RunRecord | None = None,
         snapshot: str = "host",
         max_device_bytes: int | None = None,
+        compact_after: int | None = None,
         **save_options: Any,
     ) -> None:
         check_snapshot_options(snapshot, max_device_bytes)
@@ -117,6 +124,9 @@ class CheckpointManager:
             raise LayoutError(f"keep_last must be at least 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
             raise LayoutError(f"keep_every must be at least 1, got {keep_every}")
+        if compact_after is not None and compact_after < 1:
+            raise LayoutError(f"compact_after must be at least 1, got {compact_after}")
+        self.compact_after = compact_after
         self.root = str(root)
         self.storage = storage if storage is not None else open_storage(root)
         self.policy = retention.Policy(keep_last, keep_every)
@@ -365,6 +375,7 @@ class CheckpointManager:
             manifest = save(state, handle.name, step=handle.step, storage=self.storage, process_group=self._group, **options)
             if self._rank == 0:
                 self._record_run()
+                self._compact(handle.name, manifest)
                 self._retain()
             handle.background_s = time.perf_counter() - start
             handle.committed.set_result(manifest)
@@ -372,6 +383,23 @@ class CheckpointManager:
             if not handle.staged.done():
                 handle.staged.set_exception(exc)
             handle.committed.set_exception(exc)
+
+    def _compact(self, name: str, manifest: Manifest) -> None:
+        """Compact a save whose patches reached `compact_after` (a failure is a warning)."""
+        if self.compact_after is None:
+            return
+        depth: dict[tuple[str, tuple[int, ...]], int] = {}
+        for fqn, entry in manifest.tensors.items():
+            for p in entry.patches:
+                depth[(fqn, p.offsets)] = depth.get((fqn, p.offsets), 0) + 1
+        if max(depth.values(), default=0) < self.compact_after:
+            return
+        from ..ops.compact import compact
+
+        try:
+            compact(name, storage=self.storage)
+        except CkptkitError as exc:
+            warnings.warn(f"ckptkit: compaction of {name} failed (it stays as it was): {exc}", stacklevel=2)
 
     def _retain(self) -> None:
         """Apply retention after a commit. Its failure does not fail the save that committed (and

@@ -309,3 +309,53 @@ def test_changed_positions_are_those_numpy_finds(n: int) -> None:
     assert got is not None and got.tolist() == expected.tolist()
     if len(expected):
         assert changed_positions(before.view(np.uint8), after.view(np.uint8), len(expected) - 1) is None
+
+
+def test_compaction_rewrites_a_chain_whole_in_place_and_frees_its_bases(tmp_path: Path, run_ckptkit) -> None:
+    states = _rl_states(4)
+    for n, s in enumerate(states, 1):
+        ckptkit.save(s, tmp_path / f"step_{n}", step=n, incremental=True)
+    later = ckptkit.save(_rl_states(5)[-1], tmp_path / "step_5", step=5, incremental=True)  # reads step_4's files
+    assert "step_4" in later.bases()
+    result = run_ckptkit("compact", str(tmp_path / "step_4"))
+    assert result.returncode == 0 and "rewritten whole" in result.stdout, result.stderr
+    compacted = ckptkit.read_manifest(str(tmp_path / "step_4"))
+    assert compacted.bases() == () and not any(t.patches for t in compacted.tensors.values())
+    assert [f.role for f in compacted.files if f.role == "kept"] == ["kept"]  # its own file, which step_5 reads
+    _equal(ckptkit.load(str(tmp_path / "step_4")), states[3])
+    _equal(ckptkit.load(str(tmp_path / "step_5")), _rl_states(5)[-1])
+    for name in ("step_4", "step_5"):
+        assert ckptkit.verify(str(tmp_path / name)).ok
+    assert later.bases() == ("step_1", "step_2", "step_3", "step_4")
+    assert ckptkit.prune(str(tmp_path), keep_last=1, dry_run=True).removed == []  # step_5 reads them all
+    ckptkit.compact(str(tmp_path / "step_5"))
+    assert [r.name for r in ckptkit.prune(str(tmp_path), keep_last=1).removed] == ["step_1", "step_2", "step_3", "step_4"]
+    _equal(ckptkit.load(str(tmp_path / "step_5")), _rl_states(5)[-1])
+    again = ckptkit.compact(str(tmp_path / "step_5"))
+    assert not again.compacted and again.files_written == 0
+
+
+def test_an_interrupted_compaction_changes_nothing_and_clean_removes_what_it_left(tmp_path: Path, run_ckptkit) -> None:
+    for n, s in enumerate(_rl_states(2), 1):
+        ckptkit.save(s, tmp_path / f"step_{n}", step=n, incremental=True)
+    left = tmp_path / "step_2" / ".compact-0123456789ab"
+    left.mkdir()
+    (left / "part00000.safetensors").write_bytes(b"cut off")
+    assert ckptkit.verify(str(tmp_path / "step_2")).ok  # not damage: the manifest names none of it
+    listing = ckptkit.list_checkpoints(str(tmp_path))
+    assert [(x.name, x.reason) for x in listing.leftovers] == [("step_2/.compact-0123456789ab",
+                                                                "files of an interrupted compaction of step_2")]
+    assert [r.name for r in ckptkit.clean(str(tmp_path)).removed] == ["step_2/.compact-0123456789ab"]
+    assert not left.exists() and ckptkit.verify(str(tmp_path / "step_2")).ok
+    assert run_ckptkit("compact", str(tmp_path / "nothing")).returncode == 2
+
+
+def test_the_manager_compacts_a_save_whose_patches_reach_its_bound(tmp_path: Path) -> None:
+    states = _rl_states(4)
+    with ckptkit.CheckpointManager(tmp_path, sync=True, incremental=True, compact_after=2) as manager:
+        for n, s in enumerate(states, 1):
+            manager.save(n, s)
+    depth = [len(ckptkit.read_manifest(str(tmp_path / f"step_{n:08d}")).tensors["model/w"].patches) for n in range(1, 5)]
+    assert depth == [0, 1, 0, 1]  # step 3 reached 2 patches and was compacted; step 4 patches it
+    for n, s in enumerate(states, 1):
+        _equal(ckptkit.load(str(tmp_path / f"step_{n:08d}")), s)
