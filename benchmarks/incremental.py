@@ -204,10 +204,11 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def summary(block: dict[str, Any]) -> dict[str, Any]:
-    """Medians over the saves after the first (the first of a chain is a full one either way)."""
+    """Medians over the saves after the first (the first of a chain is a full one either way); the
+    value bytes written against the bytes that changed, summed over them."""
     later = block["per_save"][1:]
-    ratio_bytes = [(r["incremental"]["files"] - r["incremental"]["headers"] - r["incremental"]["index"]) / r["changed"]
-                   for r in later if r["changed"]]
+    changed = sum(r["changed"] for r in later)
+    values = sum(r["incremental"]["files"] - r["incremental"]["headers"] - r["incremental"]["index"] for r in later)
     return {
         "state_bytes": block["state_bytes"],
         "changed_bytes": statistics.median(r["changed"] for r in later),
@@ -215,7 +216,7 @@ def summary(block: dict[str, Any]) -> dict[str, Any]:
         "incremental_written": statistics.median(r["incremental"]["files"] + r["incremental"]["manifest"] for r in later),
         "index_bytes": statistics.median(r["incremental"]["index"] for r in later),
         "manifest_bytes": statistics.median(r["incremental"]["manifest"] for r in later),
-        "bytes_vs_changed": statistics.median(ratio_bytes) if ratio_bytes else None,
+        "bytes_vs_changed": values / changed if changed else None,  # over every save after the first
         "full_s": statistics.median(r["full_s"] for r in later),
         "incremental_s": statistics.median(r["incremental_s"] for r in later),
         "throughput_vs_full": statistics.median(r["full_s"] / r["incremental_s"] for r in later),

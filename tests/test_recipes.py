@@ -59,7 +59,8 @@ def test_a_recipe_runs_as_written(index: int, tmp_path: Path) -> None:
 
 def test_the_library_recipe_runs_as_written(tmp_path: Path) -> None:
     """The trainer author's recipe (the README's python block), run as a script: it saves, loads
-    at another sharding, verifies and keeps the last two saves, asserting each."""
+    at another sharding, verifies, keeps the last two saves, then saves twice incrementally (the
+    second writes no tensor), asserting each."""
     text = (REPO / "README.md").read_text()
     section = text.split("## Saving and loading from your own trainer", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
@@ -67,7 +68,9 @@ def test_the_library_recipe_runs_as_written(tmp_path: Path) -> None:
     script.write_text(block.replace(PLACE, str(tmp_path)))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
-    assert [c.step for c in ckptkit.list_checkpoints(tmp_path / "ckpts").checkpoints] == [200, 300]
+    assert [c.step for c in ckptkit.list_checkpoints(tmp_path / "ckpts").checkpoints] == [200, 300, 400, 500]
+    last = ckptkit.read_manifest(str(tmp_path / "ckpts" / "step_00000500"))
+    assert all(f.base == "step_00000400" for f in last.files if f.role == "tensors")
 
 
 def test_the_readme_names_every_command() -> None:

@@ -18,6 +18,10 @@ range read too (at most one extra block each end, fewer where a checked copy of 
 kept); its header's blocks are checked when it is first read. A file without them (older
 checkpoints) is checked against its whole-file checksum when one call reads all of its tensor
 bytes, as ``load`` always did.
+
+A tensor with patches (an incremental save's, schema 1.4) has the patches that meet a box read
+with the box's own bytes, checked the same way, and applied over it in order once every read is
+done: whatever reads bytes through the engine sees the patched box.
 """
 
 from __future__ import annotations

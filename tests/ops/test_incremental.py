@@ -212,6 +212,10 @@ def test_incremental_saves_on_s3(s3_bucket: str) -> None:
     assert m.bases() == ("step_1",)
     _assert_state(ckptkit.load(f"{root}/step_2"), 2)
     assert ckptkit.verify(f"{root}/step_2").ok
+    assert ckptkit.compact(f"{root}/step_2").compacted
+    assert ckptkit.read_manifest(f"{root}/step_2").bases() == ()
+    _assert_state(ckptkit.load(f"{root}/step_2"), 2)
+    assert ckptkit.verify(f"{root}/step_2").ok
 
 
 def _rl_states(steps: int, scale: float = 1e-4) -> list[dict]:
