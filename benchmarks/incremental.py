@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptkit.state.tree import flatten, unflatten
+
 from .cache import evict_files
 
 SCENARIOS = ("frozen", "rl-bf16", "dense")
@@ -68,25 +70,11 @@ def _states(scenario: str, nbytes: int, saves: int) -> list[dict[str, Any]]:
 
 
 def _nested(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for group, tensors in state.items():
-        for name, value in tensors.items():
-            node = out.setdefault(group, {})
-            *path, last = name.split("/")
-            for part in path:
-                node = node.setdefault(part, {})
-            node[last] = value
-    return out
+    return unflatten({f"{group}/{name}": value for group, tensors in state.items() for name, value in tensors.items()})
 
 
-def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}/"))
-        else:
-            out[prefix + key] = value
-    return out
+def _flat(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return flatten(state, lambda v: isinstance(v, torch.Tensor))[0]
 
 
 def changed_bytes(before: dict[str, Any] | None, after: dict[str, Any]) -> int:
