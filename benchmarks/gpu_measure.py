@@ -21,6 +21,7 @@ import gc
 import os
 import shutil
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,9 +165,34 @@ def _stager(variant: str) -> Any:
     return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=True))
 
 
-def measure_dcp(state: dict[str, Any], variant: str, directory: str, step: Step, repeats: int) -> dict[str, Any]:
+def within(seconds: float, measure: Callable[[dict[str, str]], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``measure(progress)`` in a daemon thread for at most `seconds`; return its result, or
+    ``{"error": ...}`` naming the last `progress["at"]` it reached when it did not finish in time
+    (the thread is left behind: a tool that hangs must not stop the measurements after it)."""
+    progress = {"at": "starting"}
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = measure(progress)
+        except BaseException as exc:  # reported by the caller's thread
+            box["result"] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+
+    thread = threading.Thread(target=target, name="measure", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        return {"error": f"did not finish within {seconds:g} s (stuck at: {progress['at']})", "timed_out": True}
+    result: dict[str, Any] = box["result"]
+    return result
+
+
+def measure_dcp(state: dict[str, Any], variant: str, directory: str, step: Step, repeats: int,
+                progress: dict[str, str] | None = None) -> dict[str, Any]:
     """Stalls, slowdowns and host memory of DCP ``async_save`` with one of DCP_VARIANTS' stagers;
-    a failure is reported as ``{"error": ...}``."""
+    a failure is reported as ``{"error": ...}``; each phase is noted in `progress["at"]` (for
+    `within`)."""
+    progress = {} if progress is None else progress
     stager = None
     try:
         from torch.distributed.checkpoint import async_save
@@ -178,15 +204,20 @@ def measure_dcp(state: dict[str, Any], variant: str, directory: str, step: Step,
         peaks: list[int] = []
         for i in range(repeats + 1):
             path = os.path.join(directory, f"dcp{i}")
+            save_no = f"save {i + 1} of {repeats + 1}"
 
             def save() -> Any:
+                progress["at"] = f"{save_no}: async_save"
                 response = async_save(state, checkpoint_id=path, no_dist=True, async_stager=stager)
                 if hasattr(response, "staging_completion"):
+                    progress["at"] = f"{save_no}: staging_completion"
                     response.staging_completion.result()  # the state may change only after this
+                progress["at"] = f"{save_no}: the step after the save"
                 return getattr(response, "upload_completion", response)
 
             with PeakRss() as rss:
                 stall, upload = _stall(save, step, normal)
+                progress["at"] = f"{save_no}: steps while the upload runs"
                 slowdowns.append(_steps_while(step, lambda: not upload.done(), normal))
                 upload.result()
             stalls.append(stall)
@@ -196,6 +227,7 @@ def measure_dcp(state: dict[str, Any], variant: str, directory: str, step: Step,
     except Exception as exc:  # reported, not raised: one DCP variant failing leaves the others
         return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
     finally:
+        progress["at"] = "closing the stager"
         if stager is not None:
             stager.close()
         shutil.rmtree(directory, ignore_errors=True)

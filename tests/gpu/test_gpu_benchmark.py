@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,22 @@ def test_the_check_script_refuses_an_unknown_stage_in_one_line(tmp_path: Path) -
     assert proc.returncode == 2
     assert proc.stdout.splitlines() == ["gpu_check: unknown stage 'big' (the stages are tests, small and full; none: all three)"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_measurement_past_its_deadline_is_reported_with_where_it_stuck_and_the_run_goes_on() -> None:
+    from benchmarks.gpu_measure import within
+
+    release = threading.Event()
+
+    def hangs(progress: dict[str, str]) -> dict:
+        progress["at"] = "save 2 of 3: staging_completion"
+        release.wait(30)
+        return {"stall_s": 1.0}
+
+    try:
+        assert within(0.2, hangs) == {"error": "did not finish within 0.2 s (stuck at: save 2 of 3: staging_completion)",
+                                      "timed_out": True}
+    finally:
+        release.set()
+    assert within(30, lambda progress: {"stall_s": 0.5}) == {"stall_s": 0.5}
+    assert within(30, lambda progress: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}
