@@ -9,6 +9,9 @@ ones, the two interleaved step by step (the order alternating), durable (ckptkit
   of the trained part;
 - ``rl-bf16``: bf16 weights of fp32 masters moved at an RL-like rate (about 1 % of the bf16
   elements change per step, the PULSE measure), the weights alone (what RL stacks sync);
+- ``rl-compact``: rl-bf16's states, the incremental saves through a ``CheckpointManager`` that
+  compacts a save once a box lies under `COMPACT_AFTER` patches (its save time includes such a
+  compaction; the bytes compactions write are counted apart, ``compacted``);
 - ``dense``: an fp32 model and both AdamW moments, every element changing every step.
 
 "Changed bytes" are the bytes of the elements that differ from the previous step (value bytes:
@@ -32,8 +35,11 @@ from ckptkit.state.tree import flatten, unflatten
 
 from .cache import evict_files
 
-SCENARIOS = ("frozen", "rl-bf16", "dense")
+SCENARIOS = ("frozen", "rl-bf16", "rl-compact", "dense")
 SAVES = 20
+# ``rl-compact``: rl-bf16's states, the incremental side through ``CheckpointManager(compact_after=...)``,
+# which rewrites a save whole in the background once a box lies under this many patches.
+COMPACT_AFTER = 4
 
 
 def _states(scenario: str, nbytes: int, saves: int) -> list[dict[str, Any]]:
@@ -50,7 +56,7 @@ def _states(scenario: str, nbytes: int, saves: int) -> list[dict[str, Any]]:
             out.append({"model": {**frozen, "layers/9/w": top}, "optim": {"layers/9/w/exp_avg": top * 0.1,
                                                                              "layers/9/w/exp_avg_sq": top * top}})
         return [_nested(s) for s in out]
-    if scenario == "rl-bf16":
+    if scenario in ("rl-bf16", "rl-compact"):
         tensors = 8
         cols = max(1, nbytes // (2 * rows * tensors))
         masters = [torch.randn(rows, cols, generator=g) for _ in range(tensors)]
@@ -167,18 +173,31 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         os.makedirs(root)
     per_save: list[dict[str, Any]] = []
     previous = None
+    manager = None
+    if scenario == "rl-compact":
+        from ckptkit import CheckpointManager
+
+        manager = CheckpointManager(roots["incremental"], name_format="step_{step:04d}", incremental=True,
+                                    compact_after=COMPACT_AFTER)
     for step, state in enumerate(states, 1):
         row: dict[str, Any] = {"step": step, "changed": changed_bytes(previous, state)}
         for mode in (("full", "incremental") if step % 2 else ("incremental", "full")):
             directory = os.path.join(roots[mode], f"step_{step:04d}")
             start = time.perf_counter()
-            manifest = save(state, directory, step=step, incremental=mode == "incremental")
+            if manager is not None and mode == "incremental":
+                manifest = manager.save(step, state).committed.result()  # a compaction it starts included
+            else:
+                manifest = save(state, directory, step=step, incremental=mode == "incremental")
             row[f"{mode}_s"] = time.perf_counter() - start
             row[mode] = _written(manifest, directory)
             if mode == "full" and step > 1:  # only the newest full save is kept (it is restored)
                 shutil.rmtree(os.path.join(roots[mode], f"step_{step - 1:04d}"))
         per_save.append(row)
         previous = state
+    if manager is not None:
+        manager.close()
+    compacted = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(roots["incremental"])
+                    if ".compact-" in d for f in files)
     newest = {mode: os.path.join(root, f"step_{saves:04d}") for mode, root in roots.items()}
     restores: dict[str, list[float]] = {"full": [], "incremental": []}
     for turn in range(3):
@@ -187,7 +206,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     state_bytes = sum(t.numel() * t.element_size() for t in _flat(states[0]).values())
     for root in roots.values():
         shutil.rmtree(root, ignore_errors=True)
-    return {"scenario": scenario, "saves": saves, "state_bytes": state_bytes, "per_save": per_save,
+    return {"scenario": scenario, "saves": saves, "state_bytes": state_bytes, "per_save": per_save, "compacted": compacted,
             "restore_full_s": restores["full"], "restore_incremental_s": restores["incremental"], "seconds": 0.0}
 
 
@@ -211,4 +230,5 @@ def summary(block: dict[str, Any]) -> dict[str, Any]:
         "restore_vs_full": statistics.median(a / b for a, b in zip(block["restore_incremental_s"], block["restore_full_s"])),
         "restore_full_s": statistics.median(block["restore_full_s"]),
         "restore_incremental_s": statistics.median(block["restore_incremental_s"]),
+        "compacted_per_save": block.get("compacted", 0) / len(later) if later else 0,  # what compactions wrote, spread
     }

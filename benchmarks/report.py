@@ -215,7 +215,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         for name, s in block["scenarios"].items():
             if "error" in s:
                 continue
-            if name in ("frozen", "rl-bf16"):
+            if name in ("frozen", "rl-bf16", "rl-compact"):
                 add(f"incremental {name}: value bytes written / changed", s["bytes_vs_changed"], INCREMENTAL_BYTES + 1e-9, False)
                 add(f"incremental {name}: restore of newest / full", s["restore_vs_full"], INCREMENTAL_RESTORE + 1e-9, False)
             if name == "dense":

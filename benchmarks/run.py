@@ -305,7 +305,8 @@ def run_incremental_phase(args: argparse.Namespace, settings: Settings) -> dict[
     each); then the speed of finding changed elements and of a codec. Medians over repeats."""
     from . import incremental
 
-    block: dict[str, Any] = {"size_mib": args.incremental_mb, "saves": args.incremental_saves, "scenarios": {}}
+    block: dict[str, Any] = {"size_mib": args.incremental_mb, "saves": args.incremental_saves, "scenarios": {},
+                             "compact_after": incremental.COMPACT_AFTER}
     for scenario in incremental.SCENARIOS:
         summaries = []
         for repeat in range(settings.repeats):

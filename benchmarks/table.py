@@ -296,6 +296,10 @@ def _incremental_table(block: dict[str, Any]) -> list[str]:
                      f"{s['throughput_vs_full']:>8.2f}{s['restore_vs_full']:>10.2f}")
     lines.append("  (medians over the saves after the first; thru x: full save time / incremental; restore x: cold load of the")
     lines.append("   newest incremental step / of the newest full save)")
+    for name, s in block["scenarios"].items():
+        if s.get("compacted_per_save"):
+            lines.append(f"  {name}: compactions (a save rewritten whole once a box lies under {block.get('compact_after', '?')} patches) "
+                         f"wrote {s['compacted_per_save'] / 1e6:.1f} MB per save besides the saves' own")
     encode, codec = block.get("encode"), block.get("codec")
     if encode:
         lines.append(f"  finding the changed elements of {encode['bytes'] / (1 << 20):.0f} MiB of bf16 ({100 * encode['changed']:.0f} % changed): "

@@ -299,7 +299,7 @@ def test_reshard_of_a_patched_checkpoint_writes_whole_tensors(tmp_path: Path) ->
     assert ckptkit.diff(str(tmp_path / "run" / "step_3"), str(tmp_path / "full" / "step_3")).ok
 
 
-@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 1001])
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 1001, (1 << 19) + 3])  # the last spans chunks
 def test_changed_positions_are_those_numpy_finds(n: int) -> None:
     from ckptkit.ops.incremental import changed_positions
 
