@@ -5,9 +5,7 @@ megatron-core's own ``load_plain_tensors`` of the checkpoint (every tensor, mode
 state, as megatron-core reads it). Used by ``tests/test_export_megatron.py``; needs megatron-core
 (and the fixtures' CPU patches from ``fixtures/make_megatron.py``).
 
-The distributed optimizer itself is not loaded here: megatron-core 0.16.1 without
-TransformerEngine or Apex cannot load its own ``fully_reshardable`` state into torch's Adam
-(``state_dict`` needs each parameter's ``step`` state, ``load_state_dict`` then fails copying it).
+The distributed optimizer itself is not loaded here: ``tests/megatron_resume_job.py`` resumes it.
 """
 
 from __future__ import annotations

@@ -99,6 +99,33 @@ def test_a_save_resharded_first_comes_back_with_every_tensor_megatron_core_saved
     assert [k for k, v in want.items() if not (plain[k].dtype == v.dtype and torch.equal(plain[k], v))] == []
 
 
+@pytest.mark.parametrize(("name", "dtype", "saved_as"), [
+    ("gpt-tp2-dp2", "float32", ("fully_reshardable", None)),
+    ("gpt-tp2-dp2-dpr-bf16", "bfloat16", ("dp_reshardable", 700)),  # Megatron-LM's default form, in buckets of 700
+])
+def test_megatron_core_resumes_a_resharded_export_with_the_originals_next_step(name: str, dtype: str, saved_as: tuple[str, int | None],
+                                                                               tmp_path: Path, run_ckptkit: Any) -> None:
+    # in at tp 2 x dp 2, resharded to tp 1 x dp 3 (ZeRO 1), out at tp 2: megatron-core's distributed
+    # optimizer resumes from the export with the same step, learning rate and losses as from the original
+    from .megatron_resume_job import job
+    from .ranks import run_ranks
+
+    layout = _layout_file(tmp_path)
+    converted, resharded, out = tmp_path / "converted", tmp_path / "tp1-dp3", tmp_path / "megatron"
+    assert run_ckptkit("convert", str(FIXTURES / name), str(converted), "--layout", str(layout)).returncode == 0
+    assert run_ckptkit("reshard", str(converted), str(resharded), "--tp", "1", "--dp", "3", "--zero", "1").returncode == 0
+    proc = run_ckptkit("export", str(resharded), str(out), "--format", "megatron", "--include-optimizer", "--tp", "2")
+    assert proc.returncode == 0, proc.stderr
+    config = {k: v for k, v in json.loads((FIXTURES / f"{name}.oracle" / "config.json").read_text()).items()
+              if k in (*MODEL_KEYS, "max_sequence_length")}
+    original = str(FIXTURES / name)
+    runs = [(original, *saved_as), (str(out), "fully_reshardable", None)]
+    run_ranks(job, (2, runs, str(tmp_path), 29900 + os.getpid() % 90, config, dtype), 2)
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed[original]["steps"] == [4.0] and set(resumed[original]["lrs"]) == {0.01}  # the saved step 3 and lr
+    assert resumed[str(out)] == resumed[original]  # losses of the next step and after it, exactly
+
+
 def test_a_dp_reshardable_save_comes_back_as_megatron_core_reads_it(tmp_path: Path, run_ckptkit: Any) -> None:
     # Megatron-LM's default optimizer form in, the reshardable form out: every state as megatron-core's own
     out = _convert_and_export("gpt-tp2-dp2-dpr-bf16", tmp_path, run_ckptkit, "--tp", "2")
