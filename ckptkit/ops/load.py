@@ -16,6 +16,7 @@ from ..manifest import Manifest
 from ..plan.load import plan_load
 from ..io.payload import open_checkpoint
 from ..state.device import DEFAULT_PINNED_BYTES, BouncePool, device_problems, load_through
+from ..state.host_memory import host_empty
 from ..state.sharded import ShardedTensor
 from ..storage import Storage
 from ..state.torch_io import byte_array, is_leaf, leaf_shards, torch_dtype
@@ -42,7 +43,7 @@ class Checkpoint:
         manifest = self.manifest
         if target is None:
             tensors = {
-                fqn: torch.empty(entry.shape, dtype=torch_dtype(entry.dtype)) for fqn, entry in manifest.tensors.items()
+                fqn: host_empty(entry.shape, torch_dtype(entry.dtype)) for fqn, entry in manifest.tensors.items()
             }
             pieces = {fqn: [ShardedTensor(t, t.shape, (0,) * t.dim())] for fqn, t in tensors.items()}
             leaves: dict[str, Any] = dict(tensors)
@@ -133,7 +134,7 @@ def _fill_host(reader: Reader, pieces: Mapping[str, list[ShardedTensor]], thread
     for p in flat:
         out = p.local
         if not out.is_contiguous():  # read into a contiguous buffer of exactly the box, then copy
-            out = torch.empty(tuple(out.shape), dtype=out.dtype)
+            out = host_empty(out.shape, out.dtype)
             copies.append((out, p.local))
         dests.append(byte_array(out))
     reader.fill(plan.targets, dests, pool=threads)
