@@ -124,7 +124,9 @@ def run(args: argparse.Namespace, say: Any, results: dict[str, Any] | None = Non
             results[f"ckptkit_{kind}"] = m.measure_manager(state, kind, os.path.join(work, f"ckptkit-{kind}"), step, args.repeats)
         except Exception as exc:  # e.g. a device snapshot that does not fit: reported
             results[f"ckptkit_{kind}"] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-        say(f"[gpu] ckptkit {kind} snapshot: {_said(results[f'ckptkit_{kind}'], 'stall_s')}")
+        block = results[f"ckptkit_{kind}"]
+        held = f" (save() held the host {block['save_call_s']:.4f} s)" if "save_call_s" in block else ""
+        say(f"[gpu] ckptkit {kind} snapshot: {_said(block, 'stall_s')}{held}")
     shutil.rmtree(os.path.join(work, "ckptkit-device"), ignore_errors=True)
     root = os.path.join(work, "ckptkit-host")  # its last checkpoint is the one loaded
     results["cold_read"] = m.cold_read(root, args.repeats)
@@ -216,6 +218,7 @@ def render(r: dict[str, Any]) -> str:
         slow = "-" if block["slowdown"] is None else f"{block['slowdown']:+.1%}"
         lines.append(f"{name:<58} {block['stall_s']:>9.3f} {block['stall_s'] / d2h:>7.2f} {block['stall_s'] / d2d:>7.2f} "
                      f"{slow:>9} {block['host_peak_added_bytes'] / gb:>9.2f}")
+    lines += _save_calls(r)
     lines += ["", f"{'load into CUDA tensors (cold)':<58} {'seconds':>9} {'speed /read':>11} {'host +GB':>9}",
               f"{'cold read of the same bytes':<58} {r['cold_read']['seconds']:>9.3f}"]
     for name, key in (("ckptkit.load", "load_ckptkit"), ("dcp load", "load_dcp")):
@@ -237,6 +240,22 @@ def render(r: dict[str, Any]) -> str:
         value = "-" if t["measured"] is None else f"{t['measured']:.3f}"
         lines.append(f"  {t['target']:<70} {value:>8}  {verdict}")
     return "\n".join(lines)
+
+
+def _save_calls(r: dict[str, Any]) -> list[str]:
+    """How long each snapshot kind's save() held the host, and what one device-snapshot save
+    spent its host time on (torch.profiler), where measured."""
+    lines = []
+    for kind in ("host", "device"):
+        block = r.get(f"ckptkit_{kind}", {})
+        if "save_call_s" in block:
+            lines.append(f"  save() itself held the host: {block['save_call_s']:.4f} s ({kind} snapshots, median)")
+    profile = r.get("ckptkit_device", {}).get("profile")
+    if profile:
+        lines.append("  one device-snapshot save, torch.profiler, the operations with the most host time:")
+        lines += [f"    {row['op'][:60]:<60} x{row['calls']:<5} host {row['cpu_total_ms']:8.3f} ms  device {row['device_total_ms']:8.3f} ms"
+                  for row in profile]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -137,6 +137,7 @@ def measure_manager(state: dict[str, Any], kind: str, root: str, step: Step, rep
 
     normal = normal_step_s(step)
     stalls: list[float] = []
+    calls: list[float] = []
     slowdowns: list[float | None] = []
     peaks: list[int] = []
     with CheckpointManager(root, keep_last=1, snapshot=kind) as manager:
@@ -146,13 +147,36 @@ def measure_manager(state: dict[str, Any], kind: str, root: str, step: Step, rep
                 slowdowns.append(_steps_while(step, lambda: not handle.committed.done(), normal))
                 manager.wait()
             stalls.append(stall)
+            calls.append(handle.stall_s)
             peaks.append(rss.peak - rss.before)
         choice = handle.snapshot
         pools = {"host_buffer_bytes": manager.host_buffer_bytes, "device_buffer_bytes": manager.device_buffer_bytes}
+        profile = _profiled_save(manager, repeats + 2, state)
     del manager
     release()
+    # save_call_s: how long save() itself held the host (the rest of the stall is the GPU's)
     return _summary(stalls, slowdowns, peaks, normal_step_s=normal, snapshot=choice.kind if choice else None,
-                    snapshot_reason=choice.reason if choice else None, **pools)
+                    snapshot_reason=choice.reason if choice else None, save_call_s=statistics.median(calls[1:]),
+                    all_save_call_s=calls, profile=profile, **pools)
+
+
+def _profiled_save(manager: Any, step_no: int, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The 15 operations that took the most host time in one more save() call, by torch.profiler
+    (CPU and CUDA activity): where a save's fixed cost goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            manager.save(step_no, state)
+            torch.cuda.synchronize()
+        manager.wait()
+        rows = sorted(prof.key_averages(), key=lambda e: -e.cpu_time_total)[:15]
+        return [{"op": e.key, "calls": e.count, "cpu_total_ms": e.cpu_time_total / 1e3,
+                 "device_total_ms": getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e3} for e in rows]
+    except Exception as exc:  # the profile is a diagnosis: its failure leaves the measurements
+        return [{"op": f"profile failed: {type(exc).__name__}: {exc}".splitlines()[0], "calls": 0, "cpu_total_ms": 0.0,
+                 "device_total_ms": 0.0}]
 
 
 def _stager(variant: str) -> Any:

@@ -163,3 +163,14 @@ def test_a_measurement_past_its_deadline_is_reported_with_where_it_stuck_and_the
         release.set()
     assert within(30, lambda progress: {"stall_s": 0.5}) == {"stall_s": 0.5}
     assert within(30, lambda progress: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}
+
+
+def test_the_report_shows_how_long_save_held_the_host_and_the_profiled_save() -> None:
+    results = _results()
+    results["ckptkit_device"] = {**results["ckptkit_device"], "save_call_s": 0.0061,
+                                 "profile": [{"op": "aten::copy_", "calls": 48, "cpu_total_ms": 1.5, "device_total_ms": 4.4}]}
+    results["ratios"] = gpu.ratios(results)
+    results["targets"] = gpu.targets(results["ratios"])
+    report = gpu.render(results)
+    assert "save() itself held the host: 0.0061 s (device snapshots, median)" in report
+    assert "aten::copy_" in report and "x48" in report and "device    4.400 ms" in report
