@@ -129,8 +129,10 @@ def _save_request(settings: Settings, tool: str) -> dict[str, Any]:
     return {"kind": kind, "tool": tool, "directory": settings.save_dir(tool)}
 
 
-def load_phase(settings: Settings, dcp_source: str) -> Runs:
-    """Time a cold load of every tool's checkpoint, and the machine's cold read limit.
+def load_phase(settings: Settings, dcp_source: str, *, warm: bool = False) -> Runs:
+    """Time a cold load of every tool's checkpoint, and the machine's cold read limits (one
+    stream, several); with `warm`, of checkpoints read once just before (in the page cache), and
+    the page-cache read limits.
 
     Checkpoints missing from the scratch directory (no save phase in this run) are written
     first, untimed. `dcp_source` names the DCP save whose checkpoint ``dcp`` loads.
@@ -142,10 +144,10 @@ def load_phase(settings: Settings, dcp_source: str) -> Runs:
 
     def request_for(tool: str) -> dict[str, Any]:
         if tool in (READ_LIMIT, PARALLEL_READ_LIMIT):
-            return _read_limit_request(settings, tool)
-        return {"kind": "load", "tool": tool, "directory": settings.save_dir(sources[tool])}
+            return {**_read_limit_request(settings, tool), "warm": warm}
+        return {"kind": "load", "tool": tool, "directory": settings.save_dir(sources[tool]), "warm": warm}
 
-    return run_rounds(settings, "load", [READ_LIMIT, PARALLEL_READ_LIMIT, *SOURCES], request_for)
+    return run_rounds(settings, "load-warm" if warm else "load", [READ_LIMIT, PARALLEL_READ_LIMIT, *SOURCES], request_for)
 
 
 def _read_limit_request(settings: Settings, tool: str) -> dict[str, Any]:

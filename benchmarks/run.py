@@ -1,6 +1,6 @@
 """Benchmark ckptkit against torch.save, safetensors and DCP, and against the machine's limits.
 
-Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,verify,scale,reshard,reshard-plan,export,convert,async,s3,checksums,incremental]``.
+Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,load-warm,verify,scale,reshard,reshard-plan,export,convert,async,s3,checksums,incremental]``.
 Prints a table and writes a JSON document (``<out>/results.json`` unless ``--json``); the
 checkpoints it writes under ``<out>/work`` are deleted at the end. See docs/PERFORMANCE.md.
 """
@@ -28,7 +28,7 @@ from .phases import Runs, Settings, load_phase, run_rounds, run_worker, save_pha
 from .state import state_bytes, state_specs
 from .table import render
 
-PHASES = ("save", "load", "verify", "scale", "reshard", "reshard-plan", "export", "convert", "async", "s3", "checksums",
+PHASES = ("save", "load", "load-warm", "verify", "scale", "reshard", "reshard-plan", "export", "convert", "async", "s3", "checksums",
           "incremental")
 
 
@@ -136,6 +136,9 @@ def run_io_phases(args: argparse.Namespace, settings: Settings, results: dict[st
         dcp_source = results.get("save", {}).get("best_dcp") or f"dcp-t{dcp_threads[0]}"
         results["load"] = phase_block(load_phase(settings, dcp_source), "load", "ckptkit")
         results["load"]["dcp_source"] = dcp_source
+    if "load-warm" in phases:
+        dcp_source = results.get("save", {}).get("best_dcp") or f"dcp-t{dcp_threads[0]}"
+        results["load_warm"] = phase_block(load_phase(settings, dcp_source, warm=True), "load", "ckptkit")
     if "verify" in phases:
         block = phase_block(verify_phase(settings, args.verify_workers), "verify", "ckptkit verify")
         block["workers"] = args.verify_workers
@@ -361,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         "state": {"bytes": nbytes, "tensors": len(specs), "largest_bytes": max(s.nbytes for s in specs)},
         "machine": machine_info(out),
     }
-    if set(args.only.split(",")) & {"save", "load", "verify"}:
+    if set(args.only.split(",")) & {"save", "load", "load-warm", "verify"}:
         check_space(work, nbytes, 6 + len(args.dcp_threads.split(",")))
     if "checksums" in args.only.split(","):
         check_space(work, nbytes, 3)

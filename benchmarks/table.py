@@ -9,9 +9,10 @@ from .report import GIB
 _PHASE_TITLES = {
     "save": "SAVE, durable (fsync included)",
     "load": "LOAD, cold page cache, every byte in tensors",
+    "load_warm": "LOAD, warm (files in the page cache)",
     "verify": "VERIFY, cold page cache, every checksum",
 }
-_SUBJECT = {"save": "ckptkit", "load": "ckptkit", "verify": "ckptkit verify"}
+_SUBJECT = {"save": "ckptkit", "load": "ckptkit", "load_warm": "ckptkit", "verify": "ckptkit verify"}
 
 
 def render(results: dict[str, Any]) -> str:
@@ -22,7 +23,7 @@ def render(results: dict[str, Any]) -> str:
         f"{config['repeats']} repeat(s), medians; GB = 1e9 bytes",
         f"machine: {results['machine']['summary']}",
     ]
-    for phase in ("save", "load", "verify"):
+    for phase in ("save", "load", "load_warm", "verify"):
         if phase in results:
             lines += ["", *_phase_table(phase, results[phase])]
     if "scale" in results:
