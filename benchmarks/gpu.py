@@ -146,15 +146,25 @@ def run(args: argparse.Namespace, say: Any, results: dict[str, Any] | None = Non
         finally:
             shutil.rmtree(dcp_path, ignore_errors=True)
         say(f"[gpu] dcp load: {_said(results['load_dcp'], 'seconds')}")
-        # Last, each within a deadline: a DCP stager that hangs (seen with torch 2.11) is reported
-        # and leaves the loads above measured.
-        for i, variant in enumerate(m.DCP_VARIANTS):
-            measure = functools.partial(m.measure_dcp, state, variant, os.path.join(work, f"dcp-save-{i}"), step, args.repeats)
-            results[f"dcp {variant}"] = m.within(args.dcp_deadline, lambda progress: measure(progress=progress))
-            say(f"[gpu] dcp async_save, {variant}: {_said(results[f'dcp {variant}'], 'stall_s')}")
+        _dcp_saves(args, state, work, step, results, say)
     results["ratios"] = ratios(results)
     results["targets"] = targets(results["ratios"])
     return results
+
+
+def _dcp_saves(args: argparse.Namespace, state: dict[str, Any], work: str, step: Any, results: dict[str, Any], say: Any) -> None:
+    """DCP's async_save variants, last, each within `args.dcp_deadline`: a stager that hangs (seen
+    with torch 2.11) is reported and leaves what was measured before it; the variants after it are
+    skipped (it still holds its copies of the state, which would skew them)."""
+    from benchmarks import gpu_measure as m
+
+    for i, variant in enumerate(m.DCP_VARIANTS):
+        if m.LEFT_BEHIND:
+            results[f"dcp {variant}"] = {"error": "skipped: an earlier DCP variant is still running"}
+        else:
+            measure = functools.partial(m.measure_dcp, state, variant, os.path.join(work, f"dcp-save-{i}"), step, args.repeats)
+            results[f"dcp {variant}"] = m.within(args.dcp_deadline, lambda progress, measure=measure: measure(progress=progress))
+        say(f"[gpu] dcp async_save, {variant}: {_said(results[f'dcp {variant}'], 'stall_s')}")
 
 
 def _said(block: dict[str, Any], key: str) -> str:
@@ -268,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "gpu-results.json")
     results: dict[str, Any] = {}
+    work = os.path.abspath(args.work or os.path.join(out, "work"))
     # A stage's time limit ends it with SIGTERM: exit through the handler below, which keeps
     # what was measured. Each measurement is written as it is said, too.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -282,20 +293,30 @@ def main(argv: list[str] | None = None) -> int:
         results["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
         _write(path, results)
         print(f"benchmarks/gpu.py: the run failed ({results['error']}); the results so far are in {path}", file=sys.stderr)
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+        _exit_if_left_behind(code, work)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-        shutil.rmtree(os.path.abspath(args.work or os.path.join(out, "work")), ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     _write(path, results)
     print(render(results))
     print(f"\nresults: {path}")
-    if any(isinstance(block, dict) and block.get("timed_out") for block in results.values()):
-        # A measurement left behind in a thread (a hung DCP save) may hold threads the interpreter
-        # would wait for at exit: end the process here, everything written.
+    _exit_if_left_behind(0, work)
+    return 0
+
+
+def _exit_if_left_behind(status: int, work: str) -> None:
+    """End the process now with `status` (its scratch `work` removed) if a measurement was left
+    running in a thread (a hung DCP save): its tool's worker threads would keep the interpreter
+    from exiting. Everything has been written by then."""
+    from benchmarks import gpu_measure
+
+    if gpu_measure.LEFT_BEHIND:
+        shutil.rmtree(work, ignore_errors=True)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(status)
 
 
 def _write(path: str, results: dict[str, Any]) -> None:

@@ -151,13 +151,14 @@ def measure_manager(state: dict[str, Any], kind: str, root: str, step: Step, rep
             peaks.append(rss.peak - rss.before)
         choice = handle.snapshot
         pools = {"host_buffer_bytes": manager.host_buffer_bytes, "device_buffer_bytes": manager.device_buffer_bytes}
-        profile = _profiled_save(manager, repeats + 2, state)
+        profile = _profiled_save(manager, repeats + 2, state) if kind == "device" else None
     del manager
     release()
-    # save_call_s: how long save() itself held the host (the rest of the stall is the GPU's)
+    # save_call_s: how long save() itself held the host (the rest of the stall is the GPU's); the
+    # profile (device snapshots) comes after the measured saves, so its overhead is in none of them
     return _summary(stalls, slowdowns, peaks, normal_step_s=normal, snapshot=choice.kind if choice else None,
                     snapshot_reason=choice.reason if choice else None, save_call_s=statistics.median(calls[1:]),
-                    all_save_call_s=calls, profile=profile, **pools)
+                    all_save_call_s=calls, **({"profile": profile} if profile is not None else {}), **pools)
 
 
 def _profiled_save(manager: Any, step_no: int, state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -173,7 +174,8 @@ def _profiled_save(manager: Any, step_no: int, state: dict[str, Any]) -> list[di
         manager.wait()
         rows = sorted(prof.key_averages(), key=lambda e: -e.cpu_time_total)[:15]
         return [{"op": e.key, "calls": e.count, "cpu_total_ms": e.cpu_time_total / 1e3,
-                 "device_total_ms": getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e3} for e in rows]
+                 "device_total_ms": (e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total) / 1e3}
+                for e in rows]
     except Exception as exc:  # the profile is a diagnosis: its failure leaves the measurements
         return [{"op": f"profile failed: {type(exc).__name__}: {exc}".splitlines()[0], "calls": 0, "cpu_total_ms": 0.0,
                  "device_total_ms": 0.0}]
@@ -189,11 +191,16 @@ def _stager(variant: str) -> Any:
     return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=True))
 
 
-def within(seconds: float, measure: Callable[[dict[str, str]], dict[str, Any]]) -> dict[str, Any]:
+LEFT_BEHIND: list[threading.Thread] = []  # measurements `within` gave up on, still running
+
+
+def within(seconds: float, measure: Callable[[dict[str, str]], dict[str, Any]],
+           progress: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``measure(progress)`` in a daemon thread for at most `seconds`; return its result, or
     ``{"error": ...}`` naming the last `progress["at"]` it reached when it did not finish in time
-    (the thread is left behind: a tool that hangs must not stop the measurements after it)."""
-    progress = {"at": "starting"}
+    (the thread is left behind, in `LEFT_BEHIND`: a tool that hangs must not stop the measurements
+    after it)."""
+    progress = {"at": "starting"} if progress is None else progress
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -206,6 +213,7 @@ def within(seconds: float, measure: Callable[[dict[str, str]], dict[str, Any]]) 
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
+        LEFT_BEHIND.append(thread)
         return {"error": f"did not finish within {seconds:g} s (stuck at: {progress['at']})", "timed_out": True}
     result: dict[str, Any] = box["result"]
     return result

@@ -226,6 +226,7 @@ def summary(block: dict[str, Any]) -> dict[str, Any]:
         "bytes_vs_changed": values / changed if changed else None,  # over every save after the first
         "full_s": statistics.median(r["full_s"] for r in later),
         "incremental_s": statistics.median(r["incremental_s"] for r in later),
+        "incremental_mean_s": statistics.mean(r["incremental_s"] for r in later),  # rl-compact: its compactions count here
         "throughput_vs_full": statistics.median(r["full_s"] / r["incremental_s"] for r in later),
         "restore_vs_full": statistics.median(a / b for a, b in zip(block["restore_incremental_s"], block["restore_full_s"])),
         "restore_full_s": statistics.median(block["restore_full_s"]),

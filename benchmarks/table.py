@@ -300,7 +300,8 @@ def _incremental_table(block: dict[str, Any]) -> list[str]:
     for name, s in block["scenarios"].items():
         if s.get("compacted_per_save"):
             lines.append(f"  {name}: compactions (a save rewritten whole once a box lies under {block.get('compact_after', '?')} patches) "
-                         f"wrote {s['compacted_per_save'] / 1e6:.1f} MB per save besides the saves' own")
+                         f"wrote {s['compacted_per_save'] / 1e6:.1f} MB per save besides the saves' own"
+                         + (f"; mean save {s['incremental_mean_s']:.3f} s, compactions included" if s.get("incremental_mean_s") else ""))
     encode, codec = block.get("encode"), block.get("codec")
     if encode:
         lines.append(f"  finding the changed elements of {encode['bytes'] / (1 << 20):.0f} MiB of bf16 ({100 * encode['changed']:.0f} % changed): "

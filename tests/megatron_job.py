@@ -19,7 +19,8 @@ import torch
 from .megatron_session import FIXTURES, logits, megatron_ranks
 
 
-def _model(tp: int, dtype: torch.dtype, c: dict[str, int]) -> Any:
+def gpt_model(tp: int, dtype: torch.dtype, c: dict[str, int]) -> Any:
+    """The fixtures' GPTModel of config `c` (local layer spec) at TP `tp`, on the CPU."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -44,7 +45,7 @@ def job(rank: int, tp: int, path: str, ids_file: str, out: str, port: int, dtype
         from megatron.core import dist_checkpointing
         from safetensors.torch import load_file, save_file
 
-        gpt = _model(tp, getattr(torch, dtype_name), config or make_megatron.CONFIG)
+        gpt = gpt_model(tp, getattr(torch, dtype_name), config or make_megatron.CONFIG)
         gpt.load_state_dict(dist_checkpointing.load({"model": gpt.sharded_state_dict()}, path)["model"])  # as Megatron-LM nests it
         out_logits = logits(gpt, load_file(ids_file)["ids"])
         plain = dist_checkpointing.load_plain_tensors(path)

@@ -123,6 +123,7 @@ def test_megatron_core_resumes_a_resharded_export_with_the_originals_next_step(n
     run_ranks(job, (2, runs, str(tmp_path), 29900 + os.getpid() % 90, config, dtype), 2)
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     assert resumed[original]["steps"] == [4.0] and set(resumed[original]["lrs"]) == {0.01}  # the saved step 3 and lr
+    assert resumed[original]["loaded_eval_loss"] != resumed[original]["fresh_eval_loss"]  # the weights came from the file
     assert resumed[str(out)] == resumed[original]  # losses of the next step and after it, exactly
 
 

@@ -261,7 +261,16 @@ class Reader:
             copy()
         for check in checks:
             check()
-        # Each destination's patches in the manifest's order (a later one wins); destinations side by side.
+        self._apply_patches(patches, pool)
+        total = sum(p.nbytes for p in work)
+        with self._lock:
+            self.bytes_read += total
+        return total
+
+    def _apply_patches(self, patches: Sequence[tuple[TargetPlan, np.ndarray[Any, Any], Patch, np.ndarray[Any, Any],
+                                                     np.ndarray[Any, Any]]], pool: Executor | None) -> None:
+        """Apply each destination's patches in the manifest's order (a later one wins), the
+        destinations side by side on `pool`."""
         by_dest: dict[int, list[Callable[[], None]]] = {}
         for plan, dest, patch, indices, values in patches:
             by_dest.setdefault(id(dest), []).append(functools.partial(
@@ -272,10 +281,6 @@ class Reader:
         else:
             for _ in pool.map(_run_all, by_dest.values()):
                 pass
-        total = sum(p.nbytes for p in work)
-        with self._lock:
-            self.bytes_read += total
-        return total
 
     def _run(self, piece: Piece) -> None:
         """Do a piece's reads, check its blocks, keep the checked end blocks."""
@@ -391,6 +396,7 @@ def apply_patch(dest: np.ndarray[Any, Any], box: Box, patch: Patch, indices: np.
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:
+    """Call each of `calls`, in order."""
     for call in calls:
         call()
 

@@ -124,8 +124,8 @@ CHUNK_ELEMENTS = 1 << 18  # 512 KiB of each array compared at a time: the mask s
 
 
 def changed_positions(before: np.ndarray[Any, Any], after: np.ndarray[Any, Any], limit: int) -> np.ndarray[Any, Any] | None:
-    """The positions of the 16-bit elements that differ between two byte arrays of equal length,
-    rising, or None when there are more than `limit`. The arrays are compared chunk by chunk into
+    """List the positions of the 16-bit elements that differ between two byte arrays of equal
+    length, rising, or return None when there are more than `limit`. The arrays are compared chunk by chunk into
     one reused mask small enough to stay in cache, whose set positions are then listed: one pass
     over each array, on the calling thread (no thread pool to contend for on a busy machine)."""
     n = len(before) // 2

@@ -5,28 +5,44 @@ the kernel faulting in the tensors' memory 4 KiB at a time (filling a new 1 GiB 
 here, against 0.05 s for memory already touched). Advised with ``MADV_HUGEPAGE`` before it is
 touched, the same memory faults in 2 MiB pages: 0.10 s. The advice is only that: where the
 kernel has no transparent huge pages, or on another system, nothing changes but the speed.
+
+Only tensors of at least 32 MiB are advised: glibc gives every allocation that large a mapping
+of its own (its mmap threshold never rises above 32 MiB), so the advice ends with the tensor,
+and the two extra mappings each one costs stay far below the kernel's ``vm.max_map_count``.
+``CKPTKIT_HUGE_PAGES=0`` turns the advice off (on a host whose memory is so fragmented that the
+kernel's compaction for huge pages would cost more than it saves).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 from collections.abc import Callable, Sequence
 
 import torch
 
 HUGE_PAGE = 2 << 20
-MIN_ADVISED = 4 * HUGE_PAGE  # smaller tensors gain little, and share pages with their neighbours
+MIN_ADVISED = 16 * HUGE_PAGE  # 32 MiB: glibc's largest mmap threshold, so the tensor has a mapping of its own
 _MADV_HUGEPAGE = 14  # Linux's value on every architecture
 
 
 def host_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor of `shape` and `dtype`, its memory advised into huge pages when
-    it spans at least `MIN_ADVISED` bytes (the whole huge pages inside it)."""
+    """Return an uninitialised CPU tensor, its memory advised into huge pages.
+
+    Args:
+        shape: the tensor's shape.
+        dtype: its dtype.
+
+    Returns:
+        A new contiguous tensor; when it spans at least `MIN_ADVISED` bytes (and
+        ``CKPTKIT_HUGE_PAGES`` is not ``0``), the whole huge pages inside it are advised.
+    """
     tensor = torch.empty(tuple(shape), dtype=dtype)
     nbytes = tensor.numel() * tensor.element_size()
-    madvise = _madvise() if nbytes >= MIN_ADVISED else None
+    wanted = nbytes >= MIN_ADVISED and os.environ.get("CKPTKIT_HUGE_PAGES", "1") != "0"
+    madvise = _madvise() if wanted else None
     if madvise is not None:
         start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
         end = (tensor.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE

@@ -147,20 +147,23 @@ def test_the_check_script_refuses_an_unknown_stage_in_one_line(tmp_path: Path) -
 
 
 def test_a_measurement_past_its_deadline_is_reported_with_where_it_stuck_and_the_run_goes_on() -> None:
+    from benchmarks import gpu_measure
     from benchmarks.gpu_measure import within
 
     release = threading.Event()
 
     def hangs(progress: dict[str, str]) -> dict:
-        progress["at"] = "save 2 of 3: staging_completion"
         release.wait(30)
         return {"stall_s": 1.0}
 
+    reached = {"at": "save 2 of 3: staging_completion"}  # where the measurement got to, as it would say
     try:
-        assert within(0.2, hangs) == {"error": "did not finish within 0.2 s (stuck at: save 2 of 3: staging_completion)",
-                                      "timed_out": True}
+        assert within(0.2, hangs, reached) == {"error": "did not finish within 0.2 s (stuck at: save 2 of 3: staging_completion)",
+                                               "timed_out": True}
+        assert gpu_measure.LEFT_BEHIND and gpu_measure.LEFT_BEHIND[-1].is_alive()
     finally:
         release.set()
+        gpu_measure.LEFT_BEHIND.clear()
     assert within(30, lambda progress: {"stall_s": 0.5}) == {"stall_s": 0.5}
     assert within(30, lambda progress: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}
 
@@ -174,3 +177,17 @@ def test_the_report_shows_how_long_save_held_the_host_and_the_profiled_save() ->
     report = gpu.render(results)
     assert "save() itself held the host: 0.0061 s (device snapshots, median)" in report
     assert "aten::copy_" in report and "x48" in report and "device    4.400 ms" in report
+
+
+def test_dcp_variants_after_one_left_running_are_skipped_not_measured_beside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from argparse import Namespace
+
+    from benchmarks import gpu_measure
+
+    monkeypatch.setattr(gpu_measure, "LEFT_BEHIND", [threading.Thread(target=lambda: None)])
+    monkeypatch.setattr(gpu_measure, "measure_dcp", lambda *a, **k: pytest.fail("measured beside a variant left running"))
+    results: dict = {}
+    said: list[str] = []
+    gpu._dcp_saves(Namespace(dcp_deadline=1.0, repeats=1), {}, "/nonexistent", None, results, said.append)
+    assert results == {f"dcp {v}": {"error": "skipped: an earlier DCP variant is still running"} for v in gpu_measure.DCP_VARIANTS}
+    assert len(said) == len(gpu_measure.DCP_VARIANTS)

@@ -1,4 +1,5 @@
-"""Host tensors a load fills: the memory of a large one is advised into transparent huge pages."""
+"""Host tensors a load fills: the memory of a large one is advised into transparent huge pages,
+and nothing else is (smaller tensors, or with ``CKPTKIT_HUGE_PAGES=0``)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ def test_a_large_host_tensor_is_advised_into_huge_pages_and_holds_what_is_writte
     assert torch.equal(t, torch.arange(t.numel(), dtype=torch.float32))
 
 
-def test_a_small_host_tensor_is_a_plain_one() -> None:
-    t = host_empty((3, 5), torch.bfloat16)
-    assert t.shape == (3, 5) and t.dtype == torch.bfloat16 and t.is_contiguous()
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+                    reason="needs Linux with transparent huge pages")
+def test_a_tensor_under_the_bound_or_with_the_advice_off_is_not_advised(monkeypatch: pytest.MonkeyPatch) -> None:
+    small = host_empty(((MIN_ADVISED - 4 * HUGE_PAGE) // 4,), torch.float32)  # 24 MiB: in the heap or a mapping of its own
+    assert small.is_contiguous() and "hg" not in _vm_flags(-(-small.data_ptr() // HUGE_PAGE) * HUGE_PAGE)
+    monkeypatch.setenv("CKPTKIT_HUGE_PAGES", "0")
+    off = host_empty((MIN_ADVISED // 4 + 3,), torch.float32)
+    assert "hg" not in _vm_flags(-(-off.data_ptr() // HUGE_PAGE) * HUGE_PAGE)
