@@ -132,12 +132,11 @@ def run_io_phases(args: argparse.Namespace, settings: Settings, results: dict[st
     dcp_threads = [int(n) for n in args.dcp_threads.split(",")]
     if "save" in phases:
         results["save"] = phase_block(save_phase(settings, dcp_threads), "save", "ckptkit")
+    dcp_source = results.get("save", {}).get("best_dcp") or f"dcp-t{dcp_threads[0]}"  # what `dcp` loads
     if "load" in phases:
-        dcp_source = results.get("save", {}).get("best_dcp") or f"dcp-t{dcp_threads[0]}"
         results["load"] = phase_block(load_phase(settings, dcp_source), "load", "ckptkit")
         results["load"]["dcp_source"] = dcp_source
     if "load-warm" in phases:
-        dcp_source = results.get("save", {}).get("best_dcp") or f"dcp-t{dcp_threads[0]}"
         results["load_warm"] = phase_block(load_phase(settings, dcp_source, warm=True), "load", "ckptkit")
     if "verify" in phases:
         block = phase_block(verify_phase(settings, args.verify_workers), "verify", "ckptkit verify")

@@ -125,9 +125,11 @@ CHUNK_ELEMENTS = 1 << 18  # 512 KiB of each array compared at a time: the mask s
 
 def changed_positions(before: np.ndarray[Any, Any], after: np.ndarray[Any, Any], limit: int) -> np.ndarray[Any, Any] | None:
     """List the positions of the 16-bit elements that differ between two byte arrays of equal
-    length, rising, or return None when there are more than `limit`. The arrays are compared chunk by chunk into
-    one reused mask small enough to stay in cache, whose set positions are then listed: one pass
-    over each array, on the calling thread (no thread pool to contend for on a busy machine)."""
+    length, rising, or return None when there are more than `limit`.
+
+    The arrays are compared chunk by chunk into one reused mask small enough to stay in cache,
+    whose set positions are then listed: one pass over each array, on the calling thread (no
+    thread pool to contend for on a busy machine)."""
     n = len(before) // 2
     a16, b16 = before[: n * 2].view(np.uint16), after[: n * 2].view(np.uint16)
     mask = np.empty(min(n, CHUNK_ELEMENTS), dtype=bool)
