@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from .ops.load import Checkpoint, load, open
     from .ops.weights import load_weights
     from .writer.manager import CheckpointManager, SaveHandle
+    from .writer.tier import FlushReport, MemoryTier, RestoreReport
     from .ops.listing import ListingReport
     from .ops.reshard import ReshardReport, reshard
     from .ops.save import save
@@ -75,6 +76,7 @@ __all__ = [
     "EXPORT_FORMATS",
     "ErrorReport",
     "ExportReport",
+    "FlushReport",
     "ForeignCheckpointError",
     "InspectReport",
     "IntegrityError",
@@ -83,11 +85,13 @@ __all__ = [
     "ListingReport",
     "Manifest",
     "ManifestError",
+    "MemoryTier",
     "ModelInfo",
     "OptimizerInfo",
     "ParamGroup",
     "PruneReport",
     "ReshardReport",
+    "RestoreReport",
     "RunError",
     "RunRecord",
     "SaveHandle",
@@ -125,7 +129,8 @@ __all__ = [
 _LAZY = {
     "save": "ops.save", "load": "ops.load", "load_weights": "ops.weights", "open": "ops.load", "Checkpoint": "ops.load", "diff": "ops.diff",
     "DiffReport": "ops.diff", "export": "exports.run", "ExportReport": "exports.run", "CheckpointManager": "writer.manager",
-    "SaveHandle": "writer.manager", "verify": "ops.verify", "VerifyReport": "ops.verify", "inspect": "ops.inspect",
+    "SaveHandle": "writer.manager", "MemoryTier": "writer.tier", "RestoreReport": "writer.tier", "FlushReport": "writer.tier",
+    "verify": "ops.verify", "VerifyReport": "ops.verify", "inspect": "ops.inspect",
     "InspectReport": "ops.inspect", "reshard": "ops.reshard", "ReshardReport": "ops.reshard", "ListingReport": "ops.listing",
     "Layout": "layouts", "convert": "ops.convert", "ConvertReport": "ops.convert", "detect_format": "ops.convert",
     "list_converters": "ops.convert", "clean": "writer.clean", "CleanReport": "writer.clean", "prune": "writer.prune",

@@ -14,7 +14,7 @@ from .chain import check_bases
 from ..manifest.consistency import manifest_findings
 from ..errors import IntegrityError, ManifestError
 from ..storage import Storage
-from .checksum import hasher_for
+from .checksum import BlockHasher, hasher_for
 from ..manifest.dtypes import itemsize
 from ..manifest import FileEntry, Manifest
 from ..manifest.shards import KeyIndex
@@ -116,6 +116,22 @@ def header_entry(loc: Location, manifest: Manifest, header: Header, read: Read, 
             f"manifest says {dtype}{list(read.src_box.lengths)}"
         )
     return entry
+
+
+def content_problem(entry: FileEntry, data: memoryview) -> str:
+    """What is wrong with `data` as the whole content of the file `entry` lists ('' if nothing):
+    its size, then its block checksums (or, without blocks, its file checksum)."""
+    if len(data) != entry.size:
+        return f"{len(data)} bytes, the manifest lists {entry.size}"
+    if entry.blocks is not None:
+        hasher = BlockHasher(entry.blocks.size)
+        hasher.update(data)
+        digests, expected = hasher.finish(), entry.blocks.raw()
+        bad = sum(digests[i : i + 8] != expected[i : i + 8] for i in range(0, max(len(digests), len(expected)), 8))
+        return f"{bad} block(s) of {entry.blocks.size} bytes do not match their checksums" if bad else ""
+    whole = hasher_for(entry.checksum)
+    whole.update(data)
+    return "" if whole.digest() == entry.checksum else f"content hashes to {whole.digest()}, the manifest says {entry.checksum}"
 
 
 def read_checked(loc: Location, entry: FileEntry) -> bytes:

@@ -21,11 +21,18 @@ class Collective(Protocol):
     def gather(self, obj: Any) -> list[Any] | None:
         """Return every rank's `obj` on rank 0 (in rank order), None elsewhere."""
 
-    def broadcast(self, obj: Any) -> Any:
-        """Return rank 0's `obj` on every rank."""
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Return rank `src`'s `obj` on every rank."""
 
     def scatter(self, objs: list[Any] | None) -> Any:
         """Return ``objs[rank]`` of rank 0's list on every rank (others pass None)."""
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Return every rank's `obj` on every rank (in rank order)."""
+
+    def exchange(self, sends: list[tuple[int, Any]], receives: list[tuple[int, Any]]) -> None:
+        """Send each (rank, tensor) of `sends` and fill each (rank, tensor) of `receives`, posted in
+        the same order on every rank (the n-th message between two ranks matches the n-th)."""
 
 
 class SingleProcess:
@@ -35,12 +42,18 @@ class SingleProcess:
     def gather(self, obj: Any) -> list[Any] | None:
         return [obj]
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
     def scatter(self, objs: list[Any] | None) -> Any:
         assert objs is not None and len(objs) == 1
         return objs[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def exchange(self, sends: list[tuple[int, Any]], receives: list[tuple[int, Any]]) -> None:
+        assert not sends and not receives, "one process has no peer to exchange with"
 
 
 class TorchDistributed:
@@ -53,21 +66,35 @@ class TorchDistributed:
         self._group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._root = dist.get_global_rank(group, 0) if group is not None else 0
 
     def gather(self, obj: Any) -> list[Any] | None:
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        self._dist.gather_object(obj, out, dst=self._root, group=self._group)
+        self._dist.gather_object(obj, out, dst=self._global(0), group=self._group)
         return out
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
-        self._dist.broadcast_object_list(box, src=self._root, group=self._group)
+        self._dist.broadcast_object_list(box, src=self._global(src), group=self._group)
         return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def exchange(self, sends: list[tuple[int, Any]], receives: list[tuple[int, Any]]) -> None:
+        works = [self._dist.isend(t, self._global(r), group=self._group) for r, t in sends]
+        works += [self._dist.irecv(t, self._global(r), group=self._group) for r, t in receives]
+        for work in works:
+            if work is not None:
+                work.wait()
+
+    def _global(self, rank: int) -> int:
+        return self._dist.get_global_rank(self._group, rank) if self._group is not None else rank
 
     def scatter(self, objs: list[Any] | None) -> Any:
         out: list[Any] = [None]
-        self._dist.scatter_object_list(out, objs if self.rank == 0 else None, src=self._root, group=self._group)
+        self._dist.scatter_object_list(out, objs if self.rank == 0 else None, src=self._global(0), group=self._group)
         return out[0]
 
 

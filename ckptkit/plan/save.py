@@ -6,9 +6,10 @@ descriptions; each rank writes the files of its `RankPlan`; rank 0 builds the ma
 
 from __future__ import annotations
 
+import math
+import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-import math
 from dataclasses import dataclass, field
 
 from ..boxes import Box, tiling_problems
@@ -161,7 +162,7 @@ def _files(rank: int, items: list[ItemDesc], max_file_bytes: int | None, files_p
         return ()
     plans = []
     for n, group in enumerate(groups):
-        path = f"rank{rank:05d}.safetensors" if len(groups) == 1 else f"rank{rank:05d}-{n:03d}.safetensors"
+        path = file_name(rank, None if len(groups) == 1 else n)
         # Largest element size first keeps every tensor aligned to its element size in the file.
         sizes = {i.dtype for i in group}
         ordered = sorted(group, key=lambda i: -itemsize(i.dtype)) if len(sizes) > 1 else group
@@ -190,3 +191,18 @@ def tensor_entries(plan: SavePlan, index: dict[str, int], kind: Callable[[str], 
         )
         for fqn, (dtype, shape) in plan.tensors.items()
     }
+
+
+_FILE_NAME = re.compile(r"(?:^|/)rank(?P<rank>\d{5})(?:-\d{3})?\.safetensors$")
+
+
+def file_name(rank: int, part: int | None) -> str:
+    """The name of rank `rank`'s payload file (its `part`-th, when a rank writes several)."""
+    return f"rank{rank:05d}.safetensors" if part is None else f"rank{rank:05d}-{part:03d}.safetensors"
+
+
+def file_writer(path: str) -> int | None:
+    """The rank that wrote a saved checkpoint's file at manifest path `path` (None: not a
+    rank's payload file, such as a tokenizer file, which rank 0 writes at the commit)."""
+    found = _FILE_NAME.search(path)
+    return int(found["rank"]) if found else None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 import warnings
@@ -45,7 +46,10 @@ from ..errors import CheckpointNotFoundError, CkptkitError, LayoutError
 from ..manifest import MANIFEST_NAME, CheckpointInfo, Manifest, Topology
 from ..state.device import SideStreams
 from ..state.sharded import ShardedTensor
+from ..ops.collective import SingleProcess, TorchDistributed
 from ..storage import Storage, open_storage
+from ..storage.memory import MemoryStorage
+from .tier import FlushReport, MemoryTier, RestoreReport, finish_snapshot
 from ..state.torch_io import is_leaf
 from ..state.tree import flatten, unflatten
 
@@ -92,6 +96,9 @@ class CheckpointManager:
         max_device_bytes: the most GPU memory a device snapshot's buffers may hold (None: what
             the GPU has free, less 5% of its memory). Over it, "auto" takes host snapshots and
             "device" refuses to save.
+        memory: a memory tier (``ckptkit.MemoryTier``): ``save(..., tier="memory")`` then
+            writes to node-local shared memory and replicates to peers, `restore` reads the
+            newest step from the cheapest good copy, `flush` writes a snapshot to storage.
         compact_after: with ``incremental=True`` (a save option), once a committed save holds a
             box under this many patches, compact it (``ckptkit.compact``) in the background,
             before the next save starts: a restore of it then reads one full copy, and the next
@@ -117,6 +124,7 @@ class CheckpointManager:
         snapshot: str = "host",
         max_device_bytes: int | None = None,
         compact_after: int | None = None,
+        memory: MemoryTier | None = None,
         **save_options: Any,
     ) -> None:
         check_snapshot_options(snapshot, max_device_bytes)
@@ -148,6 +156,11 @@ class CheckpointManager:
         self._inflight: SaveHandle | None = None
         self._closed = False
         self._side_streams = SideStreams()  # one per CUDA device the saved tensors are on
+        self.memory = memory
+        self._coll = TorchDistributed(self._group) if self._group is not None else SingleProcess()
+        # Every rank's node, in rank order (a collective: every rank constructs the manager).
+        self._nodes = self._coll.all_gather(memory.node_name()) if memory is not None else ["local"] * self._coll.world_size
+        self._node_storage = memory.storage() if memory is not None else MemoryStorage()
 
     # --- saving -----------------------------------------------------------------------------
 
@@ -160,11 +173,15 @@ class CheckpointManager:
         info: CheckpointInfo | None = None,
         tokenizer: str | os.PathLike[str] | None = None,
         kinds: Mapping[str, str] | None = None,
+        tier: str = "storage",
     ) -> SaveHandle:
         """Stage `state` and save it in the background as checkpoint `step`; return its handle.
 
         Waits first for the save in flight, if any, and re-raises its error. The arguments
         are those of ``ckptkit.save``; a `tokenizer` path must stay until the save commits.
+        With ``tier="memory"`` the save is a snapshot in the memory tier: each node's folder
+        gets its ranks' files and the manifest, then each rank's files are sent to its peers;
+        storage's retention, run record and compaction are not touched.
 
         Raises:
             LayoutError: a value of `state` is neither a tensor nor JSON (nothing staged).
@@ -173,6 +190,10 @@ class CheckpointManager:
         """
         started = time.perf_counter()
         self._check_open()
+        if tier not in ("storage", "memory"):
+            raise LayoutError(f"tier {tier!r}: choose 'storage' or 'memory'")
+        if tier == "memory" and self.memory is None:
+            raise LayoutError("tier='memory' needs a memory tier: CheckpointManager(..., memory=MemoryTier(...))")
         self.wait()
         name = self.name_format.format(step=step)
         staged_state, ready, choice = self._stage(state)
@@ -180,6 +201,8 @@ class CheckpointManager:
         committed: Future[Manifest] = Future()
         handle = SaveHandle(step, name, staged, committed, snapshot=choice)
         options = dict(self.save_options, topology=topology, info=info, tokenizer=tokenizer, kinds=kinds)
+        if tier == "memory":  # a snapshot is whole, and never moves storage's latest
+            options.update(incremental=False, update_latest=False, tier=True)
         if ready is None:
             staged.set_result(None)
         handle.stall_s = time.perf_counter() - started
@@ -231,6 +254,51 @@ class CheckpointManager:
     def device_buffer_bytes(self) -> int:
         """GPU memory the device snapshots' buffers hold (0 unless the last save was one)."""
         return self._device_buffers.held_bytes()
+
+    # --- the memory tier ----------------------------------------------------------------------
+
+    def restore(self, target: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], RestoreReport]:
+        """Load the newest step that has a good copy of every file, in the memory tier (this
+        node's, or a peer's) or in storage, into `target` (or whole, as ``ckptkit.load``);
+        collective. Each file is read from the cheapest good copy; a copy that fails its
+        checks is left out (and the choice made again); steps are never mixed. The report says
+        the step, where this rank read each file, and what was skipped.
+
+        Raises:
+            CheckpointNotFoundError: no step has a good copy of every file, in any tier.
+        """
+        self._check_open()
+        self.wait()
+        from .tier import restore
+
+        return restore(self._coll, self._node_storage, self._nodes, self.storage, target)
+
+    def flush(self, deadline_s: float = 60.0) -> FlushReport:
+        """Write this node's newest memory snapshot that storage lacks to storage, as a committed
+        checkpoint (``ckptkit.writer.tier.flush``); no collective, so it works when peers died.
+        The save in flight is not waited for: only committed snapshots are flushed."""
+        if self.memory is None:
+            raise LayoutError("flush needs a memory tier: CheckpointManager(..., memory=MemoryTier(...))")
+        from .tier import flush
+
+        local = [r for r, n in enumerate(self._nodes) if n == self._nodes[self._coll.rank]].index(self._coll.rank)
+        return flush(self._node_storage, self.storage, deadline_s=deadline_s, offset=local)
+
+    def flush_on(self, signals: tuple[int, ...] = (signal.SIGTERM,), *, deadline_s: float = 60.0) -> None:
+        """On any of `signals` (from the main thread; a launcher or watchdog sends them), flush
+        (`flush`), then let the signal do what it did before (by default: end the process)."""
+        previous = {sig: signal.getsignal(sig) for sig in signals}
+
+        def handler(signum: int, frame: Any) -> None:
+            try:
+                report = self.flush(deadline_s)
+                log.warning("ckptkit: flushed on signal %d: %s", signum, report.committed or "; ".join(report.notes) or "nothing to flush")
+            finally:
+                signal.signal(signum, previous[signum])
+                signal.raise_signal(signum)
+
+        for sig in signals:
+            signal.signal(sig, handler)
 
     # --- retention and reading --------------------------------------------------------------
 
@@ -372,6 +440,14 @@ class CheckpointManager:
                 handle.staged.set_result(None)
                 ready.wait_on_host()
             start = time.perf_counter()
+            if options.pop("tier", False):
+                assert self.memory is not None
+                manifest = save(state, handle.name, step=handle.step, storage=self._node_storage, process_group=self._group, **options)
+                for problem in finish_snapshot(self._coll, self._node_storage, self._nodes, self.memory, manifest):
+                    warnings.warn(f"ckptkit: memory snapshot {handle.name}: a replica was not written: {problem}", stacklevel=2)
+                handle.background_s = time.perf_counter() - start
+                handle.committed.set_result(manifest)
+                return
             manifest = save(state, handle.name, step=handle.step, storage=self.storage, process_group=self._group, **options)
             if self._rank == 0:
                 self._record_run()

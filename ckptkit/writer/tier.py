@@ -1,0 +1,559 @@
+"""The memory tier: snapshots in node-local shared memory, replicated to peers, restored from
+the cheapest good copy, flushed to storage on failure.
+
+Each node has a folder of its own under the tier's root (``/dev/shm/...``: it outlives the
+training processes, not the machine). A memory snapshot is an ordinary ckptkit checkpoint
+written there (its files in place under ``NAME/<id>/``, its manifest last), holding the files
+of the node's own ranks and, once replicated, the files of the ranks of ``replicas`` other
+nodes; every node's folder holds the same manifest. `verify`, `inspect` and `load` read a
+node's folder as any other root (a node's copy lacks the files only other nodes hold).
+
+Restoring (`restore`, collective): the ranks say what their nodes hold, choose the newest step
+whose every file has a copy (`plan.tiers.choose`), bring each rank's node the files it reads
+from a peer (checked against the manifest before they are written), then load through a view
+that reads each file from where it was routed; every byte is checked as it is read. A copy
+found bad (a peer's sent bytes, or a block read) is left out and the choice is made again,
+with the older steps, so nothing is ever restored from a copy that failed its checks and no
+restore mixes steps.
+
+Flushing (`flush`, per process, no collective: it runs when peers may be dead): each process
+writes the files its node holds of its newest snapshots into storage under a hidden name shared
+by every flusher of that snapshot; the one that sees every file there writes the manifest and
+renames it into place (on an object store: creates the manifest), a normal committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, CkptkitError, IntegrityError, LayoutError, ManifestError, StorageError
+from ..io.catalog import LATEST_NAME, Location, latest_step, moves_forward, read_manifest, step_of, temp_name, write_latest
+from ..io.payload import content_problem
+from ..manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ..ops.collective import Collective
+from ..plan.save import file_writer
+from ..plan.tiers import STORAGE, Assignment, Choice, Held, Route, Stored, assign, choose, leaders, peers
+from ..storage import Storage
+from ..storage.base import Capabilities
+from ..storage.local import LocalStorage
+
+log = logging.getLogger(__name__)
+
+NODE_ENV = "CKPTKIT_NODE"
+MAX_ATTEMPTS = 16  # restore choices made again after bad copies, before giving up
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTier:
+    """Where and how a `CheckpointManager` keeps snapshots in memory.
+
+    Args:
+        root: a folder of node-local shared memory (``/dev/shm/<job>``) holding one folder per
+            node; it must be the same path on every node, and survive the training processes.
+        node: this process's node (default: ``$CKPTKIT_NODE``, else the host name). Processes
+            of one node share its folder; on one machine, give each simulated node its own.
+        keep: the snapshots each node keeps (the newest; older ones are deleted once a newer
+            one is replicated).
+        replicas: how many other nodes hold a copy of each rank's files.
+    """
+
+    root: str
+    node: str | None = None
+    keep: int = 2
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise LayoutError(f"a memory tier keeps at least 1 snapshot, got keep={self.keep}")
+        if self.replicas < 0:
+            raise LayoutError(f"replicas must be 0 or more, got {self.replicas}")
+
+    def node_name(self) -> str:
+        name = self.node or os.environ.get(NODE_ENV) or socket.gethostname()
+        if not name or "/" in name or name.startswith("."):
+            raise LayoutError(f"node name {name!r}: a plain folder name is needed")
+        return name
+
+    def storage(self) -> Storage:
+        """This node's folder, written in place (files under ``NAME/<id>/``, the manifest last)."""
+        return NodeStorage(os.path.join(self.root, self.node_name()))
+
+
+class NodeStorage(LocalStorage):
+    """A node's folder of the memory tier: local files, written in place rather than renamed,
+    so that every node commits the same manifest over the files it holds."""
+
+    def __repr__(self) -> str:
+        return f"NodeStorage({self.root!r})"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(rename=False, local_files=True)
+
+
+# --- what a node holds -----------------------------------------------------------------------
+
+
+def snapshots(storage: Storage) -> list[tuple[Held, Manifest]]:
+    """The committed snapshots of a node's folder (newest first), each with the paths held at
+    their listed sizes; a manifest that does not parse is not a snapshot."""
+    out = []
+    for child in _children(storage):
+        try:
+            manifest = read_manifest(Location(storage, child))
+        except (CkptkitError, OSError):
+            continue
+        files = tuple((f.path, f.size) for f in manifest.files if f.base is None)
+        present = frozenset(path for path, size in files if _size(storage, f"{child}/{path}") == size)
+        out.append((Held(manifest.checkpoint_id, manifest.step, child, files, present), manifest))
+    return sorted(out, key=lambda hm: -hm[0].step)
+
+
+def stored(storage: Storage, steps: set[int]) -> list[Stored]:
+    """The committed checkpoints of a storage root at `steps` (or, with no step, the newest)."""
+    found = []
+    for child in _children(storage):
+        step = step_of(storage, child)
+        if step is not None:
+            found.append((step, child))
+    found.sort(reverse=True)
+    wanted = [(s, n) for s, n in found if s in steps] + found[:1]
+    out = []
+    for step, name in dict.fromkeys(wanted):
+        try:
+            out.append(Stored(name, step, read_manifest(Location(storage, name)).checkpoint_id))
+        except (CkptkitError, OSError):
+            continue
+    return out
+
+
+def _children(storage: Storage) -> list[str]:
+    try:
+        names = storage.list("", recursive=False)
+    except StorageError:
+        return []
+    return [n.rstrip("/") for n in names if n.endswith("/") and not n.startswith(".") and n.rstrip("/") != LATEST_NAME]
+
+
+def _size(storage: Storage, key: str) -> int | None:
+    try:
+        return storage.size(key)
+    except (StorageError, OSError):
+        return None
+
+
+# --- after a snapshot: every node's manifest, replicas, retention ----------------------------
+
+
+def finish_snapshot(coll: Collective, storage: Storage, nodes: Sequence[str], tier: MemoryTier, manifest: Manifest) -> list[str]:
+    """After rank 0 committed snapshot `manifest` in its node's folder: commit it in every node's
+    folder, send each rank's files to its peers (collective), then keep the newest snapshots.
+    Returns what went wrong with the replicas (warnings: the snapshot is committed all the same)."""
+    name = _name_of(storage, manifest) if coll.rank == 0 else None
+    name, raw = coll.broadcast((name, storage.read(f"{name}/{MANIFEST_NAME}")) if coll.rank == 0 else None)
+    _commit_copy(storage, name, raw)
+    problems = replicate(coll, storage, nodes, tier.replicas, name, manifest)
+    problems = [p for ps in coll.all_gather(problems) for p in ps]  # also: every replica is written
+    if leaders(nodes)[nodes[coll.rank]] == coll.rank:
+        retain(storage, tier.keep)
+    return problems
+
+
+def _name_of(storage: Storage, manifest: Manifest) -> str:
+    for held, m in snapshots(storage):
+        if m.checkpoint_id == manifest.checkpoint_id:
+            return held.name
+    raise CheckpointNotFoundError(f"{storage.root}: the snapshot of step {manifest.step} is not committed there")
+
+
+def _commit_copy(storage: Storage, name: str, raw: bytes) -> None:
+    """Write the manifest `raw` of snapshot `name` in this node's folder unless it is there."""
+    try:
+        storage.create(f"{name}/{MANIFEST_NAME}", raw)
+    except CheckpointExistsError:
+        pass
+
+
+def replicate(coll: Collective, storage: Storage, nodes: Sequence[str], replicas: int, name: str, manifest: Manifest) -> list[str]:
+    """Send every rank's files of snapshot `name` to its peers, who check them and write them
+    into their nodes' folders. Returns this rank's problems."""
+    import torch
+
+    entries = {f.path: f for f in manifest.files if f.base is None}
+    transfers = [
+        (src, dst, path)
+        for src in range(len(nodes))
+        for dst in peers(nodes, src, replicas)
+        for path in sorted(entries)
+        if (file_writer(path) or 0) == src
+    ]
+    return _exchange(coll, storage, name, entries, transfers, torch)
+
+
+def _exchange(
+    coll: Collective, storage: Storage, name: str, entries: Mapping[str, Any], transfers: Sequence[tuple[int, int, str]], torch: Any,
+    source: Storage | None = None,
+) -> list[str]:
+    """Post every transfer (sender, receiver, path) of this rank; write each received file after
+    checking it against its manifest entry. Returns problems, as "<sender> <path>: <what>"."""
+    sends, receives = [], []
+    outgoing: dict[str, Any] = {}
+    for src, dst, path in transfers:
+        if src == coll.rank:
+            if path not in outgoing:
+                buf = torch.empty(entries[path].size, dtype=torch.uint8)
+                (source or storage).readinto(f"{name}/{path}", 0, memoryview(buf.numpy()))
+                outgoing[path] = buf
+            sends.append((dst, outgoing[path]))
+        if dst == coll.rank:
+            receives.append((src, path, torch.empty(entries[path].size, dtype=torch.uint8)))
+    coll.exchange(sends, [(src, buf) for src, _, buf in receives])
+    problems = []
+    for src, path, buf in receives:
+        problem = content_problem(entries[path], memoryview(buf.numpy()))
+        if problem:
+            problems.append(f"{src} {path}: {problem}")
+            continue
+        storage.write(f"{name}/{path}", [memoryview(buf.numpy())])
+    return problems
+
+
+def retain(storage: Storage, keep: int) -> list[str]:
+    """Delete a node's snapshots but the newest `keep`, and anything else older than the newest
+    committed one (an interrupted snapshot). Returns the names deleted."""
+    held = snapshots(storage)
+    if not held:
+        return []
+    kept = {h.name for h, _ in held[:keep]}
+    newest = held[0][0].step
+    doomed = []
+    for child in _children(storage):
+        if child in kept:
+            continue
+        step = _step_in_name(child)
+        committed = any(h.name == child for h, _ in held)
+        if committed or (step is not None and step < newest):
+            doomed.append(child)
+    for child in doomed:
+        try:
+            storage.delete(child)
+        except StorageError:
+            pass
+    return doomed
+
+
+def _step_in_name(name: str) -> int | None:
+    digits = "".join(c if c.isdigit() else " " for c in name).split()
+    return int(digits[-1]) if digits else None
+
+
+# --- restore ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RestoreReport:
+    """What a restore read: the step and checkpoint id, this rank's files by where it read each
+    (``memory``, ``peer <rank>``, ``storage``), and what it skipped on the way (steps without a
+    whole good copy, copies that failed their checks)."""
+
+    step: int
+    checkpoint_id: str
+    name: str
+    files: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+    def tiers(self) -> dict[str, int]:
+        """How many of this rank's files came from each tier."""
+        out: dict[str, int] = {}
+        for where in self.files.values():
+            tier = where.split()[0]
+            out[tier] = out.get(tier, 0) + 1
+        return out
+
+
+def restore(
+    coll: Collective, node_storage: Storage, nodes: Sequence[str], root: Storage, target: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], RestoreReport]:
+    """Restore the newest step every file of which has a good copy in some node or in storage,
+    into `target` (or whole); collective over `coll`, whose ranks' nodes are `nodes`.
+
+    Raises:
+        CheckpointNotFoundError: no step has a good copy of every file, in any tier.
+    """
+    import torch
+
+    from ..ops.load import Checkpoint
+    from ..plan.load import plan_load
+    from ..state.torch_io import is_leaf, leaf_shards
+    from ..state.tree import flatten
+
+    bad: set[tuple[int, str, str]] = set()
+    bad_stored: set[str] = set()
+    skipped: list[str] = []
+    for _ in range(MAX_ATTEMPTS):
+        mine = snapshots(node_storage)
+        held = coll.all_gather([h for h, _ in mine])
+        steps = {h.step for hs in held for h in hs}
+        found = stored(root, steps) if coll.rank == 0 else None
+        found = coll.broadcast(found)
+        choice = choose(held, found, frozenset(bad), frozenset(bad_stored))
+        if choice is None:
+            raise CheckpointNotFoundError(
+                f"nothing to restore: no step has a good copy of every file in memory ({len(steps)} step(s) held) "
+                f"or in storage {root.root}" + (f"; skipped: {'; '.join(skipped)}" if skipped else "")
+            )
+        manifest = _chosen_manifest(coll, choice, mine, node_storage, root)
+        if target is None:
+            needs = [f.path for f in manifest.files if f.base is None and f.role == "tensors"]
+        else:
+            leaves, _ = flatten(target, is_leaf)
+            requests = [(fqn, p.box) for fqn, leaf in leaves.items() for p in leaf_shards(leaf) if fqn in manifest.tensors]
+            plan = plan_load(manifest, requests)
+            needs = sorted({manifest.files[r.file].path for t in plan.targets for r in t.reads})
+        plan_routes = assign(choice, coll.all_gather(needs), list(nodes))
+        entries = {f.path: f for f in manifest.files if f.base is None}
+        problems = _bring(coll, node_storage, choice.name, entries, plan_routes, manifest, torch)
+        outcome: tuple[str, Any] = ("ok", None)
+        result = None
+        if not problems:
+            routes = plan_routes.routes[coll.rank]
+            view = Location(RoutedStorage(node_storage, root, choice.name, choice.stored.name if choice.stored else None, routes), choice.name)
+            try:
+                result = Checkpoint(view, manifest).load(target)
+            except (IntegrityError, StorageError) as exc:
+                outcome = ("bad", _bad_reads(view, manifest, routes, str(exc)))
+        findings = coll.all_gather((problems, outcome))
+        if all(not p and o[0] == "ok" for p, o in findings):
+            report = RestoreReport(choice.step, choice.checkpoint_id, choice.name, skipped=skipped + list(choice.skipped))
+            report.files = {p: r.describe() for p, r in plan_routes.routes[coll.rank].items()}
+            assert result is not None
+            return result, report
+        for rank, (problems_of, outcome_of) in enumerate(findings):
+            for problem in problems_of:  # "<sender> <path>: ..." — the sender's node copy is bad
+                sender, path = problem.split(":", 1)[0].split(" ", 1)
+                _mark(bad, nodes, int(sender), choice.checkpoint_id, path)
+                skipped.append(f"step {choice.step}: the copy of {path} on node {nodes[int(sender)]} failed its checks{problem.split(':', 1)[1]}")
+            if outcome_of[0] == "bad":
+                for tier, path, what in outcome_of[1]:
+                    if tier == STORAGE and choice.stored is not None:
+                        bad_stored.add(choice.stored.name)
+                    else:
+                        _mark(bad, nodes, rank, choice.checkpoint_id, path)
+                    skipped.append(f"step {choice.step}: {tier} copy of {path} failed its checks ({what})")
+    raise CheckpointNotFoundError(f"nothing restored after {MAX_ATTEMPTS} choices; skipped: {'; '.join(skipped)}")
+
+
+def _mark(bad: set[tuple[int, str, str]], nodes: Sequence[str], rank: int, checkpoint_id: str, path: str) -> None:
+    for r, node in enumerate(nodes):
+        if node == nodes[rank]:
+            bad.add((r, checkpoint_id, path))
+
+
+def _chosen_manifest(coll: Collective, choice: Choice, mine: list[tuple[Held, Manifest]], storage: Storage, root: Storage) -> Manifest:
+    """The chosen step's manifest on every rank: from the lowest rank whose node holds it (its
+    bytes, parsed and checked again by each rank), or from storage."""
+    local = next((m for h, m in mine if h.checkpoint_id == choice.checkpoint_id), None)
+    holders = coll.all_gather(local is not None)
+    if any(holders):
+        src = holders.index(True)
+        raw = coll.broadcast(storage.read(f"{choice.name}/{MANIFEST_NAME}") if coll.rank == src else None, src=src)
+        return local if local is not None else parse_manifest(raw, source=f"{choice.name}/{MANIFEST_NAME} of rank {src}")
+    assert choice.stored is not None
+    return read_manifest(Location(root, choice.stored.name))
+
+
+def _bring(
+    coll: Collective, storage: Storage, name: str, entries: Mapping[str, Any], routes: Assignment, manifest: Manifest, torch: Any
+) -> list[str]:
+    """Bring the files routed from peers into the receivers' nodes (and the manifest with them)."""
+    if not routes.transfers:
+        return []
+    problems = _exchange(coll, storage, name, entries, routes.transfers, torch)
+    if any(dst == coll.rank for _, dst, _ in routes.transfers):
+        from ..manifest import manifest_to_json
+
+        _commit_copy(storage, name, manifest_to_json(manifest))
+    coll.all_gather(None)  # every received file is written before any rank of its node reads it
+    return problems
+
+
+def _bad_reads(view: Location, manifest: Manifest, routes: Mapping[str, Route], error: str) -> list[tuple[str, str, str]]:
+    """Which of the routed copies fail their checks, after a load failed with `error`."""
+    from ..ops.verify import checksum_findings
+
+    index = {f.path: i for i, f in enumerate(manifest.files)}
+    files = [index[p] for p in routes if p in index]
+    findings, _ = checksum_findings(view, manifest, files, 2, None)
+    out = [(routes[f.where].tier, f.where, f.message) for f in findings if f.where in routes]
+    return out or [(routes[p].tier, p, error) for p in routes]
+
+
+class RoutedStorage:
+    """Read-only: the files of one snapshot, each from where it was routed (this node's folder
+    for memory and peer copies, storage's checkpoint for storage ones)."""
+
+    def __init__(self, node: Storage, root: Storage, name: str, stored_name: str | None, routes: Mapping[str, Route]) -> None:
+        self.node, self.store, self.name, self.stored_name, self.routes = node, root, name, stored_name, routes
+        self.root = node.root
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(rename=False)
+
+    def _where(self, key: str) -> tuple[Storage, str]:
+        path = key.removeprefix(f"{self.name}/")
+        route = self.routes.get(path)
+        if route is not None and route.tier == STORAGE and self.stored_name is not None:
+            return self.store, f"{self.stored_name}/{path}"
+        if path == MANIFEST_NAME and self.stored_name is not None and not self.node.exists(key):
+            return self.store, f"{self.stored_name}/{path}"
+        return self.node, key
+
+    def local_path(self, key: str) -> str:
+        raise StorageError("a restore's view has no local paths")
+
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        s, k = self._where(key)
+        return s.read(k, offset, length)
+
+    def readinto(self, key: str, offset: int, buffer: memoryview) -> None:
+        s, k = self._where(key)
+        s.readinto(k, offset, buffer)
+
+    def readv(self, key: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        s, k = self._where(key)
+        s.readv(k, offset, buffers)
+
+    def size(self, key: str) -> int:
+        s, k = self._where(key)
+        return s.size(k)
+
+    def exists(self, key: str) -> bool:
+        if key == f"{self.name}/{MANIFEST_NAME}":
+            return True  # the manifest in hand was chosen and checked
+        s, k = self._where(key)
+        return s.exists(k)
+
+    def list(self, prefix: str = "", *, recursive: bool = True) -> list[str]:
+        return self.node.list(prefix, recursive=recursive)
+
+    def is_prefix(self, key: str) -> bool:
+        return self.node.is_prefix(key)
+
+    def write(self, key: str, chunks: Any) -> int:
+        raise StorageError("a restore's view is read-only")
+
+    def delete(self, prefix: str) -> None:
+        raise StorageError("a restore's view is read-only")
+
+    def rename(self, src: str, dst: str) -> None:
+        raise StorageError("a restore's view is read-only")
+
+    def create(self, key: str, data: bytes) -> None:
+        raise StorageError("a restore's view is read-only")
+
+
+# --- flush -----------------------------------------------------------------------------------
+
+
+@dataclass
+class FlushReport:
+    """What a flush did: the checkpoint it committed in storage (None when it did not), the files
+    this process wrote, and why it did not commit a snapshot."""
+
+    committed: str | None = None
+    step: int | None = None
+    written: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def flush(node_storage: Storage, root: Storage, *, deadline_s: float = 60.0, offset: int = 0) -> FlushReport:
+    """Write this node's newest snapshots that storage does not hold into storage: each file this
+    node holds that passes its checks and is not there yet, under a hidden name shared by every
+    flusher of the snapshot, then (once every file is there, whoever sees it first) the
+    manifest, and the rename into place: a normal committed checkpoint, and ``latest`` moved to
+    it when it is newer. Needs no other process; run it in every surviving process (`offset`,
+    such as a local rank, spreads the processes of a node over its files).
+
+    Nothing committed changes when it fails or passes `deadline_s`: what it wrote stays under
+    the hidden name (``ckptkit clean`` removes it).
+    """
+    started = time.monotonic()
+    report = FlushReport()
+    for held, manifest in snapshots(node_storage):
+        if _committed_in(root, held.name, manifest.checkpoint_id, report):
+            return report
+        stage = temp_name(held.name, "f" + manifest.checkpoint_id[:12]) if root.capabilities.rename else held.name
+        entries = [f for f in manifest.files if f.base is None]
+        order = entries[offset % len(entries):] + entries[: offset % len(entries)] if entries else []
+        for entry in order:
+            if time.monotonic() - started > deadline_s:
+                report.notes.append(f"deadline of {deadline_s:g} s passed while writing {held.name}")
+                return report
+            key = f"{stage}/{entry.path}"
+            if entry.path not in held.present or _size(root, key) == entry.size:
+                continue
+            try:
+                data = node_storage.read(f"{held.name}/{entry.path}")
+            except StorageError as exc:
+                report.notes.append(f"{held.name}/{entry.path}: cannot read ({exc})")
+                continue
+            problem = content_problem(entry, memoryview(data))
+            if problem:
+                report.notes.append(f"{held.name}/{entry.path}: not written, {problem}")
+                continue
+            root.write(key, [data])
+            report.written.append(entry.path)
+        missing = [f.path for f in entries if _size(root, f"{stage}/{f.path}") != f.size]
+        if missing:
+            report.notes.append(f"{held.name}: {len(missing)} file(s) not in storage yet, e.g. {missing[0]}")
+            continue
+        raw = node_storage.read(f"{held.name}/{MANIFEST_NAME}")
+        if _commit_flushed(root, stage, held.name, raw):
+            report.committed, report.step = held.name, held.step
+            if moves_forward(latest_step(root), held.step):
+                write_latest(root, held.name)
+        elif not _committed_in(root, held.name, manifest.checkpoint_id, report):
+            report.notes.append(f"{held.name}: another checkpoint of that name is in storage")
+            continue
+        return report
+    return report
+
+
+def _committed_in(root: Storage, name: str, checkpoint_id: str, report: FlushReport) -> bool:
+    """Whether storage holds snapshot `checkpoint_id` committed as `name` (recorded in `report`)."""
+    try:
+        if not root.exists(f"{name}/{MANIFEST_NAME}"):
+            return False
+        if read_manifest(Location(root, name)).checkpoint_id != checkpoint_id:
+            return False
+    except (CkptkitError, OSError):
+        return False
+    report.committed, report.step = name, step_of(root, name)
+    return True
+
+
+def _commit_flushed(root: Storage, stage: str, name: str, raw: bytes) -> bool:
+    """Commit the flushed snapshot under `stage` as `name`; False when another process did first
+    (or a checkpoint of that name is there)."""
+    if not root.capabilities.rename:
+        try:
+            root.create(f"{name}/{MANIFEST_NAME}", raw)
+        except CheckpointExistsError:
+            return False
+        return True
+    root.write(f"{stage}/{MANIFEST_NAME}", [raw])
+    try:
+        root.rename(stage, name)
+    except StorageError:
+        return False
+    return True
+
+
+__all__ = ["FlushReport", "MemoryTier", "NodeStorage", "RestoreReport", "flush", "restore"]
