@@ -43,6 +43,17 @@ from .base import cli
 @click.option("--incremental", is_flag=True,
               help="Write only the tensor boxes that changed since the previous save; the others are read from it "
                    "(found by their xxh3-128 digests; retention keeps what a kept checkpoint reads).")
+@click.option("--memory-dir", metavar="DIR", default=None,
+              help="A memory tier: snapshots in node-local shared memory under DIR (one folder per node, e.g. /dev/shm/JOB), "
+                   "replicated to other nodes; --resume latest then restores the newest step from memory, a peer or --out.")
+@click.option("--memory-every", default=0, show_default=True, type=click.IntRange(0), metavar="K",
+              help="With --memory-dir: a memory snapshot every K steps (0: none).")
+@click.option("--memory-keep", default=2, show_default=True, type=click.IntRange(1), metavar="N", help="Memory snapshots each node keeps.")
+@click.option("--memory-replicas", default=1, show_default=True, type=click.IntRange(0), metavar="N",
+              help="Other nodes holding a copy of each rank's memory snapshot.")
+@click.option("--ranks-per-node", default=0, show_default=True, type=click.IntRange(0), metavar="N",
+              help="Simulated nodes on one machine: rank r is on node r // N, each with its own folder under --memory-dir "
+                   "(0: the node is $CKPTKIT_NODE, else the host name).")
 @click.option("--freeze-layers", default=0, show_default=True, type=click.IntRange(0), metavar="N",
               help="Train neither the embedding nor the first N layers (a fine-tune of the top; 0: train everything).")
 @click.option("--global-batch", default=8, show_default=True, type=click.IntRange(1), help="Samples per step.")
@@ -69,6 +80,8 @@ def train_cmd(**options: Any) -> None:
         click.echo("ckptkit: train: starting", err=True)
     from ..trainer.train import config_from, launch, prepare
 
+    if (options["memory_every"] or options["ranks_per_node"]) and not options["memory_dir"]:
+        raise click.UsageError("--memory-every and --ranks-per-node need --memory-dir")
     if options["init_from"] and options["resume"] and not options["resume_if_present"]:
         raise click.UsageError("--init-from starts a new run and --resume continues one; give both only with "
                                "--resume-if-present (resume when --out holds a checkpoint, else start from --init-from)")
@@ -76,7 +89,11 @@ def train_cmd(**options: Any) -> None:
     cfg = config_from(**options, echo=not quiet, phases=not quiet and sys.stderr.isatty())
     start = prepare(cfg)
     first = os.environ.get("RANK", "0") == "0"
-    if (start.resume is not None or start.init_from is not None) and first:
+    if cfg.memory_dir and cfg.resume == "latest":  # the ranks choose, from memory, peers and storage
+        if first:
+            click.echo(f"ckptkit: train: restoring the newest step of the memory tier {cfg.memory_dir} or {cfg.out}, "
+                       "whichever has a good copy of it (a new run if neither has one)", err=True)
+    elif (start.resume is not None or start.init_from is not None) and first:
         click.echo(f"ckptkit: train: {start.banner}", err=True)
     elif cfg.resume and first:  # --resume-if-present, and nothing there yet
         click.echo(f"ckptkit: train: nothing to resume under {cfg.out}; starting a new run (--resume-if-present)", err=True)

@@ -99,6 +99,11 @@ class TrainConfig:
     tie_embeddings: bool = False
     sync_save: bool = False
     incremental: bool = False  # saves write only the boxes that changed since the previous save
+    memory_dir: str | None = None  # a memory tier: snapshots in node-local shared memory under this folder
+    memory_every: int = 0  # a memory snapshot every K steps (0: none)
+    memory_keep: int = 2  # snapshots each node keeps
+    memory_replicas: int = 1  # other nodes holding a copy of each rank's files
+    ranks_per_node: int = 0  # simulated nodes: rank r on node r // N (0: $CKPTKIT_NODE, else the host)
     freeze_layers: int = 0  # the embedding and the first N layers are not trained (a fine-tune of the top)
     echo: bool = False
     phases: bool = False  # say what the start-up is doing (on a terminal)
@@ -117,6 +122,8 @@ class TrainConfig:
         out = asdict(self)
         out["betas"] = list(self.betas)
         del out["echo"], out["phases"], out["sync_save"], out["incremental"]  # how the run reports and saves, not what it trains
+        for key in ("memory_dir", "memory_every", "memory_keep", "memory_replicas", "ranks_per_node"):
+            del out[key]
         if out["freeze_layers"] == 0:  # a run without it records what it always did
             del out["freeze_layers"]
         for axis in ("cp", "ep"):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -27,9 +29,12 @@ from .. import (
     DataProgress,
     DataVersion,
     LayoutError,
+    Manifest,
+    MemoryTier,
     ModelInfo,
     OptimizerInfo,
     ParamGroup,
+    RestoreReport,
     SaveHandle,
     Topology,
     code_version,
@@ -124,16 +129,25 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, plan: Start | None = None)
     elif plan.init_from is not None:
         say(f"loading the weights of {plan.init_from}")
         _init_weights(plan.init_from, engine)
-    start = _resume(plan.resume, cfg, engine, sampler, rank, world)
-    say(f"training steps {start + 1}-{cfg.steps}")
     log = None
     if cfg.log_jsonl and rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.log_jsonl)), exist_ok=True)
         log = open(cfg.log_jsonl, "a", encoding="utf-8")
     saves: list[SaveHandle] = []
+    memory = _memory_tier(cfg, rank)
     with tempfile.TemporaryDirectory() as tok_dir, CheckpointManager(
-        cfg.out, sync=cfg.sync_save, run=plan.run, layout=model.layout(), incremental=cfg.incremental
+        cfg.out, sync=cfg.sync_save, run=plan.run, layout=model.layout(), incremental=cfg.incremental, memory=memory
     ) as manager:
+        if memory is not None and cfg.resume == "latest":  # the newest step of memory, a peer or storage
+            start, restored = _restore(manager, cfg, engine, sampler, rank, world, say)
+            if log is not None and restored is not None:
+                log.write(json.dumps({"event": "restore", "step": restored.step, "tiers": restored.tiers(),
+                                      "skipped": restored.skipped}) + "\n")
+        else:
+            start = _resume(plan.resume, cfg, engine, sampler, rank, world)
+        if memory is not None and threading.current_thread() is threading.main_thread():
+            manager.flush_on((signal.SIGTERM,))
+        say(f"training steps {start + 1}-{cfg.steps}")
         tokenizer.save(tok_dir)
         for step in range(start + 1, cfg.steps + 1):
             ids = sampler.next_ids(cfg.global_batch)
@@ -147,6 +161,8 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, plan: Start | None = None)
                           "sample_ids": ids}
                 log.write(json.dumps(record) + "\n")
                 log.flush()
+            if memory is not None and cfg.memory_every and step % cfg.memory_every == 0:
+                saves.append(_save(manager, cfg, plan, engine, sampler, step, rank, world, tok_dir, dataset, dataset_id, "memory"))
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
                 saves.append(_save(manager, cfg, plan, engine, sampler, step, rank, world, tok_dir, dataset, dataset_id))
             saves = _report_saves(saves, cfg, rank, log, final=False)
@@ -167,10 +183,11 @@ def _report_saves(saves: list[SaveHandle], cfg: TrainConfig, rank: int, log: Any
         handle.committed.result()  # a failed save raises (also through the manager)
         if rank != 0:
             continue
-        record = {"event": "save", "step": handle.step, "stall_s": round(handle.stall_s, 4),
-                  "background_s": round(handle.background_s or 0.0, 4), "sync": cfg.sync_save}
+        record = {"event": "save" if handle.tier == "storage" else "snapshot", "step": handle.step,
+                  "stall_s": round(handle.stall_s, 4), "background_s": round(handle.background_s or 0.0, 4), "sync": cfg.sync_save}
         if cfg.echo:
-            print(f"saved {os.path.join(cfg.out, handle.name)}: stall {record['stall_s']:.3f} s, "
+            where = os.path.join(cfg.out, handle.name) if handle.tier == "storage" else f"{handle.name} in memory"
+            print(f"saved {where}: stall {record['stall_s']:.3f} s, "
                   f"background {record['background_s']:.3f} s", flush=True)
         if log is not None:
             log.write(json.dumps(record) + "\n")
@@ -211,12 +228,22 @@ def _info(cfg: TrainConfig, plan: Start, engine: Engine, sampler: Sampler, datas
 
 
 def _save(manager: CheckpointManager, cfg: TrainConfig, plan: Start, engine: Engine, sampler: Sampler, step: int,
-          rank: int, world: int, tok_dir: str, dataset: Dataset, dataset_id: str) -> SaveHandle:
-    """Start saving this rank's state as checkpoint `step` (in the background unless --sync-save)."""
+          rank: int, world: int, tok_dir: str, dataset: Dataset, dataset_id: str, tier: str = "storage") -> SaveHandle:
+    """Start saving this rank's state as checkpoint `step` (in the background unless --sync-save),
+    in storage or as a memory snapshot (`tier`)."""
     state = tensor_state(list(engine.units.values()))
     state["rng"] = rng_state(rank, world)
     topo = cfg.topology()
-    return manager.save(step, state, topology=topo, info=_info(cfg, plan, engine, sampler, dataset, dataset_id), tokenizer=tok_dir)
+    return manager.save(step, state, topology=topo, info=_info(cfg, plan, engine, sampler, dataset, dataset_id), tokenizer=tok_dir,
+                        tier=tier)
+
+
+def _memory_tier(cfg: TrainConfig, rank: int) -> MemoryTier | None:
+    """The run's memory tier (None without --memory-dir); simulated nodes with --ranks-per-node."""
+    if cfg.memory_dir is None:
+        return None
+    node = f"node{rank // cfg.ranks_per_node}" if cfg.ranks_per_node else None
+    return MemoryTier(cfg.memory_dir, node=node, keep=cfg.memory_keep, replicas=cfg.memory_replicas)
 
 
 def _init_weights(path: str, engine: Engine) -> None:
@@ -232,11 +259,32 @@ def _resume(path: str | None, cfg: TrainConfig, engine: Engine, sampler: Sampler
     if path is None:
         return 0
     checkpoint = ckptkit.open(path)  # one manifest read for the metadata and the tensors
-    manifest = checkpoint.manifest
+    target = _target(checkpoint.manifest, cfg, engine, rank, world)
+    checkpoint.load(target)
+    return _resumed(checkpoint.manifest, target, cfg, engine, sampler, rank, world)
+
+
+def _restore(manager: CheckpointManager, cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int, world: int,
+             say: Any) -> tuple[int, RestoreReport | None]:
+    """Restore the newest step of the memory tier or storage (collective); its step and report
+    (0 and None when there is none)."""
+    try:
+        state, report = manager.restore(lambda manifest: _target(manifest, cfg, engine, rank, world))
+    except ckptkit.CheckpointNotFoundError:
+        say("nothing to restore in memory or storage: starting a new run")
+        return 0, None
+    say(f"restored step {report.step} ({', '.join(f'{n} file(s) from {t}' for t, n in sorted(report.tiers().items()))})")
+    if report.skipped and rank == 0:
+        print(f"ckptkit: train: restore skipped: {'; '.join(report.skipped)}", file=sys.stderr, flush=True)
+    assert report.manifest is not None
+    return _resumed(report.manifest, state, cfg, engine, sampler, rank, world), report
+
+
+def _target(manifest: Manifest, cfg: TrainConfig, engine: Engine, rank: int, world: int) -> dict[str, Any]:
+    """This rank's buffers to load checkpoint `manifest` into, its RNG streams as it needs them."""
     target = tensor_state(list(engine.units.values()))
     # The RNG rows belong to the ranks that saved them, which a reshard does not change.
-    same_topology = same_rng_topology(manifest, cfg)
-    if same_topology:  # the streams both have (a GPU's is not in a CPU run's checkpoint)
+    if same_rng_topology(manifest, cfg):  # the streams both have (a GPU's is not in a CPU run's checkpoint)
         target["rng"] = {k: v for k, v in rng_targets(rank, world).items() if f"rng/{k}" in manifest.tensors}
     else:  # every rank reads every saved stream and derives its own from them
         target["rng"] = {
@@ -244,11 +292,17 @@ def _resume(path: str | None, cfg: TrainConfig, engine: Engine, sampler: Sampler
             for fqn, t in manifest.tensors.items()
             if t.kind == "rng" and fqn.startswith("rng/")
         }
-    checkpoint.load(target)
-    if same_topology:
-        restore_rng(target["rng"])
+    return target
+
+
+def _resumed(manifest: Manifest, loaded: dict[str, Any], cfg: TrainConfig, engine: Engine, sampler: Sampler, rank: int,
+             world: int) -> int:
+    """Take up checkpoint `manifest`, loaded into `loaded` (`_target`'s buffers): RNG, loss scaler,
+    optimizer step, data progress; return its step."""
+    if same_rng_topology(manifest, cfg):
+        restore_rng(loaded["rng"])
     else:
-        seed_rngs(derived_seed(dict(sorted(target["rng"].items())), rank, world))
+        seed_rngs(derived_seed(dict(sorted(loaded["rng"].items())), rank, world))
     info = manifest.info
     if engine.scaler is not None and info.loss_scaler is not None and info.loss_scaler.get("type") == "dynamic":
         engine.scaler = LossScaler.from_state(dict(info.loss_scaler))

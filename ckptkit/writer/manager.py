@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,6 +69,7 @@ class SaveHandle:
     stall_s: float = 0.0  # how long save() blocked its caller
     background_s: float | None = None  # from the end of staging to the commit (set when committed)
     snapshot: SnapshotChoice | None = None
+    tier: str = "storage"  # or "memory": a snapshot in the memory tier
 
 
 class CheckpointManager:
@@ -199,7 +200,7 @@ class CheckpointManager:
         staged_state, ready, choice = self._stage(state)
         staged: Future[None] = Future()
         committed: Future[Manifest] = Future()
-        handle = SaveHandle(step, name, staged, committed, snapshot=choice)
+        handle = SaveHandle(step, name, staged, committed, snapshot=choice, tier=tier)
         options = dict(self.save_options, topology=topology, info=info, tokenizer=tokenizer, kinds=kinds)
         if tier == "memory":  # a snapshot is whole, and never moves storage's latest
             options.update(incremental=False, update_latest=False, tier=True)
@@ -257,10 +258,12 @@ class CheckpointManager:
 
     # --- the memory tier ----------------------------------------------------------------------
 
-    def restore(self, target: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], RestoreReport]:
+    def restore(
+        self, target: Mapping[str, Any] | Callable[[Manifest], Mapping[str, Any]] | None = None
+    ) -> tuple[dict[str, Any], RestoreReport]:
         """Load the newest step that has a good copy of every file, in the memory tier (this
-        node's, or a peer's) or in storage, into `target` (or whole, as ``ckptkit.load``);
-        collective. Each file is read from the cheapest good copy; a copy that fails its
+        node's, or a peer's) or in storage, into `target` (or whole, as ``ckptkit.load``; or
+        the target a function makes of the chosen step's manifest); collective. Each file is read from the cheapest good copy; a copy that fails its
         checks is left out (and the choice made again); steps are never mixed. The report says
         the step, where this rank read each file, and what was skipped.
 

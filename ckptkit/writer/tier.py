@@ -28,7 +28,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,13 +260,14 @@ def _step_in_name(name: str) -> int | None:
 class RestoreReport:
     """What a restore read: the step and checkpoint id, this rank's files by where it read each
     (``memory``, ``peer <rank>``, ``storage``), and what it skipped on the way (steps without a
-    whole good copy, copies that failed their checks)."""
+    whole good copy, copies that failed their checks); `manifest`, the restored step's."""
 
     step: int
     checkpoint_id: str
     name: str
     files: dict[str, str] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    manifest: Manifest | None = field(default=None, repr=False)
 
     def tiers(self) -> dict[str, int]:
         """How many of this rank's files came from each tier."""
@@ -278,10 +279,12 @@ class RestoreReport:
 
 
 def restore(
-    coll: Collective, node_storage: Storage, nodes: Sequence[str], root: Storage, target: Mapping[str, Any] | None,
+    coll: Collective, node_storage: Storage, nodes: Sequence[str], root: Storage,
+    target: Mapping[str, Any] | Callable[[Manifest], Mapping[str, Any]] | None,
 ) -> tuple[dict[str, Any], RestoreReport]:
     """Restore the newest step every file of which has a good copy in some node or in storage,
-    into `target` (or whole); collective over `coll`, whose ranks' nodes are `nodes`.
+    into `target` (or whole; or what `target` makes of the chosen step's manifest, made again if
+    another step is chosen); collective over `coll`, whose ranks' nodes are `nodes`.
 
     Raises:
         CheckpointNotFoundError: no step has a good copy of every file, in any tier.
@@ -309,10 +312,11 @@ def restore(
                 f"or in storage {root.root}" + (f"; skipped: {'; '.join(skipped)}" if skipped else "")
             )
         manifest = _chosen_manifest(coll, choice, mine, node_storage, root)
-        if target is None:
+        into = target(manifest) if callable(target) else target
+        if into is None:
             needs = [f.path for f in manifest.files if f.base is None and f.role == "tensors"]
         else:
-            leaves, _ = flatten(target, is_leaf)
+            leaves, _ = flatten(into, is_leaf)
             requests = [(fqn, p.box) for fqn, leaf in leaves.items() for p in leaf_shards(leaf) if fqn in manifest.tensors]
             plan = plan_load(manifest, requests)
             needs = sorted({manifest.files[r.file].path for t in plan.targets for r in t.reads})
@@ -325,12 +329,13 @@ def restore(
             routes = plan_routes.routes[coll.rank]
             view = Location(RoutedStorage(node_storage, root, choice.name, choice.stored.name if choice.stored else None, routes), choice.name)
             try:
-                result = Checkpoint(view, manifest).load(target)
+                result = Checkpoint(view, manifest).load(into)
             except (IntegrityError, StorageError) as exc:
                 outcome = ("bad", _bad_reads(view, manifest, routes, str(exc)))
         findings = coll.all_gather((problems, outcome))
         if all(not p and o[0] == "ok" for p, o in findings):
-            report = RestoreReport(choice.step, choice.checkpoint_id, choice.name, skipped=skipped + list(choice.skipped))
+            report = RestoreReport(choice.step, choice.checkpoint_id, choice.name, skipped=skipped + list(choice.skipped),
+                                   manifest=manifest)
             report.files = {p: r.describe() for p, r in plan_routes.routes[coll.rank].items()}
             assert result is not None
             return result, report
