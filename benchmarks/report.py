@@ -87,6 +87,8 @@ ASYNC_VS_DCP = 0.5
 S3_VS_BOTO3 = 0.9
 CHECKSUM_COST = 0.97  # throughput with block checksums / without: at most 3 % lost
 PARTIAL_READ_AMPLIFICATION = 1.1  # bytes a partial load reads / bytes its targets need: at most
+TIER_RESTART_VS_FLOOR = 1.2  # restart to a restored state from memory or a peer / (imports + bytes at memcpy or loopback speed): at most
+TIER_STALL_VS_MEMCPY = 1.1  # training stall of a memory snapshot / memcpy of the rank's state: at most
 INCREMENTAL_BYTES = 1.1  # value bytes an incremental save writes / bytes that changed: at most
 INCREMENTAL_THROUGHPUT = 0.95  # incremental save throughput / full, where nothing repeats: at least
 INCREMENTAL_ENCODE = 0.5  # finding changed elements / memcpy of the box: at least
@@ -224,6 +226,11 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 add("incremental dense: save throughput / full", s["throughput_vs_full"], INCREMENTAL_THROUGHPUT, True)
         if block.get("encode"):
             add("incremental: finding changed bf16 / memcpy", block["encode"]["vs_memcpy"], INCREMENTAL_ENCODE, True)
+    block = results.get("tier")
+    if block:
+        for source in ("memory", "peer"):
+            add(f"tier: restart from {source} / floor", block["sources"][source]["vs_floor"], TIER_RESTART_VS_FLOOR + 1e-9, False)
+        add("tier: memory snapshot stall / memcpy", block["stall_vs_memcpy"], TIER_STALL_VS_MEMCPY + 1e-9, False)
     plan = results.get("reshard_plan")
     if plan and "error" not in plan:
         add("reshard plan 4096 -> 2048 ranks seconds", plan["seconds"], RESHARD_PLAN_S, False)

@@ -29,7 +29,7 @@ from .state import state_bytes, state_specs
 from .table import render
 
 PHASES = ("save", "load", "load-warm", "verify", "scale", "reshard", "reshard-plan", "export", "convert", "async", "s3", "checksums",
-          "incremental")
+          "incremental", "tier")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--s3-size-mb", type=int, default=1024, help="state size of the s3 phase in MiB (default 1024)")
     parser.add_argument("--incremental-mb", type=int, default=512, help="state size of the incremental phase in MiB (default 512)")
     parser.add_argument("--incremental-saves", type=int, default=20, help="saves of each incremental scenario (default 20)")
+    parser.add_argument("--tier-mb", type=int, default=256, help="state per rank of the tier phase in MiB (default 256)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints under <out>/work")
     args = parser.parse_args(argv)
     unknown = set(args.only.split(",")) - set(PHASES)
@@ -392,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
             results["checksums"] = run_checksums_phase(settings)
         if "incremental" in args.only.split(","):
             results["incremental"] = run_incremental_phase(args, settings)
+        if "tier" in args.only.split(","):
+            from . import tiers
+
+            results["tier"] = tiers.run(settings, args.tier_mb)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -44,6 +44,10 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", *_checksums_table(results["checksums"], results["state"]["bytes"])]
     if "incremental" in results:
         lines += ["", *_incremental_table(results["incremental"])]
+    if "tier" in results:
+        from .tiers import render as tier_table
+
+        lines += ["", *tier_table(results["tier"])]
     lines += ["", *_targets_table(results["targets"])]
     return "\n".join(lines)
 

@@ -268,7 +268,9 @@ class CheckpointManager:
         the step, where this rank read each file, and what was skipped.
 
         Raises:
-            CheckpointNotFoundError: no step has a good copy of every file, in any tier.
+            CheckpointNotFoundError: no tier holds any snapshot or checkpoint (a new run).
+            IntegrityError: some are held, but no step has a good copy of every file (the
+                message names each step skipped and why); `target` may have been written.
         """
         self._check_open()
         self.wait()

@@ -248,6 +248,17 @@ def retain(storage: Storage, keep: int) -> list[str]:
     return doomed
 
 
+def drop_newer(storage: Storage, step: int) -> list[str]:
+    """Delete a node's snapshots (committed or not) of steps after `step`; return their names."""
+    doomed = [child for child in _children(storage) if (_step_in_name(child) or 0) > step]
+    for child in doomed:
+        try:
+            storage.delete(child)
+        except StorageError:
+            pass
+    return doomed
+
+
 def _step_in_name(name: str) -> int | None:
     digits = "".join(c if c.isdigit() else " " for c in name).split()
     return int(digits[-1]) if digits else None
@@ -287,7 +298,9 @@ def restore(
     another step is chosen); collective over `coll`, whose ranks' nodes are `nodes`.
 
     Raises:
-        CheckpointNotFoundError: no step has a good copy of every file, in any tier.
+        CheckpointNotFoundError: no tier holds any snapshot or checkpoint (a new run).
+        IntegrityError: some are held, but no step has a good copy of every file (each skipped
+            step and bad copy is named); `target` may have been written meanwhile.
     """
     import torch
 
@@ -307,10 +320,11 @@ def restore(
         found = coll.broadcast(found)
         choice = choose(held, found, frozenset(bad), frozenset(bad_stored))
         if choice is None:
-            raise CheckpointNotFoundError(
-                f"nothing to restore: no step has a good copy of every file in memory ({len(steps)} step(s) held) "
-                f"or in storage {root.root}" + (f"; skipped: {'; '.join(skipped)}" if skipped else "")
-            )
+            where = f"in memory ({len(steps)} step(s) held) or in storage {root.root}"
+            if not steps and not found and not skipped:
+                raise CheckpointNotFoundError(f"nothing to restore: no snapshot or checkpoint {where}")
+            raise IntegrityError(f"nothing to restore whole: no step has a good copy of every file {where}"
+                                 + (f"; skipped: {'; '.join(skipped)}" if skipped else ""))
         manifest = _chosen_manifest(coll, choice, mine, node_storage, root)
         into = target(manifest) if callable(target) else target
         if into is None:
@@ -334,6 +348,12 @@ def restore(
                 outcome = ("bad", _bad_reads(view, manifest, routes, str(exc)))
         findings = coll.all_gather((problems, outcome))
         if all(not p and o[0] == "ok" for p, o in findings):
+            # The restored step is now the newest: newer snapshots (cut off, or left out as bad)
+            # would stand in the way of the snapshots the run is about to take again.
+            if leaders(nodes)[nodes[coll.rank]] == coll.rank:
+                for dropped in drop_newer(node_storage, choice.step):
+                    skipped.append(f"{dropped}: deleted from node {nodes[coll.rank]}, newer than the step restored")
+            coll.all_gather(None)  # before any rank snapshots again
             report = RestoreReport(choice.step, choice.checkpoint_id, choice.name, skipped=skipped + list(choice.skipped),
                                    manifest=manifest)
             report.files = {p: r.describe() for p, r in plan_routes.routes[coll.rank].items()}
@@ -351,7 +371,7 @@ def restore(
                     else:
                         _mark(bad, nodes, rank, choice.checkpoint_id, path)
                     skipped.append(f"step {choice.step}: {tier} copy of {path} failed its checks ({what})")
-    raise CheckpointNotFoundError(f"nothing restored after {MAX_ATTEMPTS} choices; skipped: {'; '.join(skipped)}")
+    raise IntegrityError(f"nothing restored after {MAX_ATTEMPTS} choices; skipped: {'; '.join(skipped)}")
 
 
 def _mark(bad: set[tuple[int, str, str]], nodes: Sequence[str], rank: int, checkpoint_id: str, path: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +65,8 @@ def _restore_job(rank: int, world: int, base: str, out: str) -> None:
          "files": {k.split("/")[-1]: v for k, v in report.files.items()}, "skipped": report.skipped}))
 
 
-def _restore(base: Path, world: int) -> list[dict[str, Any]]:
-    out = base / f"out{world}"
+def _restore(base: Path, world: int, name: str = "") -> list[dict[str, Any]]:
+    out = base / f"out{world}{name}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     run_ranks(_restore_job, world, str(base), str(out))
@@ -159,6 +160,8 @@ def test_snapshots_restore_exactly_from_memory_peers_and_at_another_world_size(t
     got = _restore(tmp_path, 4)
     assert [(g["step"], g["exact"]) for g in got] == [(2, True)] * 4
     assert any("step 3" in s for s in got[0]["skipped"])
+    # Step 3 is gone from every node: the run's next snapshot of step 3 must not find it there.
+    assert [sorted(p.name for p in (shm / n).iterdir()) for n in ("node0", "node1")] == [["step_00000002"]] * 2
 
 
 @pytest.mark.multiprocess
@@ -183,6 +186,25 @@ def test_flush_by_one_process_commits_a_normal_checkpoint_and_a_failed_one_chang
     shutil.rmtree(tmp_path / "shm")
     got = _restore(tmp_path, 4)
     assert [(g["step"], g["exact"], set(g["tiers"])) for g in got] == [(2, True, {"storage"})] * 4
+
+
+@pytest.mark.multiprocess
+def test_a_snapshot_cut_off_before_its_replicas_is_skipped_and_racing_restores_agree(tmp_path: Path) -> None:
+    run_ranks(_save_job, 4, str(tmp_path), [1, 2])
+    shm = tmp_path / "shm"
+    # node1 died after rank 0 committed step 2 and before the replicas: node1 has no step 2, node0
+    # no copy of ranks 2 and 3's files, and its copy of rank 1's file was cut off mid-write.
+    shutil.rmtree(shm / "node1" / "step_00000002")
+    for rank in (2, 3):
+        _file(tmp_path, "node0", 2, rank).unlink()
+    cut = _file(tmp_path, "node0", 2, 1)
+    cut.write_bytes(cut.read_bytes()[:100])
+    # Two restarts at once (a relaunch racing a late one): both take step 1, whole and exact.
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda name: _restore(tmp_path, 4, name), ["a", "b"]))
+    for got in runs:
+        assert [(g["step"], g["exact"]) for g in got] == [(1, True)] * 4
+        assert any("step 2" in s and "no good copy of 3 file(s)" in s for s in got[0]["skipped"])
 
 
 def test_flush_leaves_out_a_copy_that_fails_its_checks(tmp_path: Path) -> None:
