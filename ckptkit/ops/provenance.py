@@ -32,7 +32,9 @@ def code_version(
 def _git(directory: str | os.PathLike[str], *args: str) -> str | None:
     try:
         out = subprocess.run(
-            ["git", "-C", os.fspath(directory), *args], capture_output=True, text=True, timeout=10, check=False
+            # --no-optional-locks: `status` would otherwise refresh the index under .git/index.lock,
+            # which a process killed meanwhile leaves behind, locking the user's repository.
+            ["git", "--no-optional-locks", "-C", os.fspath(directory), *args], capture_output=True, text=True, timeout=10, check=False
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
