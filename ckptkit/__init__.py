@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from .ops.load import Checkpoint, load, open
     from .ops.weights import load_weights
     from .writer.manager import CheckpointManager, SaveHandle
-    from .writer.tier import FlushReport, MemoryTier, RestoreReport
+    from .writer.tier import FlushReport, MemoryTier, RestoreReport, flush_node
     from .ops.listing import ListingReport
     from .ops.reshard import ReshardReport, reshard
     from .ops.save import save
@@ -108,6 +108,7 @@ __all__ = [
     "detect_format",
     "diff",
     "export",
+    "flush_node",
     "human_bytes",
     "inspect",
     "list_checkpoints",
@@ -129,7 +130,7 @@ __all__ = [
 _LAZY = {
     "save": "ops.save", "load": "ops.load", "load_weights": "ops.weights", "open": "ops.load", "Checkpoint": "ops.load", "diff": "ops.diff",
     "DiffReport": "ops.diff", "export": "exports.run", "ExportReport": "exports.run", "CheckpointManager": "writer.manager",
-    "SaveHandle": "writer.manager", "MemoryTier": "writer.tier", "RestoreReport": "writer.tier", "FlushReport": "writer.tier",
+    "SaveHandle": "writer.manager", "MemoryTier": "writer.tier", "RestoreReport": "writer.tier", "FlushReport": "writer.tier", "flush_node": "writer.tier",
     "verify": "ops.verify", "VerifyReport": "ops.verify", "inspect": "ops.inspect",
     "InspectReport": "ops.inspect", "reshard": "ops.reshard", "ReshardReport": "ops.reshard", "ListingReport": "ops.listing",
     "Layout": "layouts", "convert": "ops.convert", "ConvertReport": "ops.convert", "detect_format": "ops.convert",

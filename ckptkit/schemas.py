@@ -27,6 +27,7 @@ from .ops.verify import VerifyReport
 from .ops.compact import CompactReport
 from .writer.clean import CleanReport
 from .writer.prune import PruneReport
+from .writer.tier import FlushReport
 
 
 # Each command's --json report and the major version of its schema (`schemas/cli/<name>.v<N>.schema.json`).
@@ -36,6 +37,7 @@ CLI_REPORTS: dict[str, tuple[int, type[BaseModel]]] = {
     "verify": (2, VerifyReport), "inspect": (2, InspectReport), "ls": (2, ListingReport), "reshard": (2, ReshardReport),
     "export": (2, ExportReport), "convert": (2, ConvertReport), "clean": (2, CleanReport), "prune": (2, PruneReport),
     "diff": (2, DiffReport), "error": (1, ErrorReport), "compact": (1, CompactReport),
+    "flush": (1, FlushReport),
 }
 
 

@@ -35,6 +35,7 @@ MISSING = {
     "convert --from": ["convert", "{p}", "{p}-out", "--from", "deepspeed"],
     "prune": ["prune", "{p}", "--keep-last", "1"],
     "compact": ["compact", "{p}"],
+    "flush": ["flush", "{p}", "{p}-root"],
 }
 
 
@@ -169,7 +170,7 @@ def test_a_library_warning_is_one_line(tmp_path: Path, run_ckptkit: Any) -> None
 def test_every_command_has_examples_of_itself_and_no_untyped_text_value() -> None:
     from ckptkit.cli.reference import commands, help_text
 
-    assert len(commands()) == 15
+    assert len(commands()) == 16
     for name, command in commands():
         text = help_text(name, command)
         examples = text.split("Examples:\n", 1)[1].split("\n\n", 1)[0].splitlines() if "Examples:\n" in text else []
@@ -229,11 +230,14 @@ def _json_runs(converted: dict[str, Path], tmp: Path) -> list[tuple[str, list[st
         ckptkit.save({"model": {"w": torch.full((4,), float(step)), "frozen": torch.ones(8)}}, run / f"step_{step:08d}",
                      step=step, incremental=True)  # steps 2 and 3 read `frozen` from step 1
     (run / ".step_00000009.tmp-0123456789ab").mkdir()  # a leftover for clean
+    with ckptkit.CheckpointManager(tmp / "flushed", memory=ckptkit.MemoryTier(str(tmp / "shm"), node="n0")) as manager:
+        manager.save(1, {"w": torch.ones(4)}, tier="memory")  # a memory snapshot for flush
     runs = [("verify", [llama]), ("inspect", [llama, "--tensors"]), ("ls", [str(run)]),
             ("diff", [str(run / "step_00000001"), str(run / "step_00000002")]),
             ("reshard", [llama, str(tmp / "tp2"), "--tp", "2"]),
             ("convert", [str(FIXTURES / "hf" / "llama"), str(tmp / "again")]),
-            ("clean", [str(run)]), ("compact", [str(run / "step_00000003")]), ("prune", [str(run), "--keep-last", "1"])]
+            ("clean", [str(run)]), ("compact", [str(run / "step_00000003")]), ("prune", [str(run), "--keep-last", "1"]),
+            ("flush", [str(tmp / "shm" / "n0"), str(tmp / "flushed")])]
     formats = [("hf", llama, []), ("megatron", str(converted["trainer"]), ["--include-optimizer"]), ("deepspeed", str(converted["trainer"]), []),
                ("dcp", llama, []), ("zarr", llama, []), ("peft", str(converted["lora"]), []),
                ("hf-trainer", str(converted["trainer"]), [])]

@@ -282,3 +282,35 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
     )
     for skipped in report.skipped:
         click.echo(f"skipped {skipped.name}: {skipped.reason}")
+
+
+@cli.command("flush")
+@click.argument("node_dir", metavar="NODE_DIR")
+@click.argument("root")
+@click.option("--deadline", "deadline_s", default=60.0, show_default=True, type=click.FloatRange(0), metavar="SECONDS",
+              help="Give up after this long; nothing is committed then.")
+@click.option("--offset", default=0, show_default=True, type=click.IntRange(0), metavar="N",
+              help="Where in the snapshot's files to start (several flushers of one node: each its local rank).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def flush_cmd(node_dir: str, root: str, deadline_s: float, offset: int, as_json: bool) -> None:
+    """Write the newest memory snapshot NODE_DIR holds that ROOT lacks into ROOT, as a committed checkpoint.
+
+    NODE_DIR is one node's folder of a memory tier (``--memory-dir``'s ``<node>/``). Each file
+    the node holds is checked before it is written; files the node lacks must come from the
+    other nodes' flushes, which may run at the same time: whichever sees every file in ROOT
+    commits (manifest, rename, then ``latest`` when newer). For a launcher or watchdog, once the
+    training processes are gone; run it on each surviving node. Exit 1 when nothing could be
+    committed (the message says why); what it wrote then stays under a hidden name, which
+    ``ckptkit clean`` removes.
+
+    \b
+    Examples:
+      ckptkit flush /dev/shm/job/node0 runs/job
+    """
+    report = ckptkit.flush_node(node_dir, root, deadline_s=deadline_s, offset=offset)
+    if as_json:
+        emit_json(report)
+        return
+    for note in report.notes:
+        click.echo(f"ckptkit: note: {note}", err=True)
+    click.echo(f"{report.committed} (step {report.step}) is committed in {root}; this flush wrote {len(report.written)} file(s)")

@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CkptkitError, IntegrityError, LayoutError, ManifestError, StorageError
 from ..io.catalog import LATEST_NAME, Location, latest_step, moves_forward, read_manifest, step_of, temp_name, write_latest
 from ..io.payload import content_problem
@@ -39,7 +41,7 @@ from ..manifest import MANIFEST_NAME, Manifest, parse_manifest
 from ..ops.collective import Collective
 from ..plan.save import file_writer
 from ..plan.tiers import STORAGE, Assignment, Choice, Held, Route, Stored, assign, choose, leaders, peers
-from ..storage import Storage
+from ..storage import Storage, open_storage
 from ..storage.base import Capabilities
 from ..storage.local import LocalStorage
 
@@ -487,15 +489,19 @@ class RoutedStorage:
 # --- flush -----------------------------------------------------------------------------------
 
 
-@dataclass
-class FlushReport:
-    """What a flush did: the checkpoint it committed in storage (None when it did not), the files
-    this process wrote, and why it did not commit a snapshot."""
+class FlushReport(BaseModel):
+    """What a flush did (and what ``ckptkit flush --json`` prints): the node folder it read, the
+    storage it wrote to, the checkpoint committed there (or already there; None when none was),
+    its step, the files this process wrote, and why snapshots were not committed."""
 
-    committed: str | None = None
-    step: int | None = None
-    written: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    ok: bool = True  # the command succeeded (every report has it; the error object's is false)
+    node: str
+    root: str
+    committed: str | None
+    step: int | None
+    written: list[str]
+    notes: list[str]
 
 
 def flush(node_storage: Storage, root: Storage, *, deadline_s: float = 60.0, offset: int = 0) -> FlushReport:
@@ -510,58 +516,76 @@ def flush(node_storage: Storage, root: Storage, *, deadline_s: float = 60.0, off
     the hidden name (``ckptkit clean`` removes it).
     """
     started = time.monotonic()
-    report = FlushReport()
+    written: list[str] = []
+    notes: list[str] = []
+
+    def report(held: Held | None = None) -> FlushReport:
+        return FlushReport(node=node_storage.root, root=root.root, committed=held.name if held else None,
+                           step=held.step if held else None, written=written, notes=notes)
+
     for held, manifest in snapshots(node_storage):
-        if _committed_in(root, held.name, manifest.checkpoint_id, report):
-            return report
+        if _committed_in(root, held.name, manifest.checkpoint_id):
+            return report(held)
         stage = temp_name(held.name, "f" + manifest.checkpoint_id[:12]) if root.capabilities.rename else held.name
         entries = [f for f in manifest.files if f.base is None]
         order = entries[offset % len(entries):] + entries[: offset % len(entries)] if entries else []
         for entry in order:
             if time.monotonic() - started > deadline_s:
-                report.notes.append(f"deadline of {deadline_s:g} s passed while writing {held.name}")
-                return report
+                notes.append(f"deadline of {deadline_s:g} s passed while writing {held.name}")
+                return report()
             key = f"{stage}/{entry.path}"
             if entry.path not in held.present or _size(root, key) == entry.size:
                 continue
             try:
                 data = node_storage.read(f"{held.name}/{entry.path}")
             except StorageError as exc:
-                report.notes.append(f"{held.name}/{entry.path}: cannot read ({exc})")
+                notes.append(f"{held.name}/{entry.path}: cannot read ({exc})")
                 continue
             problem = content_problem(entry, memoryview(data))
             if problem:
-                report.notes.append(f"{held.name}/{entry.path}: not written, {problem}")
+                notes.append(f"{held.name}/{entry.path}: not written, {problem}")
                 continue
             root.write(key, [data])
-            report.written.append(entry.path)
+            written.append(entry.path)
         missing = [f.path for f in entries if _size(root, f"{stage}/{f.path}") != f.size]
         if missing:
-            report.notes.append(f"{held.name}: {len(missing)} file(s) not in storage yet, e.g. {missing[0]}")
+            notes.append(f"{held.name}: {len(missing)} file(s) not in storage yet, e.g. {missing[0]}")
             continue
         raw = node_storage.read(f"{held.name}/{MANIFEST_NAME}")
         if _commit_flushed(root, stage, held.name, raw):
-            report.committed, report.step = held.name, held.step
             if moves_forward(latest_step(root), held.step):
                 write_latest(root, held.name)
-        elif not _committed_in(root, held.name, manifest.checkpoint_id, report):
-            report.notes.append(f"{held.name}: another checkpoint of that name is in storage")
+        elif not _committed_in(root, held.name, manifest.checkpoint_id):
+            notes.append(f"{held.name}: another checkpoint of that name is in storage")
             continue
-        return report
-    return report
+        return report(held)
+    return report()
 
 
-def _committed_in(root: Storage, name: str, checkpoint_id: str, report: FlushReport) -> bool:
-    """Whether storage holds snapshot `checkpoint_id` committed as `name` (recorded in `report`)."""
+def flush_node(node: str | os.PathLike[str], root: str, *, deadline_s: float = 60.0, offset: int = 0) -> FlushReport:
+    """`flush` of a node's folder of the memory tier (a path) into the storage at `root` (a
+    directory or URL), for a launcher or watchdog once the training processes are gone.
+
+    Raises:
+        CheckpointNotFoundError: `node` holds no committed snapshot.
+        CkptkitError: nothing was committed (why: the report's notes, in the message).
+    """
+    folder = os.fspath(node)
+    node_storage = NodeStorage(folder)
+    if not os.path.isdir(folder) or not snapshots(node_storage):
+        raise CheckpointNotFoundError(f"{folder}: no memory snapshot here (a node's folder of the memory tier holds step_* snapshots)")
+    done = flush(node_storage, open_storage(root), deadline_s=deadline_s, offset=offset)
+    if done.committed is None:
+        raise CkptkitError(f"{folder}: nothing flushed to {root}: " + "; ".join(done.notes))
+    return done
+
+
+def _committed_in(root: Storage, name: str, checkpoint_id: str) -> bool:
+    """Whether storage holds snapshot `checkpoint_id` committed as `name`."""
     try:
-        if not root.exists(f"{name}/{MANIFEST_NAME}"):
-            return False
-        if read_manifest(Location(root, name)).checkpoint_id != checkpoint_id:
-            return False
+        return root.exists(f"{name}/{MANIFEST_NAME}") and read_manifest(Location(root, name)).checkpoint_id == checkpoint_id
     except (CkptkitError, OSError):
         return False
-    report.committed, report.step = name, step_of(root, name)
-    return True
 
 
 def _commit_flushed(root: Storage, stage: str, name: str, raw: bytes) -> bool:
@@ -581,4 +605,4 @@ def _commit_flushed(root: Storage, stage: str, name: str, raw: bytes) -> bool:
     return True
 
 
-__all__ = ["FlushReport", "MemoryTier", "NodeStorage", "RestoreReport", "flush", "restore"]
+__all__ = ["FlushReport", "MemoryTier", "NodeStorage", "RestoreReport", "flush", "flush_node", "restore"]

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ from ckptkit.io.catalog import read_latest
 from ckptkit.plan.tiers import Held, Route, Stored, assign, choose, peers
 from ckptkit.trainer.launch import run_ranks
 from ckptkit.writer.tier import NodeStorage, flush
+from ..conftest import cli_schema
 
 ROWS = 24
 
@@ -207,10 +209,22 @@ def test_a_snapshot_cut_off_before_its_replicas_is_skipped_and_racing_restores_a
         assert any("step 2" in s and "no good copy of 3 file(s)" in s for s in got[0]["skipped"])
 
 
-def test_flush_leaves_out_a_copy_that_fails_its_checks(tmp_path: Path) -> None:
+def test_flush_leaves_out_a_copy_that_fails_its_checks_and_the_command_says_so(tmp_path: Path, run_ckptkit: Any) -> None:
     with _manager(str(tmp_path), 0, 1) as m:
         m.save(1, _state(0, 1, 1), tier="memory")
-    _flip(_file(tmp_path, "node0", 1, 0))
-    report = flush(NodeStorage(tmp_path / "shm" / "node0"), ckptkit.open_storage(str(tmp_path / "store")))
-    assert report.committed is None and "do not match" in " ".join(report.notes)
-    assert not (tmp_path / "store" / "step_00000001").exists() and not (tmp_path / "store" / "latest").exists()
+        m.save(2, _state(0, 1, 2), tier="memory")
+    node, store = tmp_path / "shm" / "node0", tmp_path / "store"
+    _flip(_file(tmp_path, "node0", 2, 0))
+    # The newest snapshot has a bad file and no other copy: the one before it is flushed.
+    proc = run_ckptkit("flush", str(node), str(store), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    jsonschema.validate(doc, cli_schema("flush"))
+    assert (doc["committed"], doc["step"]) == ("step_00000001", 1) and "do not match" in " ".join(doc["notes"])
+    assert not (store / "step_00000002").exists() and ckptkit.verify(str(store)).ok
+    # With step 1 gone from the node too, nothing can be flushed: exit 1, one line, storage as it was.
+    shutil.rmtree(node / "step_00000001")
+    proc = run_ckptkit("flush", str(node), str(store))
+    assert proc.returncode == 1 and proc.stderr.startswith("ckptkit: error: ") and "nothing flushed" in proc.stderr
+    assert read_latest(ckptkit.open_storage(str(store))) == "step_00000001"
+    assert sorted(p.name for p in store.iterdir() if not p.name.startswith(".")) == ["latest", "step_00000001"]
