@@ -63,8 +63,9 @@ def records(out: Path) -> list[dict[str, Any]]:
     return found
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (the launcher's ranks and its fork server)."""
+def descendants(pid: int, depth: int | None = None) -> list[int]:
+    """Every process below `pid` (the launcher's fork server and resource tracker, the ranks the
+    fork server forked), or those `depth` levels below it (2: the ranks)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -74,11 +75,13 @@ def descendants(pid: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
+    out, todo = [], [(pid, 0)]
     while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
+        parent, level = todo.pop()
+        for child in children.get(parent, []):
+            if depth is None or level + 1 == depth:
+                out.append(child)
+            todo.append((child, level + 1))
     return out
 
 
@@ -108,10 +111,10 @@ def kill_at(proc: subprocess.Popen[bytes], after_s: float, rng: random.Random, h
         if proc.poll() is not None:
             return False
         time.sleep(0.02)
-    ranks = descendants(proc.pid)
+    ranks = descendants(proc.pid, depth=2)
     if not ranks:
         return False
-    for pid in ([proc.pid, *ranks] if how != "rank" else [rng.choice(ranks)]):
+    for pid in ([proc.pid, *descendants(proc.pid)] if how != "rank" else [rng.choice(ranks)]):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -46,7 +46,8 @@ def plan_start(cfg: TrainConfig) -> Start:
         CheckpointExistsError: a new run into a root holding checkpoints (of another run), or a
             resume that would save a step already committed there.
         CheckpointNotFoundError: ``--resume`` names a path that holds no checkpoint.
-        RunError: ``--resume latest`` with nothing to resume (unless ``resume_if_present``), or
+        RunError: ``--resume latest`` with nothing to resume (unless ``resume_if_present``; with a
+            memory tier the ranks decide, as they restore), or
             the checkpoint is past ``--steps``, or of another model size; ``init_from`` holds
             no model the trainer builds, or not the one asked for.
     """
@@ -60,7 +61,7 @@ def plan_start(cfg: TrainConfig) -> Start:
             name = max(committed, key=lambda c: (c[1], c[0]))[0]
             raise CheckpointExistsError(f"{cfg.out} holds {len(committed)} checkpoint(s) but no latest pointer; "
                                         f"resume one by its path (--resume {os.path.join(cfg.out, name)}) or choose another --out")
-        if cfg.resume and not cfg.resume_if_present:
+        if cfg.resume and not cfg.resume_if_present and not (cfg.memory_dir and cfg.resume == "latest"):
             raise RunError(
                 f"{cfg.out}: no checkpoint to resume (--resume latest, and no latest there); "
                 "drop --resume to start a new run, or add --resume-if-present")

@@ -35,6 +35,7 @@ from .. import (
     OptimizerInfo,
     ParamGroup,
     RestoreReport,
+    RunError,
     SaveHandle,
     Topology,
     code_version,
@@ -271,6 +272,9 @@ def _restore(manager: CheckpointManager, cfg: TrainConfig, engine: Engine, sampl
     try:
         state, report = manager.restore(lambda manifest: _target(manifest, cfg, engine, rank, world))
     except ckptkit.CheckpointNotFoundError:
+        if not cfg.resume_if_present:
+            raise RunError(f"nothing to resume in the memory tier {cfg.memory_dir} or in {cfg.out} (--resume latest); "
+                           "drop --resume to start a new run, or add --resume-if-present") from None
         say("nothing to restore in memory or storage: starting a new run")
         return 0, None
     say(f"restored step {report.step} ({', '.join(f'{n} file(s) from {t}' for t, n in sorted(report.tiers().items()))})")

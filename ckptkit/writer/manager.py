@@ -49,7 +49,7 @@ from ..state.sharded import ShardedTensor
 from ..ops.collective import SingleProcess, TorchDistributed
 from ..storage import Storage, open_storage
 from ..storage.memory import MemoryStorage
-from .tier import FlushReport, MemoryTier, RestoreReport, finish_snapshot
+from .tier import FlushReport, MemoryTier, RestoreReport, clear_name, finish_snapshot
 from ..state.torch_io import is_leaf
 from ..state.tree import flatten, unflatten
 
@@ -276,7 +276,7 @@ class CheckpointManager:
         self.wait()
         from .tier import restore
 
-        return restore(self._coll, self._node_storage, self._nodes, self.storage, target)
+        return restore(self._coll, self._node_storage, self._nodes, self.storage, target, name_format=self.name_format)
 
     def flush(self, deadline_s: float = 60.0) -> FlushReport:
         """Write this node's newest memory snapshot that storage lacks to storage, as a committed
@@ -447,6 +447,7 @@ class CheckpointManager:
             start = time.perf_counter()
             if options.pop("tier", False):
                 assert self.memory is not None
+                clear_name(self._coll, self._node_storage, self._nodes, handle.name)
                 manifest = save(state, handle.name, step=handle.step, storage=self._node_storage, process_group=self._group, **options)
                 for problem in finish_snapshot(self._coll, self._node_storage, self._nodes, self.memory, manifest):
                     warnings.warn(f"ckptkit: memory snapshot {handle.name}: a replica was not written: {problem}", stacklevel=2)

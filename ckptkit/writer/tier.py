@@ -38,7 +38,7 @@ from ..errors import CheckpointExistsError, CheckpointNotFoundError, CkptkitErro
 from ..io.catalog import LATEST_NAME, Location, latest_step, moves_forward, read_manifest, step_of, temp_name, write_latest
 from ..io.payload import content_problem
 from ..manifest import MANIFEST_NAME, Manifest, parse_manifest
-from ..ops.collective import Collective
+from ..ops.collective import Collective, guard, unwrap
 from ..plan.save import file_writer
 from ..plan.tiers import STORAGE, Assignment, Choice, Held, Route, Stored, assign, choose, leaders, peers
 from ..storage import Storage, open_storage
@@ -102,14 +102,23 @@ class NodeStorage(LocalStorage):
 # --- what a node holds -----------------------------------------------------------------------
 
 
-def snapshots(storage: Storage) -> list[tuple[Held, Manifest]]:
+def snapshots(storage: Storage, unreadable: list[str] | None = None) -> list[tuple[Held, Manifest]]:
     """The committed snapshots of a node's folder (newest first), each with the paths held at
-    their listed sizes; a manifest that does not parse is not a snapshot."""
+    their listed sizes; a manifest that does not parse is not a snapshot (its name is added to
+    `unreadable`).
+
+    Raises:
+        StorageError: the folder cannot be listed.
+    """
     out = []
     for child in _children(storage):
+        if not storage.exists(f"{child}/{MANIFEST_NAME}"):
+            continue  # being written, or cut off before its manifest
         try:
             manifest = read_manifest(Location(storage, child))
         except (CkptkitError, OSError):
+            if unreadable is not None:
+                unreadable.append(f"{storage.root}/{child}")
             continue
         files = tuple((f.path, f.size) for f in manifest.files if f.base is None)
         present = frozenset(path for path, size in files if _size(storage, f"{child}/{path}") == size)
@@ -117,29 +126,38 @@ def snapshots(storage: Storage) -> list[tuple[Held, Manifest]]:
     return sorted(out, key=lambda hm: -hm[0].step)
 
 
-def stored(storage: Storage, steps: set[int]) -> list[Stored]:
-    """The committed checkpoints of a storage root at `steps` (or, with no step, the newest)."""
+def stored(storage: Storage, steps: set[int], name_format: str = "step_{step:08d}", bad: frozenset[str] = frozenset(),
+           unreadable: list[str] | None = None) -> list[Stored]:
+    """The committed checkpoints of a storage root named by `name_format` that a restore may take:
+    the newest one not in `bad` (names), and those at `steps` (the steps memory holds).
+
+    Raises:
+        StorageError: the root cannot be listed.
+    """
     found = []
     for child in _children(storage):
         step = step_of(storage, child)
-        if step is not None:
+        if step is not None and child == name_format.format(step=step) and child not in bad:
             found.append((step, child))
+        elif step is None and storage.exists(f"{child}/{MANIFEST_NAME}") and unreadable is not None:
+            unreadable.append(f"{storage.root}/{child}")
     found.sort(reverse=True)
-    wanted = [(s, n) for s, n in found if s in steps] + found[:1]
-    out = []
-    for step, name in dict.fromkeys(wanted):
+    out: list[Stored] = []
+    newest_taken = False
+    for step, name in found:
+        if newest_taken and step not in steps:
+            continue
         try:
             out.append(Stored(name, step, read_manifest(Location(storage, name)).checkpoint_id))
+            newest_taken = True
         except (CkptkitError, OSError):
-            continue
+            if unreadable is not None:
+                unreadable.append(f"{storage.root}/{name}")
     return out
 
 
 def _children(storage: Storage) -> list[str]:
-    try:
-        names = storage.list("", recursive=False)
-    except StorageError:
-        return []
+    names = storage.list("", recursive=False)
     return [n.rstrip("/") for n in names if n.endswith("/") and not n.startswith(".") and n.rstrip("/") != LATEST_NAME]
 
 
@@ -153,17 +171,41 @@ def _size(storage: Storage, key: str) -> int | None:
 # --- after a snapshot: every node's manifest, replicas, retention ----------------------------
 
 
+def clear_name(coll: Collective, storage: Storage, nodes: Sequence[str], name: str) -> None:
+    """Before snapshot `name` is written: each node's folder drops what it holds under that name
+    (a snapshot of an abandoned attempt at the same step), then every rank waits for all nodes."""
+    if leaders(nodes)[nodes[coll.rank]] == coll.rank:
+        try:
+            if storage.exists(name):
+                storage.delete(name)
+        except StorageError:
+            pass  # the save refuses the name then, on every rank
+    coll.all_gather(None)
+
+
 def finish_snapshot(coll: Collective, storage: Storage, nodes: Sequence[str], tier: MemoryTier, manifest: Manifest) -> list[str]:
     """After rank 0 committed snapshot `manifest` in its node's folder: commit it in every node's
-    folder, send each rank's files to its peers (collective), then keep the newest snapshots.
-    Returns what went wrong with the replicas (warnings: the snapshot is committed all the same)."""
-    name = _name_of(storage, manifest) if coll.rank == 0 else None
-    name, raw = coll.broadcast((name, storage.read(f"{name}/{MANIFEST_NAME}")) if coll.rank == 0 else None)
-    _commit_copy(storage, name, raw)
-    problems = replicate(coll, storage, nodes, tier.replicas, name, manifest)
+    folder, send each rank's files to its peers (collective), then, when every replica was
+    written, keep the newest snapshots. Returns what went wrong with the copies on other nodes
+    (warnings: the snapshot is committed all the same). Every rank makes the same collective
+    calls whatever fails locally.
+
+    Raises:
+        CkptkitError: rank 0 cannot read back the manifest it committed (on every rank).
+    """
+    shared: tuple[str, Any] = ("ok", None)
+    if coll.rank == 0:
+        shared = guard(lambda: (lambda n: (n, storage.read(f"{n}/{MANIFEST_NAME}")))(_name_of(storage, manifest)))
+    name, raw = unwrap(coll.broadcast(shared))
+    problems = []
+    try:
+        _commit_copy(storage, name, raw)
+    except (CkptkitError, OSError) as exc:
+        problems.append(f"node {nodes[coll.rank]}: the manifest was not written ({exc})")
+    problems += [f"rank {coll.rank}: {what}" for _, _, _, what in replicate(coll, storage, nodes, tier.replicas, name, manifest)]
     problems = [p for ps in coll.all_gather(problems) for p in ps]  # also: every replica is written
-    if leaders(nodes)[nodes[coll.rank]] == coll.rank:
-        retain(storage, tier.keep)
+    if not problems and leaders(nodes)[nodes[coll.rank]] == coll.rank:
+        retain(storage, tier.keep)  # never drop the last replicated step for one that is not
     return problems
 
 
@@ -175,16 +217,22 @@ def _name_of(storage: Storage, manifest: Manifest) -> str:
 
 
 def _commit_copy(storage: Storage, name: str, raw: bytes) -> None:
-    """Write the manifest `raw` of snapshot `name` in this node's folder unless it is there."""
+    """Write the manifest `raw` of snapshot `name` in this node's folder: unless it is there, and
+    in place of another one (a stale snapshot of the same name)."""
+    key = f"{name}/{MANIFEST_NAME}"
     try:
-        storage.create(f"{name}/{MANIFEST_NAME}", raw)
+        storage.create(key, raw)
     except CheckpointExistsError:
-        pass
+        if storage.read(key) != raw:
+            storage.delete(key)
+            storage.create(key, raw)
 
 
-def replicate(coll: Collective, storage: Storage, nodes: Sequence[str], replicas: int, name: str, manifest: Manifest) -> list[str]:
+def replicate(
+    coll: Collective, storage: Storage, nodes: Sequence[str], replicas: int, name: str, manifest: Manifest
+) -> list[tuple[str, int, str, str]]:
     """Send every rank's files of snapshot `name` to its peers, who check them and write them
-    into their nodes' folders. Returns this rank's problems."""
+    into their nodes' folders. Returns this rank's problems (see `_exchange`)."""
     import torch
 
     entries = {f.path: f for f in manifest.files if f.base is None}
@@ -198,70 +246,79 @@ def replicate(coll: Collective, storage: Storage, nodes: Sequence[str], replicas
     return _exchange(coll, storage, name, entries, transfers, torch)
 
 
+BAD, LOCAL = "bad", "local"
+
+
 def _exchange(
     coll: Collective, storage: Storage, name: str, entries: Mapping[str, Any], transfers: Sequence[tuple[int, int, str]], torch: Any,
-    source: Storage | None = None,
-) -> list[str]:
+) -> list[tuple[str, int, str, str]]:
     """Post every transfer (sender, receiver, path) of this rank; write each received file after
-    checking it against its manifest entry. Returns problems, as "<sender> <path>: <what>"."""
+    checking it against its manifest entry. Never raises for a file: returns problems as (kind,
+    sender, path, what), kind ``bad`` (the sender's copy failed its checks on arrival) or
+    ``local`` (this rank could not read or write a copy). A sender that cannot read its copy
+    sends zeros, which fail their checks: no rank is left waiting."""
     sends, receives = [], []
     outgoing: dict[str, Any] = {}
+    problems: list[tuple[str, int, str, str]] = []
     for src, dst, path in transfers:
         if src == coll.rank:
             if path not in outgoing:
-                buf = torch.empty(entries[path].size, dtype=torch.uint8)
-                (source or storage).readinto(f"{name}/{path}", 0, memoryview(buf.numpy()))
+                buf = torch.zeros(entries[path].size, dtype=torch.uint8)
+                try:
+                    storage.readinto(f"{name}/{path}", 0, memoryview(buf.numpy()))
+                except (CkptkitError, OSError) as exc:
+                    buf.zero_()
+                    problems.append((LOCAL, src, path, f"cannot read {path} to send it: {exc}"))
                 outgoing[path] = buf
             sends.append((dst, outgoing[path]))
         if dst == coll.rank:
             receives.append((src, path, torch.empty(entries[path].size, dtype=torch.uint8)))
     coll.exchange(sends, [(src, buf) for src, _, buf in receives])
-    problems = []
     for src, path, buf in receives:
         problem = content_problem(entries[path], memoryview(buf.numpy()))
         if problem:
-            problems.append(f"{src} {path}: {problem}")
+            problems.append((BAD, src, path, f"the copy of {path} rank {src} sent failed its checks: {problem}"))
             continue
-        storage.write(f"{name}/{path}", [memoryview(buf.numpy())])
+        try:
+            storage.write(f"{name}/{path}", [memoryview(buf.numpy())])
+        except (CkptkitError, OSError) as exc:
+            problems.append((LOCAL, src, path, f"cannot write the copy of {path}: {exc}"))
     return problems
 
 
 def retain(storage: Storage, keep: int) -> list[str]:
-    """Delete a node's snapshots but the newest `keep`, and anything else older than the newest
-    committed one (an interrupted snapshot). Returns the names deleted."""
+    """Delete a node's snapshots but the newest `keep`, and anything uncommitted older than the
+    newest committed one (an interrupted snapshot). Returns the names deleted."""
     held = snapshots(storage)
     if not held:
         return []
     kept = {h.name for h, _ in held[:keep]}
     newest = held[0][0].step
-    doomed = []
-    for child in _children(storage):
-        if child in kept:
-            continue
-        step = _step_in_name(child)
-        committed = any(h.name == child for h, _ in held)
-        if committed or (step is not None and step < newest):
-            doomed.append(child)
-    for child in doomed:
-        try:
-            storage.delete(child)
-        except StorageError:
-            pass
-    return doomed
+    committed = {h.name for h, _ in held}
+    doomed = [
+        child for child in _children(storage)
+        if child not in kept and (child in committed or (_step_in_name(child) or newest) < newest)
+    ]
+    return _delete(storage, doomed)
 
 
 def drop_newer(storage: Storage, step: int) -> list[str]:
     """Delete a node's snapshots (committed or not) of steps after `step`; return their names."""
-    doomed = [child for child in _children(storage) if (_step_in_name(child) or 0) > step]
-    for child in doomed:
+    steps = {h.name: h.step for h, _ in snapshots(storage)}
+    return _delete(storage, [c for c in _children(storage) if steps.get(c, _step_in_name(c) or 0) > step])
+
+
+def _delete(storage: Storage, names: list[str]) -> list[str]:
+    for name in names:
         try:
-            storage.delete(child)
+            storage.delete(name)
         except StorageError:
             pass
-    return doomed
+    return names
 
 
 def _step_in_name(name: str) -> int | None:
+    """The step of a snapshot folder without a manifest, from the digits of its name."""
     digits = "".join(c if c.isdigit() else " " for c in name).split()
     return int(digits[-1]) if digits else None
 
@@ -293,87 +350,132 @@ class RestoreReport:
 
 def restore(
     coll: Collective, node_storage: Storage, nodes: Sequence[str], root: Storage,
-    target: Mapping[str, Any] | Callable[[Manifest], Mapping[str, Any]] | None,
+    target: Mapping[str, Any] | Callable[[Manifest], Mapping[str, Any]] | None, *, name_format: str = "step_{step:08d}",
 ) -> tuple[dict[str, Any], RestoreReport]:
-    """Restore the newest step every file of which has a good copy in some node or in storage,
-    into `target` (or whole; or what `target` makes of the chosen step's manifest, made again if
-    another step is chosen); collective over `coll`, whose ranks' nodes are `nodes`.
+    """Restore the newest step every file of which has a good copy in some node or in storage
+    (checkpoints named by `name_format`), into `target` (or whole; or what `target` makes of the
+    chosen step's manifest, made again if another step is chosen); collective over `coll`,
+    whose ranks' nodes are `nodes`. Every rank makes the same collective calls, whatever fails
+    on one of them: a failure that is not a bad copy is raised on every rank.
 
     Raises:
         CheckpointNotFoundError: no tier holds any snapshot or checkpoint (a new run).
         IntegrityError: some are held, but no step has a good copy of every file (each skipped
-            step and bad copy is named); `target` may have been written meanwhile.
+            step, bad copy and unreadable manifest is named); `target` may have been written.
+        CkptkitError: a rank could not read its node's folder or storage, or write a copy.
     """
     import torch
-
-    from ..ops.load import Checkpoint
-    from ..plan.load import plan_load
-    from ..state.torch_io import is_leaf, leaf_shards
-    from ..state.tree import flatten
 
     bad: set[tuple[int, str, str]] = set()
     bad_stored: set[str] = set()
     skipped: list[str] = []
     for _ in range(MAX_ATTEMPTS):
-        mine = snapshots(node_storage)
-        held = coll.all_gather([h for h, _ in mine])
+        unreadable: list[str] = []
+        mine = _agree(coll, guard(lambda: snapshots(node_storage, unreadable)))
+        gathered = coll.all_gather(([h for h, _ in mine], unreadable))
+        held = [hs for hs, _ in gathered]
+        unreadable = sorted({u for _, us in gathered for u in us})
         steps = {h.step for hs in held for h in hs}
-        found = stored(root, steps) if coll.rank == 0 else None
-        found = coll.broadcast(found)
+        outcome = guard(lambda: stored(root, steps, name_format, frozenset(bad_stored), unreadable)) if coll.rank == 0 else None
+        found, unreadable = _stored_on_all(coll, outcome, unreadable)
         choice = choose(held, found, frozenset(bad), frozenset(bad_stored))
         if choice is None:
             where = f"in memory ({len(steps)} step(s) held) or in storage {root.root}"
-            if not steps and not found and not skipped:
+            if not steps and not found and not skipped and not unreadable and not bad_stored:
                 raise CheckpointNotFoundError(f"nothing to restore: no snapshot or checkpoint {where}")
+            why = skipped + [f"{u}: its manifest cannot be read" for u in unreadable]
             raise IntegrityError(f"nothing to restore whole: no step has a good copy of every file {where}"
-                                 + (f"; skipped: {'; '.join(skipped)}" if skipped else ""))
-        manifest = _chosen_manifest(coll, choice, mine, node_storage, root)
-        into = target(manifest) if callable(target) else target
-        if into is None:
-            needs = [f.path for f in manifest.files if f.base is None and f.role == "tensors"]
-        else:
-            leaves, _ = flatten(into, is_leaf)
-            requests = [(fqn, p.box) for fqn, leaf in leaves.items() for p in leaf_shards(leaf) if fqn in manifest.tensors]
-            plan = plan_load(manifest, requests)
-            needs = sorted({manifest.files[r.file].path for t in plan.targets for r in t.reads})
+                                 + (f"; skipped: {'; '.join(why)}" if why else ""))
+        manifest, raw = _chosen_manifest(coll, choice, mine, node_storage, root)
+        into, needs = _agree(coll, guard(lambda: _needs(manifest, target)))
         plan_routes = assign(choice, coll.all_gather(needs), list(nodes))
         entries = {f.path: f for f in manifest.files if f.base is None}
-        problems = _bring(coll, node_storage, choice.name, entries, plan_routes, manifest, torch)
-        outcome: tuple[str, Any] = ("ok", None)
-        result = None
+        problems = _bring(coll, node_storage, choice.name, entries, plan_routes, raw, torch)
+        routes = plan_routes.routes[coll.rank]
+        loaded: tuple[str, Any] = ("ok", None)
         if not problems:
-            routes = plan_routes.routes[coll.rank]
-            view = Location(RoutedStorage(node_storage, root, choice.name, choice.stored.name if choice.stored else None, routes), choice.name)
-            try:
-                result = Checkpoint(view, manifest).load(into)
-            except (IntegrityError, StorageError) as exc:
-                outcome = ("bad", _bad_reads(view, manifest, routes, str(exc)))
-        findings = coll.all_gather((problems, outcome))
-        if all(not p and o[0] == "ok" for p, o in findings):
+            loaded = _load(node_storage, root, choice, manifest, routes, into)
+        findings = coll.all_gather((problems, loaded[0] if loaded[0] != "ok" else "ok", loaded[1] if loaded[0] != "ok" else None))
+        for rank, (problems_of, status, value) in enumerate(findings):
+            local = [what for kind, _, _, what in problems_of if kind == LOCAL]
+            if local:
+                raise CkptkitError(f"restore of step {choice.step}: rank {rank}: {local[0]}")
+            if status == "error":
+                unwrap(("error", (value[0], f"restore of step {choice.step}: rank {rank}: {value[1]}")))
+        if all(not p and status == "ok" for p, status, _ in findings):
             # The restored step is now the newest: newer snapshots (cut off, or left out as bad)
             # would stand in the way of the snapshots the run is about to take again.
             if leaders(nodes)[nodes[coll.rank]] == coll.rank:
                 for dropped in drop_newer(node_storage, choice.step):
                     skipped.append(f"{dropped}: deleted from node {nodes[coll.rank]}, newer than the step restored")
             coll.all_gather(None)  # before any rank snapshots again
-            report = RestoreReport(choice.step, choice.checkpoint_id, choice.name, skipped=skipped + list(choice.skipped),
+            report = RestoreReport(choice.step, choice.checkpoint_id, choice.name,
+                                   skipped=skipped + list(choice.skipped) + [f"{u}: its manifest cannot be read" for u in unreadable],
                                    manifest=manifest)
-            report.files = {p: r.describe() for p, r in plan_routes.routes[coll.rank].items()}
-            assert result is not None
-            return result, report
-        for rank, (problems_of, outcome_of) in enumerate(findings):
-            for problem in problems_of:  # "<sender> <path>: ..." — the sender's node copy is bad
-                sender, path = problem.split(":", 1)[0].split(" ", 1)
-                _mark(bad, nodes, int(sender), choice.checkpoint_id, path)
-                skipped.append(f"step {choice.step}: the copy of {path} on node {nodes[int(sender)]} failed its checks{problem.split(':', 1)[1]}")
-            if outcome_of[0] == "bad":
-                for tier, path, what in outcome_of[1]:
+            report.files = {p: r.describe() for p, r in routes.items()}
+            return loaded[1], report
+        for rank, (problems_of, status, value) in enumerate(findings):
+            for _, sender, path, what in problems_of:  # a sender's copy failed its checks on arrival
+                _mark(bad, nodes, sender, choice.checkpoint_id, path)
+                skipped.append(f"step {choice.step}: node {nodes[sender]}'s copy of {path} failed its checks ({what})")
+            if status == "bad":
+                for tier, path, what in value:
                     if tier == STORAGE and choice.stored is not None:
                         bad_stored.add(choice.stored.name)
                     else:
                         _mark(bad, nodes, rank, choice.checkpoint_id, path)
-                    skipped.append(f"step {choice.step}: {tier} copy of {path} failed its checks ({what})")
+                    skipped.append(f"step {choice.step}: the {tier} copy of {path} read by rank {rank} failed its checks ({what})")
     raise IntegrityError(f"nothing restored after {MAX_ATTEMPTS} choices; skipped: {'; '.join(skipped)}")
+
+
+def _agree(coll: Collective, outcome: tuple[str, Any]) -> Any:
+    """This rank's result of a `guard`ed step, once every rank did it; the first failure of any
+    rank is raised on every rank (so none is left waiting in the next collective)."""
+    for rank, (status, value) in enumerate(coll.all_gather(outcome if outcome[0] == "ok" else ("error", outcome[1]))):
+        if status != "ok":
+            name, message = value
+            unwrap(("error", (name, f"rank {rank}: {message}")))
+    return outcome[1]
+
+
+def _stored_on_all(coll: Collective, outcome: tuple[str, Any] | None, unreadable: list[str]) -> tuple[list[Stored], list[str]]:
+    """Rank 0's view of storage (`stored`, guarded) and the unreadable manifests, on every rank."""
+    shared = coll.broadcast((outcome, unreadable) if coll.rank == 0 else None)
+    return unwrap(shared[0]), shared[1]
+
+
+def _needs(manifest: Manifest, target: Mapping[str, Any] | Callable[[Manifest], Mapping[str, Any]] | None) -> tuple[Any, list[str]]:
+    """The target to load `manifest` into (made by `target` when it is a function), and the
+    files that load reads, as the manifest names them (`FileEntry.where`: an incremental
+    checkpoint's earlier files as ``../<base>/<path>``)."""
+    from ..plan.load import plan_load
+    from ..state.torch_io import is_leaf, leaf_shards
+    from ..state.tree import flatten
+
+    into = target(manifest) if callable(target) else target
+    if into is None:
+        return None, [f.where() for f in manifest.files if f.role == "tensors"]
+    leaves, _ = flatten(into, is_leaf)
+    requests = [(fqn, p.box) for fqn, leaf in leaves.items() for p in leaf_shards(leaf) if fqn in manifest.tensors]
+    plan = plan_load(manifest, requests)
+    return into, sorted({manifest.files[r.file].where() for t in plan.targets for r in t.reads})
+
+
+def _load(node: Storage, root: Storage, choice: Choice, manifest: Manifest, routes: Mapping[str, Route], into: Any) -> tuple[str, Any]:
+    """Load this rank's part through a view that reads each file from where it was routed:
+    ("ok", state), ("bad", [(tier, path, why)]) for copies that fail their checks, or
+    ("error", (type, message)) for a failure no copy explains."""
+    from ..ops.load import Checkpoint
+
+    view = Location(RoutedStorage(node, root, choice.name, choice.stored.name if choice.stored else None, routes,
+                                  everything_stored=choice.from_storage), choice.name)
+    try:
+        return "ok", Checkpoint(view, manifest).load(into)
+    except (IntegrityError, StorageError) as exc:
+        bad = _bad_reads(view, manifest, routes)
+        return ("bad", bad) if bad else ("error", (type(exc).__name__, str(exc)))
+    except CkptkitError as exc:
+        return "error", (type(exc).__name__, str(exc))
 
 
 def _mark(bad: set[tuple[int, str, str]], nodes: Sequence[str], rank: int, checkpoint_id: str, path: str) -> None:
@@ -382,63 +484,71 @@ def _mark(bad: set[tuple[int, str, str]], nodes: Sequence[str], rank: int, check
             bad.add((r, checkpoint_id, path))
 
 
-def _chosen_manifest(coll: Collective, choice: Choice, mine: list[tuple[Held, Manifest]], storage: Storage, root: Storage) -> Manifest:
-    """The chosen step's manifest on every rank: from the lowest rank whose node holds it (its
-    bytes, parsed and checked again by each rank), or from storage."""
+def _chosen_manifest(
+    coll: Collective, choice: Choice, mine: list[tuple[Held, Manifest]], storage: Storage, root: Storage
+) -> tuple[Manifest, bytes]:
+    """The chosen step's manifest and its bytes on every rank: from the lowest rank whose node
+    holds it (parsed and checked again by each rank), or from storage."""
     local = next((m for h, m in mine if h.checkpoint_id == choice.checkpoint_id), None)
     holders = coll.all_gather(local is not None)
     if any(holders):
         src = holders.index(True)
-        raw = coll.broadcast(storage.read(f"{choice.name}/{MANIFEST_NAME}") if coll.rank == src else None, src=src)
-        return local if local is not None else parse_manifest(raw, source=f"{choice.name}/{MANIFEST_NAME} of rank {src}")
+        shared = coll.broadcast(guard(lambda: storage.read(f"{choice.name}/{MANIFEST_NAME}")) if coll.rank == src else None, src=src)
+        raw = unwrap(shared)
+        return _agree(coll, guard(lambda: local if local is not None else parse_manifest(raw, source=f"{choice.name} of rank {src}"))), raw
     assert choice.stored is not None
-    return read_manifest(Location(root, choice.stored.name))
+    stored_name = choice.stored.name
+    return _agree(coll, guard(lambda: read_manifest(Location(root, stored_name)))), b""
 
 
 def _bring(
-    coll: Collective, storage: Storage, name: str, entries: Mapping[str, Any], routes: Assignment, manifest: Manifest, torch: Any
-) -> list[str]:
+    coll: Collective, storage: Storage, name: str, entries: Mapping[str, Any], routes: Assignment, raw: bytes, torch: Any
+) -> list[tuple[str, int, str, str]]:
     """Bring the files routed from peers into the receivers' nodes (and the manifest with them)."""
     if not routes.transfers:
         return []
     problems = _exchange(coll, storage, name, entries, routes.transfers, torch)
     if any(dst == coll.rank for _, dst, _ in routes.transfers):
-        from ..manifest import manifest_to_json
-
-        _commit_copy(storage, name, manifest_to_json(manifest))
+        try:
+            _commit_copy(storage, name, raw)
+        except (CkptkitError, OSError) as exc:
+            problems.append((LOCAL, coll.rank, MANIFEST_NAME, f"cannot write the manifest of {name}: {exc}"))
     coll.all_gather(None)  # every received file is written before any rank of its node reads it
     return problems
 
 
-def _bad_reads(view: Location, manifest: Manifest, routes: Mapping[str, Route], error: str) -> list[tuple[str, str, str]]:
-    """Which of the routed copies fail their checks, after a load failed with `error`."""
+def _bad_reads(view: Location, manifest: Manifest, routes: Mapping[str, Route]) -> list[tuple[str, str, str]]:
+    """Which of the routed copies fail their checks (after a load failed)."""
     from ..ops.verify import checksum_findings
 
-    index = {f.path: i for i, f in enumerate(manifest.files)}
-    files = [index[p] for p in routes if p in index]
-    findings, _ = checksum_findings(view, manifest, files, 2, None)
-    out = [(routes[f.where].tier, f.where, f.message) for f in findings if f.where in routes]
-    return out or [(routes[p].tier, p, error) for p in routes]
+    index = {f.where(): i for i, f in enumerate(manifest.files)}
+    findings, _ = checksum_findings(view, manifest, [index[p] for p in routes if p in index], 2, None)
+    return [(routes[f.where].tier, f.where, f.message) for f in findings if f.where in routes]
 
 
 class RoutedStorage:
     """Read-only: the files of one snapshot, each from where it was routed (this node's folder
-    for memory and peer copies, storage's checkpoint for storage ones)."""
+    for memory and peer copies, storage's checkpoint for storage ones; everything from storage
+    when the step is read from storage alone, the earlier checkpoints an incremental one reads
+    included)."""
 
-    def __init__(self, node: Storage, root: Storage, name: str, stored_name: str | None, routes: Mapping[str, Route]) -> None:
+    def __init__(self, node: Storage, root: Storage, name: str, stored_name: str | None, routes: Mapping[str, Route], *,
+                 everything_stored: bool = False) -> None:
         self.node, self.store, self.name, self.stored_name, self.routes = node, root, name, stored_name, routes
-        self.root = node.root
+        self.everything_stored = everything_stored
+        self.root = root.root if everything_stored else node.root  # where messages say the files are
 
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(rename=False)
 
     def _where(self, key: str) -> tuple[Storage, str]:
+        inside = key.startswith(f"{self.name}/")
         path = key.removeprefix(f"{self.name}/")
+        if self.everything_stored or not inside:  # not inside: an earlier checkpoint's file (a base)
+            return self.store, f"{self.stored_name}/{path}" if inside and self.stored_name else key
         route = self.routes.get(path)
         if route is not None and route.tier == STORAGE and self.stored_name is not None:
-            return self.store, f"{self.stored_name}/{path}"
-        if path == MANIFEST_NAME and self.stored_name is not None and not self.node.exists(key):
             return self.store, f"{self.stored_name}/{path}"
         return self.node, key
 
@@ -526,6 +636,9 @@ def flush(node_storage: Storage, root: Storage, *, deadline_s: float = 60.0, off
     for held, manifest in snapshots(node_storage):
         if _committed_in(root, held.name, manifest.checkpoint_id):
             return report(held)
+        if _exists(root, f"{held.name}/{MANIFEST_NAME}"):  # another checkpoint of that name: never written into
+            notes.append(f"{held.name}: storage holds another checkpoint of that name")
+            continue
         stage = temp_name(held.name, "f" + manifest.checkpoint_id[:12]) if root.capabilities.rename else held.name
         entries = [f for f in manifest.files if f.base is None]
         order = entries[offset % len(entries):] + entries[: offset % len(entries)] if entries else []
@@ -578,6 +691,14 @@ def flush_node(node: str | os.PathLike[str], root: str, *, deadline_s: float = 6
     if done.committed is None:
         raise CkptkitError(f"{folder}: nothing flushed to {root}: " + "; ".join(done.notes))
     return done
+
+
+def _exists(storage: Storage, key: str) -> bool:
+    """Whether `key` exists; True when even that cannot be told (then nothing is written there)."""
+    try:
+        return storage.exists(key)
+    except (StorageError, OSError):
+        return True
 
 
 def _committed_in(root: Storage, name: str, checkpoint_id: str) -> bool:

@@ -43,7 +43,8 @@ def test_killed_runs_restore_the_newest_replicated_step_with_the_losses_of_an_un
         before = expected_step(shm, out=out)  # memory, or storage where a flush on SIGTERM put a step
         befores.append(before)
         proc = train(out, STEPS, memory=shm)
-        if attempt < 3 and kill_at(proc, rng.uniform(2.0, 5.0), rng, "job" if attempt == 2 else "rank"):
+        # Killed at a random instant of its training (after its first logged line).
+        if attempt < 3 and kill_at(proc, rng.uniform(0.0, 0.2), rng, "job" if attempt == 2 else "rank", log=out):
             kills += 1
             continue
         assert proc.wait(timeout=300) == 0, proc.stderr.read().decode() if proc.stderr else ""

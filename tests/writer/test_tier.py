@@ -228,3 +228,60 @@ def test_flush_leaves_out_a_copy_that_fails_its_checks_and_the_command_says_so(t
     assert proc.returncode == 1 and proc.stderr.startswith("ckptkit: error: ") and "nothing flushed" in proc.stderr
     assert read_latest(ckptkit.open_storage(str(store))) == "step_00000001"
     assert sorted(p.name for p in store.iterdir() if not p.name.startswith(".")) == ["latest", "step_00000001"]
+
+
+# --- one process: storage as a tier, stale names ---------------------------------------------
+
+
+def _whole(step: int) -> dict[str, Any]:
+    return {"model": {"w": _value(step)}, "optimizer": {"m": torch.full((3,), float(step))}, "step": step}
+
+
+def _one(base: Path, **kw: Any) -> CheckpointManager:
+    return CheckpointManager(base / "store", memory=MemoryTier(str(base / "shm"), node="node0"), **kw)
+
+
+def test_restore_falls_back_to_an_older_storage_checkpoint_and_reads_incremental_ones_whole(tmp_path: Path) -> None:
+    with _one(tmp_path, incremental=True) as m:
+        for step in (1, 2, 3):  # incremental: steps 2 and 3 read what did not change from earlier ones
+            m.save(step, {"model": {"w": _value(step), "frozen": torch.ones(64)}, "step": step})
+        # Memory holds nothing: storage's newest is read, its earlier checkpoints' files included.
+        state, report = m.restore()
+        assert (report.step, report.tiers()) == (3, {"storage": 2}) and torch.equal(state["model"]["w"], _value(3))
+        assert sorted(report.files) == ["../step_00000001/rank00000.safetensors", "rank00000.safetensors"]
+        assert torch.equal(state["model"]["frozen"], torch.ones(64))
+        _flip(next((tmp_path / "store" / "step_00000003").glob("*.safetensors")))
+        state, report = m.restore()  # step 3 fails its checks: step 2, which verifies
+        assert report.step == 2 and torch.equal(state["model"]["w"], _value(2))
+        assert any("step 3" in s and "failed its checks" in s for s in report.skipped)
+
+
+def test_an_unreadable_checkpoint_is_never_a_new_run(tmp_path: Path) -> None:
+    ckptkit.save(_whole(1), tmp_path / "store" / "step_00000001", step=1)
+    manifest = tmp_path / "store" / "step_00000001" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"step":1,', '"step":7,'))  # its seal no longer matches
+    with _one(tmp_path) as m, pytest.raises(ckptkit.IntegrityError, match="manifest cannot be read"):
+        m.restore()
+    shutil.rmtree(tmp_path / "store")
+    with _one(tmp_path) as m, pytest.raises(ckptkit.CheckpointNotFoundError, match="nothing to restore"):
+        m.restore()  # nothing anywhere: a new run
+
+
+def test_a_snapshot_taken_again_replaces_the_stale_one_of_the_same_step(tmp_path: Path) -> None:
+    with _one(tmp_path) as m:
+        m.save(1, _whole(1), tier="memory")
+        m.save(2, _whole(2), tier="memory")
+        m.save(2, _whole(5) | {"step": 2}, tier="memory")  # the run went back to step 1 and on again
+        state, report = m.restore()
+    assert report.step == 2 and torch.equal(state["model"]["w"], _value(5))
+    assert len(list((tmp_path / "shm" / "node0" / "step_00000002").iterdir())) == 2  # one id folder and the manifest
+
+
+def test_flush_never_writes_into_a_storage_checkpoint_of_the_same_name(tmp_path: Path) -> None:
+    with _one(tmp_path) as m:
+        m.save(1, _whole(1), tier="memory")
+        m.save(1, _whole(1))  # storage's own step 1: another checkpoint of the same name
+        m.wait()
+        report = m.flush()
+    assert report.committed is None and report.written == [] and "another checkpoint of that name" in report.notes[0]
+    assert not [p for p in (tmp_path / "store").iterdir() if p.name.startswith(".")]  # no stage left behind
