@@ -35,20 +35,21 @@ SOURCES = ("memory", "peer", "storage")
 
 
 def _rank_state(torch: Any, rank: int, world: int, size_mib: int) -> dict[str, Any]:
+    """The rank's state: random values in `_target`'s boxes."""
+    g = torch.Generator().manual_seed(rank)
+    state = _target(torch, rank, world, size_mib)
+    for t in state["model"].values():
+        t.local.normal_(generator=g)
+    return {**state, "step": 0}
+
+
+def _target(torch: Any, rank: int, world: int, size_mib: int) -> dict[str, Any]:
+    """Empty tensors of the rank's boxes (a restarted trainer's, before the restore fills them)."""
     from ckptkit import ShardedTensor
 
     rows = max(world, (size_mib << 20) // (4 * TENSORS * 1024) * world)
     n = rows // world
-    g = torch.Generator().manual_seed(rank)
-    return {"model": {f"w{i}": ShardedTensor(torch.randn(n, 1024, generator=g), (rows, 1024), (rank * n, 0))
-                      for i in range(TENSORS)}, "step": 0}
-
-
-def _target(torch: Any, rank: int, world: int, size_mib: int) -> dict[str, Any]:
-    from ckptkit import ShardedTensor
-
-    state = _rank_state(torch, rank, world, size_mib)
-    return {"model": {k: ShardedTensor(torch.empty_like(v.local), v.global_shape, v.global_offsets) for k, v in state["model"].items()}}
+    return {"model": {f"w{i}": ShardedTensor(torch.empty(n, 1024), (rows, 1024), (rank * n, 0)) for i in range(TENSORS)}}
 
 
 def rank_main(args: list[str]) -> None:
@@ -65,6 +66,7 @@ def rank_main(args: list[str]) -> None:
     imported = time.time()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    joined = time.time()
     tier = MemoryTier(os.path.join(base, "shm"), node=f"node{rank}")
     result: dict[str, Any] = {"rank": rank, "imports_s": imported - spawned}
     if mode == "save":
@@ -84,9 +86,11 @@ def rank_main(args: list[str]) -> None:
         result.update(stall_s=statistics.median(stalls[1:]), memcpy_s=statistics.median(memcpys[1:]))
     else:
         with CheckpointManager(os.path.join(base, "store"), memory=tier) as manager:
+            made = time.time()
             target = _target(torch, rank, world, size_mib)
+            allocated = time.time()
             _, report = manager.restore(target)
-        restored = time.time()
+            restored = time.time()
         nbytes = sum(t.local.numel() * 4 for t in target["model"].values())
         copy = torch.empty(nbytes, dtype=torch.uint8)
         source = torch.cat([t.local.reshape(-1).view(torch.uint8) for t in target["model"].values()])
@@ -104,7 +108,8 @@ def rank_main(args: list[str]) -> None:
             elif rank == 1:
                 dist.recv(copy, 0)
             loopback.append(time.perf_counter() - started)
-        result.update(restart_s=restored - spawned, bytes=nbytes, step=report.step, tiers=report.tiers(),
+        result.update(restart_s=restored - spawned, group_s=joined - imported, manager_s=made - joined, target_s=allocated - made,
+                      restore_s=restored - allocated, bytes=nbytes, step=report.step, tiers=report.tiers(),
                       memcpy_s=statistics.median(memcpy), loopback_s=statistics.median(loopback[1:]))
     dist.destroy_process_group()
     with open(out, "w") as f:
@@ -164,8 +169,9 @@ def run(settings: Any, size_mib: int) -> dict[str, Any]:
                 ranks = _ranks("restore", base, size_mib)
                 rank = ranks[1]  # the one that reads from a peer in "peer"
                 runs[source].append({**rank, "dropped": dropped})
-                settings.say(f"[tier {source} {repeat + 1}/{settings.repeats}] restart {rank['restart_s']:.2f} s "
-                             f"(imports {rank['imports_s']:.2f} s), tiers {rank['tiers']}")
+                settings.say(f"[tier {source} {repeat + 1}/{settings.repeats}] restart {rank['restart_s']:.2f} s: imports "
+                             f"{rank['imports_s']:.2f} s, process group {rank['group_s']:.2f} s, manager {rank['manager_s']:.2f} s, "
+                             f"target {rank['target_s']:.2f} s, restore {rank['restore_s']:.2f} s; tiers {rank['tiers']}")
         nbytes = runs["memory"][0]["bytes"]
         write_limit(disk, nbytes)
         drop_caches()

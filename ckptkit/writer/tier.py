@@ -431,7 +431,7 @@ def restore(
 def _agree(coll: Collective, outcome: tuple[str, Any]) -> Any:
     """This rank's result of a `guard`ed step, once every rank did it; the first failure of any
     rank is raised on every rank (so none is left waiting in the next collective)."""
-    for rank, (status, value) in enumerate(coll.all_gather(outcome if outcome[0] == "ok" else ("error", outcome[1]))):
+    for rank, (status, value) in enumerate(coll.all_gather(("ok", None) if outcome[0] == "ok" else outcome)):  # never the result
         if status != "ok":
             name, message = value
             unwrap(("error", (name, f"rank {rank}: {message}")))
