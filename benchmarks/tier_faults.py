@@ -97,12 +97,18 @@ def expected_step(shm: Path, bad: frozenset[tuple[str, str, str]] = frozenset(),
     return None if choice is None else choice.step
 
 
-def kill_at(proc: subprocess.Popen[bytes], after_s: float, rng: random.Random, how: str, *, log: Path | None = None) -> bool:
+def kill_at(proc: subprocess.Popen[bytes], after_s: float, rng: random.Random, how: str, *, log: Path | None = None,
+            event: str | None = None) -> bool:
     """SIGKILL one rank (`how` "rank") or every process of the job ("job", "node") `after_s`
-    seconds after the start (with `log`: after the job's first line there, once it trains);
-    False when the run ended first. The job's leftover processes are killed too."""
-    lines = len(records(log)) if log is not None else 0
-    while log is not None and len(records(log)) == lines:
+    seconds after the start (with `log`: after the job's next line there, once it trains; with
+    `event` too, its next record of that event, such as a committed ``snapshot``); False when
+    the run ended first. The job's leftover processes are killed too."""
+
+    def count() -> int:
+        return len([r for r in records(log) if event is None or r.get("event") == event]) if log is not None else 0
+
+    lines = count()
+    while log is not None and count() == lines:
         if proc.poll() is not None:
             return False
         time.sleep(0.02)

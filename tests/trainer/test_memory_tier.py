@@ -19,7 +19,7 @@ from benchmarks.tier_faults import expected_step, kill_at, records, train
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 8
+STEPS = 6
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,10 @@ def test_killed_runs_restore_the_newest_replicated_step_with_the_losses_of_an_un
         before = expected_step(shm, out=out)  # memory, or storage where a flush on SIGTERM put a step
         befores.append(before)
         proc = train(out, STEPS, memory=shm)
-        # Killed at a random instant of its training (after its first logged line).
-        if attempt < 3 and kill_at(proc, rng.uniform(0.0, 0.2), rng, "job" if attempt == 2 else "rank", log=out):
+        # Killed at a random instant after its next snapshot committed (so that each restart has
+        # one to restore, however slow the machine).
+        if attempt < 2 and kill_at(proc, rng.uniform(0.0, 0.2), rng, "job" if attempt == 1 else "rank", log=out,
+                                   event="snapshot"):
             kills += 1
             continue
         assert proc.wait(timeout=300) == 0, proc.stderr.read().decode() if proc.stderr else ""
@@ -68,13 +70,13 @@ def test_a_lost_node_the_job_continues_on_three_ranks_without_repeating_a_sample
 ) -> None:
     expected = {step: r["sample_ids"] for step, r in unkilled.items()}
     out, shm = tmp_path / "run", tmp_path / "shm"
-    assert train(out, 5, memory=shm).wait(timeout=300) == 0
+    assert train(out, 3, memory=shm).wait(timeout=300) == 0
     shutil.rmtree(shm / "node1")  # node1 lost: its processes and its folder
     proc = train(out, STEPS, world=(1, 3), memory=shm)
     assert proc.wait(timeout=300) == 0, proc.stderr.read().decode() if proc.stderr else ""
     log = records(out)
     restore = [r for r in log if r.get("event") == "restore"]
-    assert [r["step"] for r in restore] == [5]
+    assert [r["step"] for r in restore] == [3]
     steps = [r for r in log if "event" not in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert all(r["sample_ids"] == expected[r["step"]] for r in steps)  # none repeated, none skipped
