@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,55 @@ class NodeStorage(LocalStorage):
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(rename=False, local_files=True)
+
+    def mapped(self, key: str, size: int) -> Any:
+        """The `size` bytes of file `key`, mapped read-only (a numpy array: no copy to send).
+
+        Raises:
+            StorageError: it cannot be mapped (missing, shorter than `size`).
+        """
+        import numpy as np
+
+        try:
+            return np.memmap(self.path(key), dtype=np.uint8, mode="r", shape=(size,))
+        except (OSError, ValueError) as exc:
+            raise StorageError(f"{self.path(key)}: cannot map {size} bytes ({exc})") from exc
+
+    def receiving(self, key: str, size: int) -> tuple[Any, Callable[[bool], None]]:
+        """A writable mapping of a new hidden file of `size` bytes to receive file `key` into,
+        and the function that ends it: renamed to `key` (True) or removed (False). The file
+        appears whole or not at all.
+
+        Raises:
+            StorageError: it cannot be created.
+        """
+        import numpy as np
+
+        final = self.path(key)
+        tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            if size:
+                mapping = np.memmap(tmp, dtype=np.uint8, mode="w+", shape=(size,))
+            else:  # nothing to map: an empty file
+                open(tmp, "wb").close()
+                mapping = None
+        except (OSError, ValueError) as exc:
+            raise StorageError(f"{final}: cannot receive {size} bytes ({exc})") from exc
+        array = mapping if mapping is not None else np.empty(0, dtype=np.uint8)
+
+        def end(keep: bool) -> None:
+            try:
+                if keep:
+                    if mapping is not None:
+                        mapping.flush()
+                    os.replace(tmp, final)
+                else:
+                    os.unlink(tmp)
+            except OSError as exc:
+                raise StorageError(f"{final}: cannot keep the received copy ({exc})") from exc
+
+        return array, end
 
 
 # --- what a node holds -----------------------------------------------------------------------
@@ -263,27 +313,56 @@ def _exchange(
     for src, dst, path in transfers:
         if src == coll.rank:
             if path not in outgoing:
-                buf = torch.zeros(entries[path].size, dtype=torch.uint8)
-                try:
-                    storage.readinto(f"{name}/{path}", 0, memoryview(buf.numpy()))
-                except (CkptkitError, OSError) as exc:
-                    buf.zero_()
-                    problems.append((LOCAL, src, path, f"cannot read {path} to send it: {exc}"))
-                outgoing[path] = buf
+                outgoing[path] = _outgoing(storage, f"{name}/{path}", entries[path].size, torch, problems, src, path)
             sends.append((dst, outgoing[path]))
         if dst == coll.rank:
-            receives.append((src, path, torch.empty(entries[path].size, dtype=torch.uint8)))
-    coll.exchange(sends, [(src, buf) for src, _, buf in receives])
-    for src, path, buf in receives:
-        problem = content_problem(entries[path], memoryview(buf.numpy()))
+            receives.append((src, path, *_incoming(storage, f"{name}/{path}", entries[path].size, torch)))
+    coll.exchange(sends, [(src, buf) for src, _, buf, _, _ in receives])
+    for src, path, buf, array, end in receives:
+        problem = content_problem(entries[path], memoryview(array))
         if problem:
             problems.append((BAD, src, path, f"the copy of {path} rank {src} sent failed its checks: {problem}"))
-            continue
         try:
-            storage.write(f"{name}/{path}", [memoryview(buf.numpy())])
+            end(not problem)
         except (CkptkitError, OSError) as exc:
             problems.append((LOCAL, src, path, f"cannot write the copy of {path}: {exc}"))
     return problems
+
+
+def _outgoing(storage: Storage, key: str, size: int, torch: Any, problems: list[tuple[str, int, str, str]], src: int, path: str) -> Any:
+    """The bytes of file `key` to send: mapped from a node's folder (no copy), else read; zeros
+    (which fail their checks on arrival) when they cannot be had, with a problem noted."""
+    import warnings
+
+    try:
+        if isinstance(storage, NodeStorage):
+            with warnings.catch_warnings():  # a read-only mapping: gloo only reads what it sends
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(storage.mapped(key, size))
+        buf = torch.empty(size, dtype=torch.uint8)
+        storage.readinto(key, 0, memoryview(buf.numpy()))
+        return buf
+    except (CkptkitError, OSError) as exc:
+        problems.append((LOCAL, src, path, f"cannot read {path} to send it: {exc}"))
+        return torch.zeros(size, dtype=torch.uint8)
+
+
+def _incoming(storage: Storage, key: str, size: int, torch: Any) -> tuple[Any, Any, Callable[[bool], None]]:
+    """Where to receive file `key`: straight into a new file of a node's folder (kept, renamed
+    into place, only if it passes its checks), else a buffer written once it passes."""
+    if isinstance(storage, NodeStorage):
+        try:
+            array, end = storage.receiving(key, size)
+            return torch.from_numpy(array), array, end
+        except StorageError:
+            pass  # received into memory; writing it fails the same way, and says so
+    buf = torch.empty(size, dtype=torch.uint8)
+
+    def write(keep: bool) -> None:
+        if keep:
+            storage.write(key, [memoryview(buf.numpy())])
+
+    return buf, buf.numpy(), write
 
 
 def retain(storage: Storage, keep: int) -> list[str]:
