@@ -6,9 +6,11 @@ here, against 0.05 s for memory already touched). Advised with ``MADV_HUGEPAGE``
 touched, the same memory faults in 2 MiB pages: 0.10 s. The advice is only that: where the
 kernel has no transparent huge pages, or on another system, nothing changes but the speed.
 
-Only tensors of at least 32 MiB are advised: glibc gives every allocation that large a mapping
-of its own (its mmap threshold never rises above 32 MiB), so the advice ends with the tensor,
-and the two extra mappings each one costs stay far below the kernel's ``vm.max_map_count``.
+Only tensors of at least 32 MiB are advised: glibc gives an allocation that large a mapping of
+its own (its mmap threshold never rises above 32 MiB), so the advice ends with the tensor, and
+the two extra mappings each one costs stay far below the kernel's ``vm.max_map_count``. When
+glibc serves one from a free chunk of its heap instead, the advice stays on that part of the
+heap: later allocations there fault in huge pages too, which changes their speed, not their bytes.
 ``CKPTKIT_HUGE_PAGES=0`` turns the advice off (on a host whose memory is so fragmented that the
 kernel's compaction for huge pages would cost more than it saves).
 """
