@@ -165,14 +165,15 @@ def _listed(storage: Storage, stage: Staging) -> bool:
         raw = json.loads(storage.read(f"{stage.root}/{MANIFEST_NAME}"))
         return any(str(f.get("path", "")).startswith(stage.paths) for f in raw.get("files", []))
     except StorageError:
-        return _exists(storage, f"{stage.root}/{MANIFEST_NAME}")  # one there but unreadable: keep
+        return exists_or_unknown(storage, f"{stage.root}/{MANIFEST_NAME}")  # one there but unreadable: keep
     except (ValueError, AttributeError, TypeError):
         return True  # unreadable: keep everything rather than guess
 
 
-def _exists(storage: Storage, key: str) -> bool:
-    """Whether `key` exists; True when even that cannot be told (keep rather than delete)."""
+def exists_or_unknown(storage: Storage, key: str) -> bool:
+    """Whether `key` exists; True when even that cannot be told (keep rather than delete, and
+    write nothing there)."""
     try:
         return storage.exists(key)
-    except StorageError:
+    except (StorageError, OSError):
         return True

@@ -36,6 +36,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CkptkitError, IntegrityError, LayoutError, ManifestError, StorageError
+from ..io.commit import exists_or_unknown
 from ..io.catalog import LATEST_NAME, Location, latest_step, moves_forward, read_manifest, step_of, temp_name, write_latest
 from ..io.payload import content_problem
 from ..manifest import MANIFEST_NAME, Manifest, parse_manifest
@@ -715,7 +716,7 @@ def flush(node_storage: Storage, root: Storage, *, deadline_s: float = 60.0, off
     for held, manifest in snapshots(node_storage):
         if _committed_in(root, held.name, manifest.checkpoint_id):
             return report(held)
-        if _exists(root, f"{held.name}/{MANIFEST_NAME}"):  # another checkpoint of that name: never written into
+        if exists_or_unknown(root, f"{held.name}/{MANIFEST_NAME}"):  # another checkpoint of that name: never written into
             notes.append(f"{held.name}: storage holds another checkpoint of that name")
             continue
         stage = temp_name(held.name, "f" + manifest.checkpoint_id[:12]) if root.capabilities.rename else held.name
@@ -770,14 +771,6 @@ def flush_node(node: str | os.PathLike[str], root: str, *, deadline_s: float = 6
     if done.committed is None:
         raise CkptkitError(f"{folder}: nothing flushed to {root}: " + "; ".join(done.notes))
     return done
-
-
-def _exists(storage: Storage, key: str) -> bool:
-    """Whether `key` exists; True when even that cannot be told (then nothing is written there)."""
-    try:
-        return storage.exists(key)
-    except (StorageError, OSError):
-        return True
 
 
 def _committed_in(root: Storage, name: str, checkpoint_id: str) -> bool:
