@@ -1,7 +1,9 @@
 """A fault campaign for the memory tier: the reference trainer on 4 gloo ranks as 2 simulated
 nodes, a memory snapshot every step, killed with SIGKILL at random instants, again and again.
 
-Each kill takes one rank, or the whole job, or a whole node (the job and one node's folder).
+Each kill takes one rank, or the whole job, or a whole node (the job and one node's folder), or
+the whole job during a flush (a SIGTERM to every rank, which flushes the newest snapshot to
+storage, then the SIGKILL a random instant later).
 Before some restarts one byte of a random copy in a node's folder is flipped. Every restart runs
 the same command (``--resume latest --resume-if-present``), like a launcher's restart. The
 campaign checks, for every restart, that:
@@ -10,7 +12,9 @@ campaign checks, for every restart, that:
   from the folders, leaving out the copy corrupted on purpose), or started anew when none had;
 - the run then finished or was killed, never failing by itself (a restart loop);
 - every step any attempt logged has the loss and the samples of a run never killed, bitwise,
-  so no restore read a corrupted byte.
+  so no restore read a corrupted byte;
+- after a kill during a flush, every checkpoint committed in storage verifies (a flush cut off
+  leaves storage as it was).
 
 ``python -m benchmarks.tier_faults --kills 200`` (about 4 s per kill here); the tests run a few
 kills of the same kind (``tests/trainer/test_memory_tier.py``).
@@ -101,8 +105,9 @@ def kill_at(proc: subprocess.Popen[bytes], after_s: float, rng: random.Random, h
             event: str | None = None) -> bool:
     """SIGKILL one rank (`how` "rank") or every process of the job ("job", "node") `after_s`
     seconds after the start (with `log`: after the job's next line there, once it trains; with
-    `event` too, its next record of that event, such as a committed ``snapshot``); False when
-    the run ended first. The job's leftover processes are killed too."""
+    `event` too, its next record of that event, such as a committed ``snapshot``); with "flush",
+    SIGTERM every rank then (they flush), and SIGKILL the job up to 1.5 s later. False when the
+    run ended first. The job's leftover processes are killed too."""
 
     def count() -> int:
         return len([r for r in records(log) if event is None or r.get("event") == event]) if log is not None else 0
@@ -120,6 +125,13 @@ def kill_at(proc: subprocess.Popen[bytes], after_s: float, rng: random.Random, h
     ranks = descendants(proc.pid, depth=2)
     if not ranks:
         return False
+    if how == "flush":
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        time.sleep(rng.uniform(0.0, 1.5))
     for pid in ([proc.pid, *descendants(proc.pid)] if how != "rank" else [rng.choice(ranks)]):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -134,6 +146,23 @@ def kill_at(proc: subprocess.Popen[bytes], after_s: float, rng: random.Random, h
             except ProcessLookupError:
                 pass
     return proc.returncode != 0  # 0: it ended just before the kill
+
+
+def committed(out: Path) -> list[str]:
+    """The checkpoints storage at `out` holds committed."""
+    return sorted(p.name for p in out.iterdir() if (p / "manifest.json").is_file()) if out.exists() else []
+
+
+def problems_of(out: Path) -> list[str]:
+    """What `verify` finds wrong with the checkpoints committed at `out`."""
+    import ckptkit
+
+    problems = []
+    for name in committed(out):
+        report = ckptkit.verify(out / name)
+        if not report.ok:
+            problems.append(f"{name}: " + "; ".join(str(f) for f in report.findings[:3]))
+    return problems
 
 
 def held_any(shm: Path, out: Path) -> bool:
@@ -170,9 +199,10 @@ def campaign(kills: int, steps: int, seed: int, work: Path, say: Any) -> dict[st
     if proc.wait(timeout=600):
         raise RuntimeError(f"the run never killed failed: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
     expected = {r["step"]: r for r in records(baseline) if "event" not in r}
-    tally: dict[str, Any] = {"kills": 0, "kinds": {"rank": 0, "job": 0, "node": 0}, "corruptions": 0, "attempts": 0,
+    tally: dict[str, Any] = {"kills": 0, "kinds": {"rank": 0, "job": 0, "node": 0, "flush": 0}, "corruptions": 0, "attempts": 0,
                              "restores": 0, "restores_as_expected": 0, "unexpected": [], "fresh_starts": 0, "loops": 0, "unrestorable": 0,
-                             "runs": 0, "steps_checked": 0, "mismatched_steps": 0}
+                             "runs": 0, "steps_checked": 0, "mismatched_steps": 0,
+                             "flushes_committed": 0, "storage_problems": []}
     started = time.monotonic()
     while tally["kills"] < kills:
         run = tally["runs"] + 1
@@ -181,9 +211,10 @@ def campaign(kills: int, steps: int, seed: int, work: Path, say: Any) -> dict[st
         seen = 0  # restore events logged so far in this run
         while True:
             before = expected_step(shm, frozenset(bad), out)
+            committed_before = len(committed(out))
             proc = train(out, steps, memory=shm)
             tally["attempts"] += 1
-            how = rng.choice(["rank", "rank", "job", "node"])
+            how = rng.choice(["rank", "rank", "job", "node", "flush"])
             # A quarter of the kills at an instant of the start (imports, restore), the others of the training.
             at_start = rng.random() < 0.25
             killed = tally["kills"] < kills and kill_at(proc, rng.uniform(0.5, 4.0) if at_start else rng.uniform(0.0, 3.0), rng, how,
@@ -216,6 +247,9 @@ def campaign(kills: int, steps: int, seed: int, work: Path, say: Any) -> dict[st
                 break
             tally["kills"] += 1
             tally["kinds"][how] += 1
+            if how == "flush":
+                tally["flushes_committed"] += len(committed(out)) > committed_before
+                tally["storage_problems"] += [f"run {run}: {p}" for p in problems_of(out)]
             if how == "node":
                 shutil.rmtree(shm / rng.choice(["node0", "node1"]), ignore_errors=True)
             elif rng.random() < 0.25 and (flipped := corrupt(shm, rng)) is not None:

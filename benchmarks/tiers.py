@@ -66,7 +66,9 @@ def rank_main(args: list[str]) -> None:
 
     imported = time.time()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # The launcher hosts the store, as torchrun's agent does: no rank waits on another's start to connect.
+    store = dist.TCPStore("127.0.0.1", int(port), world, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     joined = time.time()
     tier = MemoryTier(os.path.join(base, "shm"), node=f"node{rank}")
     result: dict[str, Any] = {"rank": rank, "imports_s": imported - spawned}
@@ -119,9 +121,10 @@ def rank_main(args: list[str]) -> None:
 
 def _ranks(mode: str, base: str, size_mib: int, world: int = 2) -> list[dict[str, Any]]:
     """Start `world` fresh interpreters for `mode`; return their results (raises on failure)."""
-    from ckptkit.trainer.launch import free_port
+    import torch.distributed as dist
 
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    port = store.port
     outs = [os.path.join(base, f"{mode}-rank{r}.json") for r in range(world)]
     env = {**os.environ, "CKPTKIT_BENCH_SPAWNED": repr(time.time())}
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.tiers", mode, base, str(r), str(world), str(port), str(size_mib), outs[r]],
