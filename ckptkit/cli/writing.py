@@ -239,9 +239,12 @@ def _not_held(report: Any) -> str:
                    "is JSON or text): a Megatron-Core save without Megatron-LM's arguments needs num_attention_heads "
                    "and num_query_groups; a torchtitan save num_attention_heads (and rope_theta, rms_norm_eps where not "
                    "Llama 3's).")
+@click.option("--max-file-size", "max_file_size", default="4GiB", show_default=True, metavar="SIZE",
+              help="Start a new payload file when one would grow past SIZE (5GB, 500MB, 2GiB); under torchrun the "
+                   "processes split the files, so smaller files split the work finer.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON (the convert report).")
 def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout_file: str | None, model_config: tuple[str, ...],
-                as_json: bool) -> None:
+                max_file_size: str, as_json: bool) -> None:
     """Convert another tool's checkpoint at SRC (a DeepSpeed, Megatron, torch DCP, torchtitan, Hugging Face model or `Trainer`, or peft directory) into a ckptkit checkpoint at DST.
 
     Every tensor and value of SRC is converted or listed as skipped with a reason; an entry
@@ -249,27 +252,47 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
     model's layout (e.g. `ckptkit layout builtin megatron-gpt model.json`), so that reshard and
     export need no --layout. Exit 0 when DST is committed, 1 on a ckptkit error (unknown
     format, unsafe or damaged source, a layout that does not fit, DST exists; DST does not
-    appear), 2 on bad usage or when SRC is not a directory.
+    appear), 2 on bad usage or when SRC is not a directory. Under torchrun the processes split
+    the payload files, with one commit: the checkpoint is the same, file for file, as one
+    process writes.
 
     \b
     Examples:
       ckptkit convert fixtures/deepspeed/zero3-fp32 converted
       ckptkit convert MCORE_SAVE converted --model-config num_attention_heads=32 --model-config num_query_groups=8
       ckptkit convert outputs/checkpoint/step-1000 converted --model-config num_attention_heads=32
+      ckptkit convert BIG_SAVE converted --max-file-size 1GiB   # under torchrun: -m ckptkit.cli convert ...
     """
     from ..layouts import named_layout
 
+    try:
+        max_file_bytes = parse_size(max_file_size)
+    except CkptkitError as exc:
+        usage(f"--max-file-size: {exc}")
     config = _key_values(model_config, "--model-config")
     layout = named_layout(layout_file, lambda: config, origin="--model-config") if layout_file is not None else None
     names = ckptkit.list_converters()
     if source_format != "auto" and source_format not in names:
         usage(f"--from: no converter for {source_format!r}; choose auto or one of: {', '.join(names) or 'none installed'}")
-    if source_format == "auto":
-        source_format = ckptkit.detect_format(src)
-        click.echo(f"ckptkit: {src}: converting from {source_format} ({names[source_format]})", err=True)
-    with progress("converting", shows_progress(as_json)) as update:
-        report = ckptkit.convert(src, dst, source_format=source_format, allow_skip=allow_skip, progress=update, layout=layout,
-                                 config=config)
+    dist = init_torchrun()
+    rank = dist.get_rank() if dist is not None else 0
+    try:
+        if source_format == "auto":
+            source_format = ckptkit.detect_format(src)
+            if rank == 0:
+                click.echo(f"ckptkit: {src}: converting from {source_format} ({names[source_format]})", err=True)
+        with progress("converting", rank == 0 and shows_progress(as_json)) as update:
+            report = ckptkit.convert(src, dst, source_format=source_format, allow_skip=allow_skip, progress=update, layout=layout,
+                                     config=config, max_file_bytes=max_file_bytes)
+    except CkptkitError as exc:
+        if rank:  # rank 0 says it, once
+            sys.exit(exit_code_of(exc))
+        raise
+    finally:
+        if dist is not None:
+            dist.destroy_process_group()
+    if rank:
+        return
     for warning in report.warnings:
         click.echo(f"ckptkit: warning: {warning}", err=True)
     if as_json:

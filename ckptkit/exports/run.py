@@ -24,7 +24,7 @@ from ..io.checksum import checksum_of
 from ..errors import CheckpointExistsError, CkptkitError, LayoutError, StorageError, summarize
 from .formats import CHUNK_BYTES, EXPORT_FORMATS, ExportFormat, ExportOptions
 from .source import LEFT_OUT, OPTIMIZER_PARTS, ExportedFile, ExportReport, Source, Writer, Written, report_bytes
-from ..ops.collective import Collective, default_collective, guard, unwrap
+from ..ops.collective import Collective, default_collective, first_error, guard, unwrap
 from ..ops.reports import SkippedEntry
 from ..layouts import Layout
 from ..manifest import Manifest
@@ -144,7 +144,7 @@ def export(
         with Source(src_loc, manifest, progress=progress) as source, still_committed(src_loc):
             return _export(source, dst, fmt, options, dst_storage, started, allow_skip)
     opened = guard(lambda: open_checkpoint(src, storage))
-    unwrap(_first_error(coll, opened))
+    unwrap(first_error(coll, opened))
     src_loc, manifest = opened[1]
     with Source(src_loc, manifest, progress=progress) as source, still_committed(src_loc):
         return _export_ranks(coll, source, dst, fmt, options, dst_storage, started, allow_skip)
@@ -177,13 +177,6 @@ def _planned(source: Source, dst: str | os.PathLike[str], fmt: ExportFormat, opt
     return writer, form, dst_loc, skipped, dropped, left
 
 
-def _first_error(coll: Collective, outcome: tuple[str, Any]) -> tuple[str, Any]:
-    """Every rank's `outcome` of one step: the first error among them on every rank, else ("ok", None)."""
-    said = coll.gather(outcome if outcome[0] != "ok" else ("ok", None))
-    first: tuple[str, Any] = coll.broadcast(next((o for o in said if o[0] != "ok"), ("ok", None)) if said is not None else None)
-    return first
-
-
 def _export_ranks(
     coll: Collective, source: Source, dst: str | os.PathLike[str], fmt: ExportFormat, options: ExportOptions,
     dst_storage: Storage | None, started: float, allow_skip: bool,
@@ -192,7 +185,7 @@ def _export_ranks(
     (`Writer.write_part`: shards ``rank``, ``rank + world``, ...; a format without parts, rank 0
     all of them); rank 0 joins the parts into the one report and commits."""
     planned = guard(lambda: _planned(source, dst, fmt, options, dst_storage, allow_skip))
-    unwrap(_first_error(coll, planned))
+    unwrap(first_error(coll, planned))
     writer, form, dst_loc, skipped, dropped, left = planned[1]
     stage = unwrap(coll.broadcast(guard(lambda: staging(dst_loc, uuid.uuid4().hex[:12], fixed_paths=True)) if coll.rank == 0 else None))
     part = writer.write_part

@@ -122,6 +122,14 @@ def guard(fn: Any) -> tuple[str, Any]:
         return ("error", ("CkptkitError", f"{type(exc).__name__}: {exc}"))
 
 
+def first_error(coll: Collective, outcome: tuple[str, Any]) -> tuple[str, Any]:
+    """Every rank's `outcome` of one step (a `guard` outcome): the first error among them, on
+    every rank, else ("ok", None)."""
+    said = coll.gather(outcome if outcome[0] != "ok" else ("ok", None))
+    first: tuple[str, Any] = coll.broadcast(next((o for o in said if o[0] != "ok"), ("ok", None)) if said is not None else None)
+    return first
+
+
 def unwrap(outcome: tuple[str, Any]) -> Any:
     """Return the result of a `guard` outcome, or raise its error as the same ckptkit error class."""
     status, value = outcome

@@ -15,6 +15,12 @@ refuses an existing destination, streams the payload files under a temporary nam
 manifest last and commits, or discards everything on failure: the destination never appears
 half written.
 
+Under torch.distributed (``torchrun``) every process runs the converter, and `write_converted`
+splits the payload files: process ``r`` writes files ``r``, ``r + world``, ... (reading only
+their tensors, and on rank 0 every scalar a step may come from), rank 0 its tokenizer files,
+and rank 0 commits the one manifest. The files are planned as one process plans them, so the
+checkpoint is the same, file for file, at any number of processes.
+
 `survey` runs a converter without writing: inside it, `write_converted` plans the checkpoint it
 would commit and returns its manifest (payload files planned, not written), reading every
 tensor (``verify``) or only the scalars a step may come from (``inspect``). That is how the
@@ -40,16 +46,17 @@ from .reports import SkippedEntry as SkippedEntry  # part of the converter contr
 from .. import __version__
 from ..boxes import full_box
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, IntegrityError, LayoutError, ManifestError, summarize
-from ..io.catalog import locate
-from ..io.commit import commit, discard, refuse_existing, staging
+from ..io.catalog import Location, locate
+from ..io.commit import Staging, commit, discard, refuse_existing, staging
 from ..io.write import Written, write_safetensors, write_small
 from ..layouts import Layout, fit_problems
 from ..manifest import CheckpointInfo, FileEntry, Manifest, Producer, SourceInfo, TokenizerInfo, Topology, manifest_to_json
+from .collective import Collective, SingleProcess, default_collective, first_error, guard, unwrap
 from ..plan.save import ItemDesc, SavePlan, plan_files, tensor_entries
 from ..state.tree import as_json
 from ..storage import Storage
 
-# Payload files are cut at this size (a converted checkpoint is one rank's files).
+# Payload files are cut at this size by default (a converted checkpoint is one rank's files).
 MAX_FILE_BYTES = 4 << 30
 
 Progress = Callable[[int, int], None]  # (bytes written so far, bytes in all)
@@ -175,8 +182,12 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], *, source_format: str = "auto", allow_skip: bool = False,
     progress: Progress | None = None, layout: Layout | None = None, config: Mapping[str, JsonValue] | None = None,
+    max_file_bytes: int = MAX_FILE_BYTES,
 ) -> ConvertReport:
     """Convert another tool's checkpoint at `src` into a committed ckptkit checkpoint at `dst`.
+
+    Under torch.distributed (every process calling it alike) the processes split the payload
+    files and rank 0 commits; every process returns the report.
 
     Args:
         src: the source checkpoint (a local directory).
@@ -190,6 +201,8 @@ def convert(
         config: what the source does not record of the model's config (a Megatron-Core save
             without Megatron-LM's arguments: ``num_attention_heads``, ``num_query_groups``),
             from which the converter finds the layout; only converters that take it.
+        max_file_bytes: start a new payload file when one would grow past this (more files
+            split the work of several processes finer).
 
     Raises:
         ManifestError: unknown format, unreadable or refused source metadata, entries that
@@ -214,7 +227,33 @@ def convert(
         if "config" not in inspect.signature(converter.convert).parameters:
             raise ManifestError(f"{src_text}: the {name} converter takes no --model-config (its checkpoints record the model)")
         given["config"] = dict(config)
-    return converter.convert(src_text, dst_text, allow_skip=allow_skip, progress=progress, **given)
+    if max_file_bytes < 1:
+        raise ManifestError(f"max_file_bytes must be positive, got {max_file_bytes}")
+    conversion = _Conversion(default_collective(), max_file_bytes)
+    token = _CONVERSION.set(conversion)
+    try:
+        if conversion.coll.world_size == 1:
+            report: ConvertReport = converter.convert(src_text, dst_text, allow_skip=allow_skip, progress=progress, **given)
+            return report
+        outcome = guard(lambda: converter.convert(src_text, dst_text, allow_skip=allow_skip, progress=progress, **given))
+        if not conversion.entered:  # failed while planning: the others wait in write_converted's first step
+            first_error(conversion.coll, outcome)
+        return unwrap(outcome)  # type: ignore[no-any-return]
+    finally:
+        _CONVERSION.reset(token)
+
+
+@dataclass
+class _Conversion:
+    """The conversion under way: the processes that split its files, where a payload file ends,
+    and whether `write_converted` was entered (its first step is a collective)."""
+
+    coll: Collective
+    max_file_bytes: int
+    entered: bool = False
+
+
+_CONVERSION: contextvars.ContextVar[_Conversion | None] = contextvars.ContextVar("ckptkit_conversion", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,7 +327,7 @@ def write_converted(
     info: CheckpointInfo | None = None,
     layout: Layout | None = None,
     tokenizer: Mapping[str, bytes] | None = None,
-    max_file_bytes: int = MAX_FILE_BYTES,
+    max_file_bytes: int | None = None,
     progress: Progress | None = None,
     storage: Storage | None = None,
     source: SourceInfo | None = None,
@@ -301,7 +340,9 @@ def write_converted(
     `dst`'s root is left alone. `layout` is recorded in the manifest (as ``ckptkit.save``
     records one); `tokenizer` maps file names (``/``-separated) to their bytes, written under
     ``tokenizer/`` as the checkpoint's tokenizer files; `source` (`source_info`) as ``info.source``,
-    what the checkpoint was converted from.
+    what the checkpoint was converted from. Payload files end at `max_file_bytes` (default: the
+    `convert` call's). Under torch.distributed the processes split the files (see the module
+    docstring); every process calls it alike and gets the same `Committed`.
 
     Raises:
         ManifestError: names that cannot sit in one nested state (nothing is written).
@@ -310,26 +351,26 @@ def write_converted(
         IntegrityError: ``read`` returned the wrong number of bytes; nothing was committed.
         StorageError: a write failed; nothing was committed.
     """
-    problems = name_problems([t.name for t in tensors] + list(objects))
-    if problems:
-        raise ManifestError(f"{dst}: names collide: " + summarize(problems))
-    fit = [] if layout is None else fit_problems(layout, {t.name: t.shape for t in tensors})
-    if layout is not None and fit:
-        raise LayoutError(f"{dst}: the layout {layout.name!r} does not fit the converted tensors: " + summarize(fit))
+    conversion = _CONVERSION.get() or _Conversion(SingleProcess(), MAX_FILE_BYTES)
+    conversion.entered = True
+    coll = conversion.coll
+    size = conversion.max_file_bytes if max_file_bytes is None else max_file_bytes
+    planned = _shared(coll, lambda: _planned(dst, tensors, objects, layout, size))
+    if coll.world_size > 1:
+        unwrap(first_error(coll, planned))
+    plan = planned[1]
     if source is not None:
         info = (info or CheckpointInfo()).model_copy(update={"source": source})
     specs = {t.name: t for t in tensors}
-    meta = {t.name: ItemDesc(t.name, t.dtype, t.shape, full_box(t.shape)) for t in tensors}
-    holders = {name: ({item.box: [0]} if item.box.volume else {}) for name, item in meta.items()}  # empty: no bytes
-    plan = plan_files(holders, meta, 1, max_file_bytes=max_file_bytes)
     surveying = _SURVEY.get()
     if surveying is not None:
         return surveying.plan(os.fspath(dst), plan, specs, read, objects=objects, step=step, info=info, layout=layout,
                               tokenizer=tokenizer)
     loc = locate(dst, storage)
-    total = sum(item.nbytes for f in plan.all_files() for item, _ in f.items)
-    refuse_existing(loc)
-    stage = staging(loc, uuid.uuid4().hex[:12])
+    files = plan.all_files()
+    mine = [i for i in range(len(files)) if i % coll.world_size == coll.rank]
+    total = sum(item.nbytes for i in mine for item, _ in files[i].items)
+    stage = unwrap(coll.broadcast(_shared(coll, lambda: _staged(loc)) if coll.rank == 0 else None))
     done = [0]
 
     def bodies(items: Sequence[tuple[ItemDesc, str]]) -> Iterator[memoryview]:
@@ -340,21 +381,70 @@ def write_converted(
             if progress is not None:
                 progress(done[0], total)
 
-    try:
-        written: list[Written] = []
-        for f in plan.all_files():
-            keyed = [(key, item.dtype, item.box.lengths) for item, key in f.items]
-            written.append(write_safetensors(loc.storage, stage.key(f.path), f.path, keyed, bodies(f.items)))
-        index = {w.path: i for i, w in enumerate(written)}
+    def write_part() -> tuple[list[tuple[int, Written]], list[FileEntry]]:
+        """This process's files (and on rank 0 the scalars of the others', where a step may be, and the tokenizer's)."""
+        written = []
+        for i, f in enumerate(files):
+            if i % coll.world_size == coll.rank:
+                keyed = [(key, item.dtype, item.box.lengths) for item, key in f.items]
+                written.append((i, write_safetensors(loc.storage, stage.key(f.path), f.path, keyed, bodies(f.items))))
+            elif coll.rank == 0:
+                for item, _ in f.items:
+                    if _scalar(item):
+                        _checked(read(specs[item.fqn]), item)
         tok_files = [write_small(loc.storage, stage, f"tokenizer/{name}", data, role="tokenizer")
-                     for name, data in sorted((tokenizer or {}).items())]
-        files = (*(w.entry(stage.path(w.path)) for w in written), *tok_files)
-        manifest = _manifest(plan, index, specs, files, objects=objects, step=step(), info=info, layout=layout)
+                     for name, data in sorted((tokenizer or {}).items())] if coll.rank == 0 else []
+        return written, tok_files
+
+    def commit_all(parts: list[tuple[str, Any]]) -> Committed:
+        written = [w for _, w in sorted(pair for part in parts for pair in part[1][0])]
+        index = {w.path: i for i, w in enumerate(written)}
+        entries = (*(w.entry(stage.path(w.path)) for w in written), *parts[0][1][1])
+        manifest = _manifest(plan, index, specs, entries, objects=objects, step=step(), info=info, layout=layout)
         commit(loc, stage, manifest_to_json(manifest), update_latest=False)
+        return Committed(str(loc), manifest, len(entries), sum(w.size for w in written))
+
+    try:
+        parts = coll.gather(_shared(coll, write_part))
+        outcome: tuple[str, Any] = ("ok", None)
+        if parts is not None:
+            failed = next((p for p in parts if p[0] != "ok"), None)
+            outcome = failed if failed is not None else _shared(coll, lambda: commit_all(parts))
+        committed: Committed = unwrap(coll.broadcast(outcome))
     except BaseException:
-        discard(loc.storage, stage)
+        if coll.rank == 0:
+            discard(loc.storage, stage)
         raise
-    return Committed(str(loc), manifest, len(files), sum(w.size for w in written))
+    return committed
+
+
+def _shared(coll: Collective, fn: Callable[[], Any]) -> tuple[str, Any]:
+    """`fn`'s outcome to share with the other processes (`guard`); alone, its result, any error raised as is."""
+    return ("ok", fn()) if coll.world_size == 1 else guard(fn)
+
+
+def _planned(dst: str | os.PathLike[str], tensors: Sequence[TensorSpec], objects: Mapping[str, JsonValue],
+             layout: Layout | None, max_file_bytes: int) -> SavePlan:
+    """The files of a converted checkpoint (the same at any number of processes), once its names and layout are checked."""
+    problems = name_problems([t.name for t in tensors] + list(objects))
+    if problems:
+        raise ManifestError(f"{dst}: names collide: " + summarize(problems))
+    fit = [] if layout is None else fit_problems(layout, {t.name: t.shape for t in tensors})
+    if layout is not None and fit:
+        raise LayoutError(f"{dst}: the layout {layout.name!r} does not fit the converted tensors: " + summarize(fit))
+    meta = {t.name: ItemDesc(t.name, t.dtype, t.shape, full_box(t.shape)) for t in tensors}
+    holders = {name: ({item.box: [0]} if item.box.volume else {}) for name, item in meta.items()}  # empty: no bytes
+    return plan_files(holders, meta, 1, max_file_bytes=max_file_bytes)
+
+
+def _staged(loc: Location) -> Staging:
+    refuse_existing(loc)
+    return staging(loc, uuid.uuid4().hex[:12])
+
+
+def _scalar(item: ItemDesc) -> bool:
+    """A scalar, which a source's step may be: read even where its bytes are not written (a survey, another process's file)."""
+    return not item.box.lengths and item.nbytes <= _SCALAR_BYTES
 
 
 def _checked(data: memoryview, item: ItemDesc) -> memoryview:
@@ -407,7 +497,7 @@ class _Survey:
         files: list[FileEntry] = []
         for f in plan.all_files():
             for item, _ in f.items:
-                if self.read_all or (not item.box.lengths and item.nbytes <= _SCALAR_BYTES):
+                if self.read_all or _scalar(item):
                     self.bytes_read += _checked(read(specs[item.fqn]), item).nbytes
             files.append(FileEntry(path=f.path, size=sum(item.nbytes for item, _ in f.items), checksum=""))
         index = {f.path: i for i, f in enumerate(files)}

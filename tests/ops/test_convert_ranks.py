@@ -1,0 +1,60 @@
+"""`convert` under torchrun: the processes split the payload files, rank 0 commits, and the
+checkpoint is the one a single process writes, file for file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ckptkit
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+pytestmark = pytest.mark.multiprocess
+UNIQUE = ("checkpoint_id", "created_at", "manifest_checksum")  # each conversion's own
+
+
+def _convert(src: Path, dst: Path, ranks: int, *options: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           "-m", "ckptkit.cli", "convert", str(src), str(dst), "--json", *options]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+
+
+def _contents(out: Path) -> dict[str, object]:
+    """Every file of a checkpoint by path (its manifest without what differs between two conversions)."""
+    files: dict[str, object] = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+                                if p.is_file() and p.name != "manifest.json"}
+    manifest = json.loads((out / "manifest.json").read_text())
+    return files | {"manifest.json": {k: v for k, v in manifest.items() if k not in UNIQUE}}
+
+
+@pytest.mark.parametrize(("fixture", "ranks"), [("dcp-fsdp2-fp32", 2), ("deepspeed/zero3-bf16-dp3", 4)])
+def test_processes_write_what_one_process_does(fixture: str, ranks: int, tmp_path: Path) -> None:
+    ckptkit.convert(FIXTURES / fixture, tmp_path / "one", max_file_bytes=1000)
+    one = _contents(tmp_path / "one")
+    payloads = [p for p in one if p.endswith(".safetensors")]
+    assert len(payloads) >= ranks  # every process writes some
+    done = _convert(FIXTURES / fixture, tmp_path / "many", ranks, "--max-file-size", "1000")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)  # rank 0 prints the report, once
+    assert report["files"] == len(one) - 1 and report["destination"] == str(tmp_path / "many")
+    assert _contents(tmp_path / "many") == one
+    assert ckptkit.verify(tmp_path / "many").ok
+    manifest = json.loads((tmp_path / "many" / "manifest.json").read_text())
+    assert manifest["step"] == json.loads((tmp_path / "one" / "manifest.json").read_text())["step"] > 0
+
+
+def test_a_refusal_is_said_once_and_nothing_is_written(tmp_path: Path) -> None:
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "kept.txt").write_text("mine")
+    done = _convert(FIXTURES / "dcp-fsdp2-fp32", tmp_path / "dst", 2, "--max-file-size", "1000")
+    assert done.returncode == 1
+    error = json.loads(done.stdout)
+    assert error["ok"] is False and error["error"] == "CheckpointExistsError"  # one object: rank 0 says it, once
+    assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == ["kept.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no staging left behind
