@@ -1,4 +1,6 @@
-"""Checkpoints written before the manifest recorded layouts (schema 1.1) still load, verify, reshard and export."""
+"""Checkpoints of every earlier manifest version load, verify and reshard: the 1.1 Llama (before
+layouts were recorded) also exports; 1.2 (layouts, block checksums, the seal), 1.3 (a converted
+checkpoint's source) and 1.4 (an incremental chain) are each a frozen fixture in their newest form."""
 
 from __future__ import annotations
 
@@ -93,3 +95,43 @@ def test_a_partial_load_of_a_1_1_checkpoint_says_once_that_it_is_not_checked(fix
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ckptkit.load(str(LLAMA_V1_1), tree)  # said once
+
+
+VERSIONS = {"v1": "1.0", "llama-v1.1": "1.1", "llama-v1.2": "1.2", "hf-llama-v1.3": "1.3", "llama-v1.4": "1.4"}
+
+
+@pytest.mark.parametrize("root", VERSIONS)
+def test_each_version_reads_as_written_and_verifies(root: str) -> None:
+    manifest = ckptkit.read_manifest(str(FIXTURES / root))
+    assert manifest.schema_version == VERSIONS[root]
+    report = ckptkit.verify(str(FIXTURES / root))
+    assert report.ok and report.files == len(manifest.files) and report.bytes_read > 0
+
+
+def _want(fixtures: ModuleType, root: str, step: int = 5) -> dict[str, torch.Tensor]:
+    """The tensors fixture `root` holds at `step`, from what its script wrote (the 1.3 one: the Hugging Face model's file)."""
+    if root == "hf-llama-v1.3":
+        return {f"model/{k}": v for k, v in load_file(FIXTURES / "hf" / "llama" / "model.safetensors").items()}
+    return fixtures.llama_v1_4_tensors(step) if root == "llama-v1.4" else fixtures.llama_v1_1_tensors()
+
+
+@pytest.mark.parametrize(("root", "step"), [("llama-v1.2", 5), ("hf-llama-v1.3", 5), ("llama-v1.4", 5), ("llama-v1.4", 6)])
+def test_each_version_loads_its_exact_values(fixtures: ModuleType, root: str, step: int) -> None:
+    loaded = _flat(ckptkit.load(str(FIXTURES / root / f"step_{step:08d}")))
+    want = _want(fixtures, root, step)
+    assert loaded.keys() == want.keys()
+    assert all(loaded[k].dtype == v.dtype and torch.equal(loaded[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("root", ["llama-v1.2", "hf-llama-v1.3", "llama-v1.4"])
+def test_each_version_reshards_with_its_recorded_layout(fixtures: ModuleType, root: str, tmp_path: Path) -> None:
+    manifest = ckptkit.read_manifest(str(FIXTURES / root))
+    topology = ckptkit.Topology(world_size=1) if manifest.topology.world_size > 1 else ckptkit.Topology(world_size=2, tp=2)
+    there = tmp_path / "there" / "step_00000009"
+    ckptkit.reshard(str(FIXTURES / root), str(there), topology)
+    assert ckptkit.read_manifest(str(there)).topology == topology and ckptkit.verify(str(there)).ok
+    loaded = _flat(ckptkit.load(str(there)))
+    want = _want(fixtures, root, manifest.step)
+    assert all(torch.equal(loaded[k], v) for k, v in want.items()) and loaded.keys() == want.keys()
+    if root == "llama-v1.2":  # back at one rank: the 1.1 checkpoint's file, byte for byte
+        assert (there / "rank00000.safetensors").read_bytes() == (LLAMA_V1_1 / NAME / "rank00000.safetensors").read_bytes()
