@@ -196,6 +196,7 @@ def run(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
 
 
 def timed_save(request: dict[str, Any], specs: list[TensorSpec], hashed: bool) -> dict[str, Any]:
+    from ckptkit.manifest import SIDECAR_SUFFIX
     from ckptkit.ops.load import open as open_checkpoint
 
     from .saves import save_ckptkit
@@ -208,8 +209,10 @@ def timed_save(request: dict[str, Any], specs: list[TensorSpec], hashed: bool) -
     state = build_state(specs)
     _, figures = measure(lambda: save_ckptkit(state, request["directory"]))
     # Untimed: whether the digests are real (the patch took, or did not).
-    files = open_checkpoint(os.path.join(request["directory"], STEP)).manifest.files
-    figures["block_digests"] = "real" if any(f.blocks is not None and any(f.blocks.raw()) for f in files) else "zeros"
+    checkpoint = os.path.join(request["directory"], STEP)
+    files = open_checkpoint(checkpoint).manifest.files
+    digests = [open(os.path.join(checkpoint, f.path + SIDECAR_SUFFIX), "rb").read() for f in files if f.sidecar()]
+    figures["block_digests"] = "real" if any(any(d) for d in digests) else "zeros"
     return figures
 
 

@@ -4,7 +4,10 @@ Most tensors are FSDP-style: dim 0 chunked (as torch.chunk cuts) across every ra
 writing file r, which compacts to a grid with a file range. The tensors of every tenth layer are
 instead ZeRO-style: all those tensors are flattened into one buffer, cut into equal flat ranges over
 the data-parallel ranks, and each range becomes the irregular boxes of
-``flat_range_to_boxes`` in that DP rank's file. No tensor bytes exist; only the manifest.
+``flat_range_to_boxes`` in that DP rank's file. No tensor bytes exist; only the manifest. Every payload file has block checksums as a save
+writes them (schema 1.5: the digests in the file's sidecar, the manifest holding the block size
+and the file checksum that covers them); ``inline_digest_bytes`` is what the digests would add
+to the manifest in base64, as schema 1.4 kept them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 
 from ckptkit.boxes import Box, chunk_cuts, flat_range_to_boxes
 from ckptkit.manifest.consistency import manifest_findings
-from ckptkit.manifest import FileEntry, Manifest, Producer, TensorEntry, Topology, manifest_to_json, parse_manifest
+from ckptkit.io.checksum import block_size_for
+from ckptkit.manifest import BlockChecksums, FileEntry, Manifest, Producer, TensorEntry, Topology, manifest_to_json, parse_manifest
 from ckptkit.manifest.shards import Shard, compact_shards
 
 # Shapes of an 8B-class transformer layer: q/o, k/v, gate/up, down, norm.
@@ -36,6 +40,7 @@ class ScaleResult:
     serialize_s: float
     parse_s: float
     json_bytes: int
+    inline_digest_bytes: int
     tensors: int
     ranks: int
     grid_tensors: int
@@ -92,11 +97,19 @@ def tensor_shapes(n_tensors: int) -> dict[str, tuple[int, ...]]:
 
 
 def file_entries(ranks: int, shapes: dict[str, tuple[int, ...]]) -> tuple[FileEntry, ...]:
-    """Return one payload file per rank, each holding an equal share of the bytes."""
+    """Return one payload file per rank, each holding an equal share of the bytes, with block
+    checksums whose digests are in the file's sidecar."""
     size = sum(math.prod(s) for s in shapes.values()) * ELEMENT_BYTES // ranks
+    blocks = BlockChecksums(size=block_size_for(size))
     return tuple(
-        FileEntry(path=f"rank{r:05d}.safetensors", size=size, checksum=f"xxh3-128:{r:032x}") for r in range(ranks)
+        FileEntry(path=f"rank{r:05d}.safetensors", size=size, checksum=f"xxh3-128-blocks:{r:032x}", blocks=blocks)
+        for r in range(ranks)
     )
+
+
+def inline_digest_bytes(files: tuple[FileEntry, ...]) -> int:
+    """The bytes the files' block digests would take in the manifest in base64 (``"digests":"..."``, schema 1.4)."""
+    return sum(len(',"digests":""') + 4 * -(-8 * f.blocks.count(f.size) // 3) for f in files if f.blocks is not None)
 
 
 def build_entries(
@@ -170,6 +183,6 @@ def run_scale(n_tensors: int, ranks: int, dp: int) -> ScaleResult:
     grids = sum(1 for e in manifest.tensors.values() if e.shards.layout == "grid")
     boxes = sum(len(e.shards.boxes) for e in manifest.tensors.values() if e.shards.layout == "boxes")
     return ScaleResult(
-        inputs_s, build_s, validate_s, serialize_s, parse_s, len(data),
+        inputs_s, build_s, validate_s, serialize_s, parse_s, len(data), inline_digest_bytes(manifest.files),
         n_tensors, ranks, grids, len(manifest.tensors) - grids, boxes,
     )

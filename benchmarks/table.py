@@ -98,7 +98,9 @@ def _scale_table(scale: dict[str, Any]) -> list[str]:
         ("parse_s", "parse (parse_manifest)"),
     ):
         lines.append(f"  {what:<44}{m[stage]:>9.2f} s")
-    lines.append(f"  {'JSON size':<44}{m['json_bytes'] / 1e6:>9.2f} MB")
+    lines.append(f"  {'JSON size (block digests in sidecars)':<44}{m['json_bytes'] / 1e6:>9.2f} MB")
+    if "inline_digest_bytes" in m:
+        lines.append(f"  {'  the digests in the manifest would add':<44}{m['inline_digest_bytes'] / 1e6:>9.2f} MB")
     return lines
 
 

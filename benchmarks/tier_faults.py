@@ -132,7 +132,7 @@ def kill_at(proc: subprocess.Popen[bytes], after_s: float, rng: random.Random, h
             except ProcessLookupError:
                 pass
         time.sleep(rng.uniform(0.0, 1.5))
-    for pid in ([proc.pid, *descendants(proc.pid)] if how != "rank" else [rng.choice(ranks)]):
+    for pid in ([proc.pid, *descendants(proc.pid), *ranks] if how != "rank" else [rng.choice(ranks)]):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -140,7 +140,7 @@ def kill_at(proc: subprocess.Popen[bytes], after_s: float, rng: random.Random, h
     try:
         proc.wait(timeout=120)
     finally:
-        for pid in descendants(proc.pid):
+        for pid in {*ranks, *descendants(proc.pid)}:  # the ranks too: a launcher gone first leaves them orphans
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -149,8 +149,8 @@ def kill_at(proc: subprocess.Popen[bytes], after_s: float, rng: random.Random, h
 
 
 def committed(out: Path) -> list[str]:
-    """The checkpoints storage at `out` holds committed."""
-    return sorted(p.name for p in out.iterdir() if (p / "manifest.json").is_file()) if out.exists() else []
+    """The checkpoints storage at `out` holds committed (a hidden folder is a flush being staged)."""
+    return sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and (p / "manifest.json").is_file()) if out.exists() else []
 
 
 def problems_of(out: Path) -> list[str]:

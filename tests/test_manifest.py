@@ -126,3 +126,18 @@ def test_verify_inspect_and_layouts_run_without_torch(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(("blocks", "checksum", "found"), [
+    ({"size": 16}, "xxh3-128-blocks:00", []),  # 1.5: the digests in the sidecar, covered by the file checksum
+    ({"size": 16}, "xxh3-128:00", [("checksum", "block checksums in a sidecar need a file checksum derived from them (xxh3-128-blocks:)")]),
+    ({"size": 16, "digests": "AAAAAAAAAAA="}, "xxh3-128-blocks:00", [("schema", "block checksums do not describe 3 blocks of 16 bytes (base64 of 8 bytes each)")]),
+], ids=["sidecar", "sidecar-whole-checksum", "inline-short"])
+def test_block_checksums_are_checked_against_the_file_entry(blocks: dict, checksum: str, found: list) -> None:
+    from ckptkit.manifest import BlockChecksums
+    from ckptkit.manifest.consistency import manifest_findings
+
+    m = _manifest()
+    entry = m.files[0].model_copy(update={"size": 40, "checksum": checksum, "blocks": BlockChecksums(**blocks)})
+    assert [(f.code, f.message) for f in manifest_findings(m.model_copy(update={"files": (entry,)}))] == found
+    assert parse_manifest(manifest_to_json(m.model_copy(update={"files": (entry,)}))).files == (entry,)

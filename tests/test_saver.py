@@ -120,7 +120,7 @@ def test_latest_pointer_follows_the_newest_commit(tmp_path: Path) -> None:
 
 
 def test_failed_write_commits_nothing_and_keeps_the_previous_checkpoint() -> None:
-    store = FaultyStorage(fail_write=4)  # 1: step_1 payload, 2: manifest, 3: latest, 4: step_2 payload
+    store = FaultyStorage(fail_write=5)  # 1: step_1 payload, 2: its block digests, 3: manifest, 4: latest, 5: step_2 payload
     ckptkit.save({"model": {"w": torch.ones(4)}}, "step_1", step=1, storage=store)
     with pytest.raises(StorageError, match="No space left"):
         ckptkit.save({"model": {"w": torch.zeros(4)}}, "step_2", step=2, storage=store)
@@ -130,8 +130,9 @@ def test_failed_write_commits_nothing_and_keeps_the_previous_checkpoint() -> Non
     assert torch.equal(ckptkit.load("latest", storage=store)["model"]["w"], torch.ones(4))
 
 
-def test_manifest_write_failure_leaves_no_committed_checkpoint() -> None:
-    store = FaultyStorage(fail_write=2)  # the manifest
+@pytest.mark.parametrize("fail_write", [2, 3], ids=["block digests", "manifest"])  # 1: the payload
+def test_manifest_write_failure_leaves_no_committed_checkpoint(fail_write: int) -> None:
+    store = FaultyStorage(fail_write=fail_write)
     with pytest.raises(StorageError):
         ckptkit.save({"model": {"w": torch.ones(4)}}, "step_1", step=1, storage=store)
     assert store.list("") == []
@@ -190,5 +191,5 @@ def test_topology_must_match_the_saving_ranks(tmp_path: Path) -> None:
 def test_in_memory_storage_holds_a_whole_checkpoint() -> None:
     store = MemoryStorage()
     ckptkit.save({"model": {"w": torch.arange(5)}}, "ck", step=3, storage=store)
-    assert store.list("ck") == ["ck/manifest.json", "ck/rank00000.safetensors"]
+    assert store.list("ck") == ["ck/manifest.json", "ck/rank00000.safetensors", "ck/rank00000.safetensors.blocks"]
     assert ckptkit.load("ck", storage=store)["model"]["w"].tolist() == [0, 1, 2, 3, 4]

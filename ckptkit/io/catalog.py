@@ -30,8 +30,11 @@ LATEST_LIMIT = 4096
 LEASES_NAME = ".leases"  # read leases (ckptkit.writer.retention); not a leftover
 RUN_NAME = "run.json"  # the run a root belongs to (ckptkit.io.run); not a leftover
 COMPACT_PREFIX = ".compact-"  # ".compact-<id>/" in a checkpoint: the new files of a compaction (ckptkit.ops.compact)
-# What a compaction cut off leaves in a checkpoint: its folder, or the temporary file of the manifest's atomic replacement.
-COMPACT_LEFTOVER = re.compile(r"^(\.compact-[0-9a-f]+(/.*)?|\.manifest\.json\.tmp-[0-9a-f]+)$")
+# What a compaction cut off leaves in a checkpoint: its folder.
+COMPACT_LEFTOVER = re.compile(r"^\.compact-[0-9a-f]+(/.*)?$")
+# What an interrupted atomic write leaves beside its file, anywhere in a checkpoint: its hidden
+# temporary file (a compaction's manifest replacement, a flusher killed while another committed).
+WRITE_LEFTOVER = re.compile(r"^(?:.+/)?\.[^/]+\.tmp-[0-9a-f]+$")
 TEMP_PATTERN = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<id>[0-9a-f]+)$")  # ".NAME.tmp-<id>": a save being written, or an interrupted one
 
 

@@ -12,11 +12,12 @@ from collections.abc import Collection
 from .catalog import Location, read_manifest, resolve
 from .chain import check_bases
 from ..manifest.consistency import manifest_findings
-from ..errors import IntegrityError, ManifestError
+from ..errors import CkptkitError, IntegrityError, ManifestError
 from ..storage import Storage
 from .checksum import BlockHasher, hasher_for
 from ..manifest.dtypes import itemsize
-from ..manifest import FileEntry, Manifest
+from ..manifest import SIDECAR_SUFFIX, FileEntry, Manifest
+from ..manifest.model import file_checksum_of_blocks
 from ..manifest.shards import KeyIndex
 from ..plan.load import Read
 from .safetensors import Header, HeaderEntry, header_length, parse_header
@@ -118,15 +119,43 @@ def header_entry(loc: Location, manifest: Manifest, header: Header, read: Read, 
     return entry
 
 
+def block_digests(storage: Storage, key: str, entry: FileEntry, where: str) -> bytes:
+    """The block digests of the file `entry` lists (stored under `key`, named `where` in messages):
+    the manifest's own (up to schema 1.4), or its sidecar's (``key + SIDECAR_SUFFIX``, schema
+    1.5), checked against the file's checksum before any is used.
+
+    Raises:
+        IntegrityError: the sidecar cannot be read, or is not the digests the file checksum covers.
+    """
+    assert entry.blocks is not None
+    inline = entry.blocks.inline()
+    if inline is not None:
+        return inline
+    expected = 8 * entry.blocks.count(entry.size)
+    try:
+        data = storage.read(key + SIDECAR_SUFFIX)
+    except (CkptkitError, OSError) as exc:
+        raise IntegrityError(f"{where}{SIDECAR_SUFFIX}: cannot be read ({exc}); the file's blocks cannot be checked") from None
+    if len(data) != expected or file_checksum_of_blocks(data) != entry.checksum:
+        size = f" ({len(data)} bytes, {expected} expected)" if len(data) != expected else ""
+        raise IntegrityError(f"{where}{SIDECAR_SUFFIX}: does not hash to the file's checksum in the manifest{size}; "
+                             f"the file's blocks cannot be checked")
+    return data
+
+
 def content_problem(entry: FileEntry, data: memoryview) -> str:
     """What is wrong with `data` as the whole content of the file `entry` lists ('' if nothing):
-    its size, then its block checksums (or, without blocks, its file checksum)."""
+    its size, then its block checksums (the manifest's own: a memory tier snapshot's, which keeps
+    them there) or, without blocks, its file checksum."""
     if len(data) != entry.size:
         return f"{len(data)} bytes, the manifest lists {entry.size}"
     if entry.blocks is not None:
+        expected = entry.blocks.inline()
+        if expected is None:
+            return "its block digests are in a sidecar, which a whole-content check does not read"
         hasher = BlockHasher(entry.blocks.size)
         hasher.update(data)
-        digests, expected = hasher.finish(), entry.blocks.raw()
+        digests = hasher.finish()
         bad = sum(digests[i : i + 8] != expected[i : i + 8] for i in range(0, max(len(digests), len(expected)), 8))
         return f"{bad} block(s) of {entry.blocks.size} bytes do not match their checksums" if bad else ""
     whole = hasher_for(entry.checksum)

@@ -43,7 +43,7 @@ from ..boxes import Box, byte_runs
 from ..manifest.dtypes import itemsize
 from ..errors import IntegrityError
 from ..manifest import BlockChecksums, Manifest, Patch
-from .payload import Headers, header_entry, header_problems, read_header
+from .payload import Headers, block_digests, header_entry, header_problems, read_header
 from ..manifest.shards import KeyIndex, patch_index_dtype, spec_files
 from ..plan.load import Read, TargetPlan
 from .catalog import Location
@@ -120,6 +120,7 @@ class Reader:
         self._blocks: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # checked blocks, least recent first
         self._cached = 0
         self._keys: KeyIndex | None = None
+        self._digests: dict[int, bytes] = {}  # each file's block digests, checked (a sidecar is read once)
 
     def _arena(self) -> _Arena:
         arena: _Arena | None = getattr(self._local, "arena", None)
@@ -152,9 +153,19 @@ class Reader:
                         raise IntegrityError(f"{self._where(file)}: " + "; ".join(problems[:5]) +
                                              (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
                 blocks = self.manifest.files[file].blocks
-                if blocks is not None and found[1]:
-                    self._check_prefix(file, blocks, found[1])
+                if blocks is not None:
+                    self._digests_of(file)
+                    if found[1]:
+                        self._check_prefix(file, blocks, found[1])
                 self.headers[file] = found
+        return found
+
+    def _digests_of(self, file: int) -> bytes:
+        """The checked block digests of payload file `file` (from the manifest or, read once, its sidecar)."""
+        found = self._digests.get(file)
+        if found is None:
+            entry = self.manifest.files[file]
+            found = self._digests[file] = block_digests(self.loc.storage, self.loc.file_key(entry), entry, self._where(file))
         return found
 
     def _key_index(self) -> KeyIndex:
@@ -290,12 +301,13 @@ class Reader:
         for offset, views in _consecutive(piece.reads):  # a range and the end-block bytes around it: one request
             self.loc.storage.readv(key, offset, views)
         blocks = self.manifest.files[piece.file].blocks
+        digests = self._digests_of(piece.file) if piece.blocks else b""
         for index, parts in piece.blocks:
             assert blocks is not None
             hasher = xxhash.xxh3_64()
             for part in parts:
                 hasher.update(part)
-            if hasher.digest() != blocks.digest(index):
+            if hasher.digest() != digests[8 * index : 8 * index + 8]:
                 size = sum(len(p) for p in parts)
                 raise IntegrityError(f"{self._where(piece.file)}: block {index} (bytes {index * blocks.size} to "
                                      f"{index * blocks.size + size}) does not match its checksum")

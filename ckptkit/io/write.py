@@ -1,5 +1,6 @@
 """The one writer: stream a payload file to storage while hashing it (block checksums, and the
-file checksum derived from them), and the manifest entry of what was written."""
+file checksum derived from them), its block digests to the file's sidecar, and the manifest
+entry of what was written."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import base64
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..manifest import BlockChecksums, FileEntry
+from ..manifest import SIDECAR_SUFFIX, BlockChecksums, FileEntry
 from .safetensors import build_header
 from ..storage import Storage
 from .checksum import BlockHasher, FileHasher
@@ -33,17 +34,22 @@ class Written:
 
 
 def blocks_of(hasher: BlockHasher) -> BlockChecksums:
+    """The block checksums of a file, its digests in the manifest (the memory tier's, and a zarr chunk's)."""
     return BlockChecksums(size=hasher.block, digests=base64.b64encode(hasher.finish()).decode("ascii"))
 
 
 def write_stream(
-    storage: Storage, key: str, path: str, chunks: Iterable[memoryview], size: int, *, blocks: bool = True
+    storage: Storage, key: str, path: str, chunks: Iterable[memoryview], size: int, *, blocks: bool = True,
+    sidecar: bool = True,
 ) -> Written:
     """Write `chunks` (exactly `size` bytes in all) as the file `key`, hashing them on the way
-    (with `blocks`, also block by block, as every payload a ckptkit reader reads needs).
+    (with `blocks`, also block by block, as every payload a ckptkit reader reads needs). The
+    block digests go to the file's sidecar, ``key + SIDECAR_SUFFIX``, written after the file
+    (with `sidecar` false, into the manifest entry instead).
 
     Raises:
-        StorageError: the write failed (nothing is left under `key`).
+        StorageError: the write failed (what was written under `key` is left to the caller's
+            discard of its staging).
     """
     hasher = FileHasher(size, blocks=blocks)
 
@@ -53,12 +59,18 @@ def write_stream(
             yield chunk
 
     written = storage.write(key, hashed())
-    return Written(path, written, hasher.digest(), None if hasher.blocks is None else blocks_of(hasher.blocks))
+    if hasher.blocks is None:
+        return Written(path, written, hasher.digest(), None)
+    if not sidecar:
+        return Written(path, written, hasher.digest(), blocks_of(hasher.blocks))
+    digests = hasher.blocks.finish()
+    storage.write(key + SIDECAR_SUFFIX, [memoryview(digests)])
+    return Written(path, written, hasher.digest(), BlockChecksums(size=hasher.blocks.block))
 
 
 def write_safetensors(
     storage: Storage, key: str, path: str, tensors: Sequence[tuple[str, str, tuple[int, ...]]], bodies: Iterable[memoryview],
-    *, metadata: dict[str, str] | None = None, blocks: bool = True,
+    *, metadata: dict[str, str] | None = None, blocks: bool = True, sidecar: bool = True,
 ) -> Written:
     """Write a safetensors file of `tensors` ((key, dtype, shape), in file order) whose bytes come,
     in the same order, from `bodies`; hash it on the way (see `write_stream`)."""
@@ -69,7 +81,7 @@ def write_safetensors(
         yield memoryview(prefix)
         yield from bodies
 
-    return write_stream(storage, key, path, chunks(), size, blocks=blocks)
+    return write_stream(storage, key, path, chunks(), size, blocks=blocks, sidecar=sidecar)
 
 
 def write_small(storage: Storage, stage: Staging, key: str, data: bytes, *, role: str) -> FileEntry:

@@ -10,6 +10,7 @@ from .model import (
     SCHEMA_MAJOR,
     SCHEMA_MINOR,
     SCHEMA_VERSION,
+    SIDECAR_SUFFIX,
     BlockChecksums,
     BoxShard,
     BoxShards,
@@ -42,7 +43,7 @@ from .model import (
 )
 
 __all__ = [
-    "FORMAT", "KINDS", "MANIFEST_LIMIT", "MANIFEST_NAME", "SCHEMA_MAJOR", "SCHEMA_MINOR", "SCHEMA_VERSION", "BlockChecksums", "BoxShard",
+    "FORMAT", "KINDS", "MANIFEST_LIMIT", "MANIFEST_NAME", "SCHEMA_MAJOR", "SCHEMA_MINOR", "SCHEMA_VERSION", "SIDECAR_SUFFIX", "BlockChecksums", "BoxShard",
     "BoxShards", "CheckpointInfo", "CodeVersion", "DataProgress", "DataVersion", "FileEntry", "FileRange", "GridShards",
     "Kind", "Manifest", "Model", "ModelInfo", "OptimizerInfo", "ParamGroup", "Patch", "Producer", "ShardSpec", "SourceInfo", "TensorEntry",
     "TokenizerInfo", "Topology", "check_seal", "check_version", "manifest_json_schema", "manifest_to_json", "parse_manifest",

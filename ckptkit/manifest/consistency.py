@@ -13,7 +13,7 @@ import numpy as np
 from ..boxes import tiling_problems
 from .dtypes import DTYPES
 from ..errors import StorageError
-from .model import BoxShards, GridShards, Manifest, TensorEntry
+from .model import BoxShards, GridShards, Manifest, TensorEntry, file_checksum_of_blocks
 from .shards import grid_cell_count, grid_cells, grid_file, iter_shards, spec_keys
 from ..storage import check_key, plain_name
 
@@ -54,10 +54,15 @@ def manifest_findings(manifest: Manifest) -> list[Finding]:
             findings.append(Finding("schema", where, f"size {entry.size} is beyond any file (limit 2^62 bytes)"))
             continue
         blocks = entry.blocks
-        if blocks is not None and len(blocks.raw()) != 8 * -(-entry.size // blocks.size):
-            findings.append(Finding("schema", where, f"block checksums do not describe {-(-entry.size // blocks.size)} "
+        inline = blocks.inline() if blocks is not None else None
+        if blocks is not None and inline is not None and len(inline) != 8 * blocks.count(entry.size):
+            findings.append(Finding("schema", where, f"block checksums do not describe {blocks.count(entry.size)} "
                                                           f"blocks of {blocks.size} bytes (base64 of 8 bytes each)"))
-        elif entry.checksum.startswith("xxh3-128-blocks:") and (blocks is None or entry.checksum != blocks.file_checksum()):
+        elif blocks is not None and inline is None and not entry.checksum.startswith("xxh3-128-blocks:"):
+            findings.append(Finding("checksum", where, "block checksums in a sidecar need a file checksum derived from them "
+                                                       "(xxh3-128-blocks:)"))
+        elif entry.checksum.startswith("xxh3-128-blocks:") and (blocks is None or inline is not None
+                                                                and entry.checksum != file_checksum_of_blocks(inline)):
             findings.append(Finding("checksum", where, "file checksum does not match its block checksums"))
     for fqn, tensor in manifest.tensors.items():
         findings += _tensor_findings(fqn, tensor, len(manifest.files))

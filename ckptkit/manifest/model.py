@@ -22,8 +22,9 @@ from . import strictjson
 
 FORMAT = "ckptkit"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 4  # 1.1: raw files, format files; 1.2: block checksums, the seal, the layout; 1.3: info.source;
-# 1.4: files of an earlier checkpoint (FileEntry.base) and the digests of a file's keys (FileEntry.contents)
+SCHEMA_MINOR = 5  # 1.1: raw files, format files; 1.2: block checksums, the seal, the layout; 1.3: info.source;
+# 1.4: files of an earlier checkpoint (FileEntry.base) and the digests of a file's keys (FileEntry.contents);
+# 1.5: block digests in a file's sidecar (BlockChecksums.digests omitted)
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 MANIFEST_NAME = "manifest.json"
 # No manifest is read past this size: a larger file is refused before it is parsed.
@@ -71,30 +72,34 @@ class Topology(Model):
         return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra} zero={self.zero_stage}"
 
 
+SIDECAR_SUFFIX = ".blocks"  # since 1.5: a file's block digests, beside it: ``<path>.blocks``
+
+
 class BlockChecksums(Model):
     """Since 1.2: the checksum of each `size`-byte block of a file (the last block may be
-    shorter), so that a read of part of the file checks exactly the blocks it touches.
-    ``digests`` is the base64 of the blocks' 8-byte xxh3-64 digests (big-endian), in order."""
+    shorter), so that a read of part of the file checks exactly the blocks it touches: the
+    blocks' 8-byte xxh3-64 digests (big-endian), in order.
+
+    Up to 1.4 ``digests`` holds them, in base64, in the manifest. Since 1.5 it is omitted where
+    they are in the file's sidecar, ``<path>.blocks`` beside the file (`SIDECAR_SUFFIX`): those
+    bytes exactly, checked against the file's ``xxh3-128-blocks:`` checksum, which is their
+    xxh3-128, before any digest is used. So the manifest does not grow with the files' sizes.
+    """
 
     algorithm: Literal["xxh3-64"] = "xxh3-64"
     size: int = Field(ge=1)
-    digests: str
+    digests: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
-    def digest(self, index: int) -> bytes:
-        """The digest of block `index`."""
-        return self.raw()[8 * index : 8 * index + 8]
+    def inline(self) -> bytes | None:
+        """The digests the manifest holds (None where they are in the sidecar)."""
+        return None if self.digests is None else _decoded(self.digests)
 
-    def raw(self) -> bytes:
-        """Every digest, concatenated."""
-        return _decoded(self.digests)
-
-    def file_checksum(self) -> str:
-        """The checksum of the whole file these blocks make up: ``xxh3-128-blocks:<hex>``, the
-        xxh3-128 of the digests in order (every byte is hashed once, block by block)."""
-        return file_checksum_of_blocks(self.raw())
+    def count(self, file_size: int) -> int:
+        """How many blocks a file of `file_size` bytes has."""
+        return -(-file_size // self.size)
 
 
-def file_checksum_of_blocks(digests: bytes) -> str:
+def file_checksum_of_blocks(digests: bytes | bytearray | memoryview) -> str:
     """The file checksum of a file whose block digests, concatenated, are `digests`."""
     return "xxh3-128-blocks:" + xxhash.xxh3_128_hexdigest(digests)
 
@@ -117,6 +122,8 @@ class FileEntry(Model):
     ``raw`` (since 1.1): the file is the bytes of exactly one shard, C order, little-endian,
     from offset 0, possibly followed by padding (the chunks of the zarr form).
 
+    Since 1.5 a file's block digests may be in its sidecar, ``<path>.blocks`` (see `BlockChecksums`).
+
     Since 1.4 (incremental saves): ``base``, the name of the earlier committed checkpoint under
     the same root whose file this is (the file is ``<base>/<path>``, read and checked as any
     other; omitted for the checkpoint's own files), and ``contents``, the xxh3-128 of the bytes
@@ -136,6 +143,10 @@ class FileEntry(Model):
         """The file as messages and reports name it, relative to the checkpoint: its path, or
         ``../<base>/<path>`` for an earlier checkpoint's file."""
         return self.path if self.base is None else f"../{self.base}/{self.path}"
+
+    def sidecar(self) -> bool:
+        """Whether the file's block digests are in its sidecar (``<path>.blocks``)."""
+        return self.blocks is not None and self.blocks.digests is None
 
 
 class BoxShard(Model):

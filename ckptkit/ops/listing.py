@@ -24,6 +24,7 @@ from ..io.catalog import (
     read_latest,
     root_exists,
     COMPACT_LEFTOVER,
+    WRITE_LEFTOVER,
     sealed_manifest,
 )
 from ..io.kinds import DESCRIPTIONS, FOREIGN, Kind, classify
@@ -130,7 +131,7 @@ def _entry(storage: Storage, child: str, latest: str | None, checkpoints: list[L
         listed, problem = _checkpoint(storage, name, latest)
         if listed is not None:
             checkpoints.append(listed)
-            leftovers += _compaction_leftovers(storage, name, keys)
+            leftovers += _leftovers_inside(storage, name, keys)
         else:  # a manifest is there: not a leftover, and nothing that clean removes
             others.append(Other(name=name, kind="damaged", detail=f"unreadable {MANIFEST_NAME}: {problem}"))
     elif kind == "leftover":
@@ -160,19 +161,27 @@ def _checkpoint(storage: Storage, name: str, latest: str | None) -> tuple[Listed
     ), ""
 
 
-def _compaction_leftovers(storage: Storage, name: str, keys: list[str]) -> list[Leftover]:
-    """The folders an interrupted compaction left in checkpoint `name` (its manifest names none of
-    their files)."""
-    folders = [k.rstrip("/") for k in keys if COMPACT_LEFTOVER.match(k.rstrip("/"))]
-    if not folders:
-        return []
+def _leftovers_inside(storage: Storage, name: str, keys: list[str]) -> list[Leftover]:
+    """What interrupted writes left in checkpoint `name` (its manifest names none of it): the
+    folders of an interrupted compaction, and the temporary files of interrupted atomic writes
+    beside its files (where the storage renames: a flusher killed while another committed)."""
+    folders = [k for k in keys if k.endswith("/")]
+    if not folders and not any(WRITE_LEFTOVER.match(k) for k in keys):
+        return []  # a checkpoint of files alone, none left by an interrupted write
     raw, _ = sealed_manifest(storage, name)
     files = raw.get("files") if raw is not None else None
     if not isinstance(files, list):  # unreadable now: nothing is called a leftover
         return []
-    used = {f["path"].split("/", 1)[0] for f in files if isinstance(f, dict) and isinstance(f.get("path"), str)}
-    return [Leftover(name=f"{name}/{folder}", reason=f"files of an interrupted compaction of {name}") for folder in folders
-            if folder not in used]
+    paths = [f["path"] for f in files if isinstance(f, dict) and isinstance(f.get("path"), str) and f.get("base") is None]
+    used = {path.split("/", 1)[0] for path in paths}
+    found = [Leftover(name=f"{name}/{folder}", reason=f"files of an interrupted compaction of {name}")
+             for folder in (k.rstrip("/") for k in keys if COMPACT_LEFTOVER.match(k.rstrip("/"))) if folder not in used]
+    inside = [k for k in keys if WRITE_LEFTOVER.match(k)]
+    if storage.capabilities.rename:
+        for folder in sorted({path.rsplit("/", 1)[0] for path in paths if "/" in path}):
+            inside += [key.removeprefix(f"{name}/") for key in storage.list(f"{name}/{folder}", recursive=False)
+                       if WRITE_LEFTOVER.match(key.removeprefix(f"{name}/"))]
+    return found + [Leftover(name=f"{name}/{path}", reason=f"the temporary file of an interrupted write in {name}") for path in inside]
 
 
 def _foreign(path: str, warnings: list[str]) -> ListedCheckpoint | None:

@@ -62,6 +62,7 @@ def save(
     layout: Layout | None = None,
     pinned_bytes: int = DEFAULT_PINNED_BYTES,
     incremental: bool = False,
+    digests_in_manifest: bool = False,
 ) -> Manifest:
     """Write `state` as the committed checkpoint directory `path`.
 
@@ -100,6 +101,9 @@ def save(
             equals the one recorded there for the same tensor and box is not written again but
             read from that checkpoint's file (which retention then keeps as long as this one).
             Every box's digest is recorded, so the next incremental save can do the same.
+        digests_in_manifest: keep each file's block digests in the manifest (as schema 1.4
+            did) rather than in its sidecar beside it (``<file>.blocks``): the memory tier's
+            snapshots, whose transfers carry the listed files alone.
 
     Returns:
         The manifest that was committed.
@@ -135,7 +139,8 @@ def save(
         unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
         my_files, uid, found = coll.scatter(shares)
         stage = staging(loc, uid)
-        written = guard(lambda: _write_files(loc.storage, stage, my_files, local, io_threads, pool, found if incremental else None))
+        written = guard(lambda: _write_files(loc.storage, stage, my_files, local, io_threads, pool, found if incremental else None,
+                                             not digests_in_manifest))
         results = coll.gather(written)
         outcome: tuple[str, Any] = ("ok", None)
         if results is not None:
@@ -221,7 +226,7 @@ def _check_layout(layout: Layout, topology: Topology, shapes: dict[str, tuple[in
 
 def _write_files(
     storage: Storage, stage: Staging, files: tuple[FilePlan, ...], local: dict[tuple[str, Box], torch.Tensor], threads: int,
-    staging_pool: BouncePool | None, asks: tuple[str, list[list[Ask]]] | None,
+    staging_pool: BouncePool | None, asks: tuple[str, list[list[Ask]]] | None, sidecar: bool = True,
 ) -> list[tuple[Written | None, Outcome | None]]:
     """Write this rank's files; incrementally (`asks`: the base's name and what it holds of each
     item), only what changed, and with what was done with each item."""
@@ -230,7 +235,7 @@ def _write_files(
     def one(n: int) -> tuple[Written | None, Outcome | None]:
         f = files[n]
         if asks is None:
-            return _write_file(storage, stage.key(f.path), f, local, staging_pool), None
+            return _write_file(storage, stage.key(f.path), f, local, staging_pool, sidecar), None
         return write_changed(storage, stage.key(f.path), f, local, asks[1][n], base)
 
     if threads <= 1 or len(files) <= 1:
@@ -240,11 +245,13 @@ def _write_files(
 
 
 def _write_file(
-    storage: Storage, key: str, plan: FilePlan, local: dict[tuple[str, Box], torch.Tensor], pool: BouncePool | None
+    storage: Storage, key: str, plan: FilePlan, local: dict[tuple[str, Box], torch.Tensor], pool: BouncePool | None,
+    sidecar: bool = True,
 ) -> Written:
     tensors = [local[(item.fqn, item.box)] for item, _ in plan.items]
     bodies = staged_bytes(tensors, pool) if pool is not None else (byte_view(host_contiguous(t)) for t in tensors)
-    return write_safetensors(storage, key, plan.path, [(k, item.dtype, item.box.lengths) for item, k in plan.items], bodies)
+    return write_safetensors(storage, key, plan.path, [(k, item.dtype, item.box.lengths) for item, k in plan.items], bodies,
+                             sidecar=sidecar)
 
 
 def _commit(

@@ -19,15 +19,15 @@ from pydantic import BaseModel, ConfigDict
 
 from .collective import default_collective, guard, unwrap
 from .reports import SkippedEntry
-from ..io.catalog import COMPACT_LEFTOVER, Location, manifest_bytes, removed, removed_error, resolve
+from ..io.catalog import COMPACT_LEFTOVER, WRITE_LEFTOVER, Location, manifest_bytes, removed, removed_error, resolve
 from ..io.chain import base_problems
 from ..io.checksum import BlockHasher, Hasher, hasher_for
 from ..manifest.consistency import Finding, manifest_findings
 from ..errors import CkptkitError, ForeignCheckpointError, IntegrityError, ManifestError, StorageError
-from ..manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
+from ..manifest import MANIFEST_NAME, SIDECAR_SUFFIX, FileEntry, Manifest, parse_manifest
 from ..io.safetensors import header_length, parse_header
 from ..manifest.shards import KeyIndex, Keys, file_keys, spec_keys
-from ..io.payload import header_problems
+from ..io.payload import block_digests, header_problems
 from ..storage import Storage
 
 CHUNK = 8 << 20
@@ -211,17 +211,20 @@ def _file_findings(
 
 def _stray_findings(loc: Location, manifest: Manifest) -> list[Finding]:
     listed = {e.path for e in manifest.files if e.base is None} | {MANIFEST_NAME}
+    listed |= {e.path + SIDECAR_SUFFIX for e in manifest.files if e.base is None and e.sidecar()}
     try:
         keys = loc.storage.list(loc.name)
     except StorageError:
         return []
     head = loc.name + "/"
     used = {e.path.split("/")[0] for e in manifest.files if e.base is None}
-    # an interrupted compaction's new files (`ckptkit.ops.compact`): not damage, `ckptkit clean` removes them
+    # an interrupted compaction's new files (`ckptkit.ops.compact`), an interrupted write's temporary
+    # file: not damage, `ckptkit clean` removes them
     return [
         Finding("extra", k[len(head) :], "file is not listed in the manifest")
         for k in keys
-        if k[len(head) :] not in listed and not (COMPACT_LEFTOVER.match(k[len(head) :]) and k[len(head) :].split("/")[0] not in used)
+        if k[len(head) :] not in listed and not WRITE_LEFTOVER.match(k[len(head) :])
+        and not (COMPACT_LEFTOVER.match(k[len(head) :]) and k[len(head) :].split("/")[0] not in used)
     ]
 
 
@@ -273,7 +276,12 @@ def checksum_findings(
         if index in failed:
             findings.append(Finding("checksum", entry.where(), f"cannot read: {failed[index]}"))
         elif isinstance(hasher, BlockHasher):
-            findings += _block_findings(entry, hasher.finish())
+            try:
+                expected = block_digests(loc.storage, loc.file_key(entry), entry, entry.where())
+            except IntegrityError as exc:
+                findings.append(Finding("checksum", entry.where(), str(exc)))
+                continue
+            findings += _block_findings(entry, hasher.finish(), expected)
         elif hasher.digest() != entry.checksum:
             findings.append(
                 Finding("checksum", entry.where(), f"content hashes to {hasher.digest()}, manifest says {entry.checksum}")
@@ -282,9 +290,8 @@ def checksum_findings(
     return sorted(findings, key=lambda f: order.get(f.where, len(order))), hashed  # file by file, as a split run merges them
 
 
-def _block_findings(entry: FileEntry, digests: bytes) -> list[Finding]:
+def _block_findings(entry: FileEntry, digests: bytes, expected: bytes) -> list[Finding]:
     assert entry.blocks is not None
-    expected = entry.blocks.raw()
     bad = [i for i in range(0, max(len(digests), len(expected)), 8) if digests[i : i + 8] != expected[i : i + 8]]
     if not bad:
         return []

@@ -448,7 +448,8 @@ class CheckpointManager:
             if options.pop("tier", False):
                 assert self.memory is not None
                 clear_name(self._coll, self._node_storage, self._nodes, handle.name)
-                manifest = save(state, handle.name, step=handle.step, storage=self._node_storage, process_group=self._group, **options)
+                manifest = save(state, handle.name, step=handle.step, storage=self._node_storage, process_group=self._group,
+                                digests_in_manifest=True, **options)
                 for problem in finish_snapshot(self._coll, self._node_storage, self._nodes, self.memory, manifest):
                     warnings.warn(f"ckptkit: memory snapshot {handle.name}: a replica was not written: {problem}", stacklevel=2)
                 handle.background_s = time.perf_counter() - start

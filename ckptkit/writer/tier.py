@@ -39,7 +39,7 @@ from ..errors import CheckpointExistsError, CheckpointNotFoundError, CkptkitErro
 from ..io.commit import exists_or_unknown
 from ..io.catalog import LATEST_NAME, Location, latest_step, moves_forward, read_manifest, step_of, temp_name, write_latest
 from ..io.payload import content_problem
-from ..manifest import MANIFEST_NAME, Manifest, parse_manifest
+from ..manifest import MANIFEST_NAME, SIDECAR_SUFFIX, Manifest, parse_manifest
 from ..ops.collective import Collective, guard, unwrap
 from ..plan.save import file_writer
 from ..plan.tiers import STORAGE, Assignment, Choice, Held, Route, Stored, assign, choose, leaders, peers
@@ -627,7 +627,7 @@ class RoutedStorage:
         path = key.removeprefix(f"{self.name}/")
         if self.everything_stored or not inside:  # not inside: an earlier checkpoint's file (a base)
             return self.store, f"{self.stored_name}/{path}" if inside and self.stored_name else key
-        route = self.routes.get(path)
+        route = self.routes.get(path, self.routes.get(path.removesuffix(SIDECAR_SUFFIX)))  # a sidecar: as its file
         if route is not None and route.tier == STORAGE and self.stored_name is not None:
             return self.store, f"{self.stored_name}/{path}"
         return self.node, key

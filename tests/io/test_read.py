@@ -32,7 +32,39 @@ def test_every_payload_file_records_the_checksum_of_each_block(tmp_path: Path) -
     data = (tmp_path / "ck" / entry.path).read_bytes()
     assert entry.blocks is not None and entry.blocks.size == 1000 and len(data) == entry.size > 20000
     want = b"".join(xxhash.xxh3_64_digest(data[i : i + 1000]) for i in range(0, len(data), 1000))
-    assert entry.blocks.raw() == want
+    assert entry.blocks.digests is None and entry.sidecar()  # schema 1.5: the digests sit beside the file
+    assert (tmp_path / "ck" / (entry.path + ".blocks")).read_bytes() == want
+    assert entry.checksum == "xxh3-128-blocks:" + xxhash.xxh3_128_hexdigest(want)  # which covers them
+
+
+@pytest.mark.parametrize("damage", ["missing", "flipped", "short"])
+def test_a_missing_or_damaged_sidecar_fails_every_read_and_verify_names_it(tmp_path: Path, damage: str) -> None:
+    with mock.patch.object(checksum, "MIN_BLOCK", 1000):
+        ckptkit.save({"model": {"w": torch.arange(5000.0)}}, tmp_path / "ck", step=1)
+    sidecar = tmp_path / "ck" / "rank00000.safetensors.blocks"
+    digests = sidecar.read_bytes()
+    if damage == "missing":
+        sidecar.unlink()
+    else:
+        sidecar.write_bytes(digests[:-8] if damage == "short" else bytes([digests[0] ^ 1]) + digests[1:])
+    with pytest.raises(IntegrityError, match=r"rank00000\.safetensors\.blocks: .*the file's blocks cannot be checked"):
+        ckptkit.load(tmp_path / "ck")
+    report = ckptkit.verify(tmp_path / "ck")  # the payload's bytes are sound: the finding is the sidecar, once
+    assert [(f.code, f.where) for f in report.findings] == [("checksum", "rank00000.safetensors")]
+    assert "rank00000.safetensors.blocks" in report.findings[0].message
+
+
+def test_a_checkpoint_of_manifest_digests_and_one_of_sidecars_read_the_same(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.arange(5000.0).reshape(50, 100)}}
+    with mock.patch.object(checksum, "MIN_BLOCK", 1000):
+        inline = ckptkit.save(state, tmp_path / "inline", step=1, digests_in_manifest=True)
+        beside = ckptkit.save(state, tmp_path / "beside", step=1)
+    assert inline.files[0].blocks.digests is not None and not (tmp_path / "inline" / "rank00000.safetensors.blocks").exists()
+    assert beside.files[0].sidecar() and inline.files[0].checksum == beside.files[0].checksum
+    part = ShardedTensor(torch.empty(20, 30), (50, 100), (10, 40))
+    for path in ("inline", "beside"):
+        ckptkit.load(tmp_path / path, {"model": {"w": part}})
+        assert torch.equal(part.local, state["model"]["w"][10:30, 40:70]) and ckptkit.verify(tmp_path / path).ok
 
 
 @settings(max_examples=40, deadline=None)

@@ -354,6 +354,24 @@ def test_an_interrupted_compaction_changes_nothing_and_clean_removes_what_it_lef
     assert run_ckptkit("compact", str(tmp_path / "nothing")).returncode == 2
 
 
+def test_the_temporary_files_of_interrupted_writes_are_not_damage_and_clean_removes_them(tmp_path: Path) -> None:
+    for n, s in enumerate(_rl_states(2), 1):
+        ckptkit.save(s, tmp_path / f"step_{n}", step=n, incremental=True)
+    ckptkit.compact(str(tmp_path / "step_2"))  # its files now in a folder of the checkpoint
+    folder = next(f.path.split("/")[0] for f in ckptkit.read_manifest(str(tmp_path / "step_2")).files if "/" in f.path)
+    inner = tmp_path / "step_2" / folder / ".part00000.safetensors.tmp-0123abcd"
+    top = tmp_path / "step_2" / ".manifest.json.tmp-89abcdef"
+    inner.write_bytes(b"cut off")  # as a writer killed before its rename leaves it
+    top.write_bytes(b"{")
+    assert ckptkit.verify(str(tmp_path / "step_2")).ok
+    reason = "the temporary file of an interrupted write in step_2"
+    assert sorted((x.name, x.reason) for x in ckptkit.list_checkpoints(str(tmp_path)).leftovers) == [
+        (f"step_2/{folder}/{inner.name}", reason), (f"step_2/{top.name}", reason)]
+    assert len(ckptkit.clean(str(tmp_path)).removed) == 2
+    assert not inner.exists() and not top.exists() and ckptkit.verify(str(tmp_path / "step_2")).ok
+    _equal(ckptkit.load(str(tmp_path / "step_2")), _rl_states(2)[-1])
+
+
 def test_the_manager_compacts_a_save_whose_patches_reach_its_bound(tmp_path: Path) -> None:
     states = _rl_states(4)
     with ckptkit.CheckpointManager(tmp_path, sync=True, incremental=True, compact_after=2) as manager:
