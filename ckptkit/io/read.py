@@ -12,7 +12,8 @@ each planned read the engine picks how to fetch the source bytes:
   gathered in memory; a span longer than ``piece`` is split along a dim first.
 
 The bytes a call wants from a file are merged into ranges and cut into checked pieces
-(``ckptkit.io.fetch``). A file with block checksums (schema 1.2) has every block a read touches
+(``ckptkit.io.fetch``). A file with block checksums (schema 1.2; since 1.5 its digests are read
+once from its sidecar and checked against the file checksum first) has every block a read touches
 checked: inside a range from the destination itself, at its two ends with the bytes outside the
 range read too (at most one extra block each end, fewer where a checked copy of the block is
 kept); its header's blocks are checked when it is first read. A file without them (older
