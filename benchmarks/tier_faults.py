@@ -9,7 +9,8 @@ the same command (``--resume latest --resume-if-present``), like a launcher's re
 campaign checks, for every restart, that:
 
 - it restored the newest step that had a good copy of every file when it started (computed
-  from the folders, leaving out the copy corrupted on purpose), or started anew when none had;
+  from the folders, leaving out the copy corrupted on purpose), or started anew when none had,
+  or said there was nothing to train when storage held the run's last step (a flush put it there);
 - the run then finished or was killed, never failing by itself (a restart loop);
 - every step any attempt logged has the loss and the samples of a run never killed, bitwise,
   so no restore read a corrupted byte;
@@ -200,7 +201,7 @@ def campaign(kills: int, steps: int, seed: int, work: Path, say: Any) -> dict[st
         raise RuntimeError(f"the run never killed failed: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
     expected = {r["step"]: r for r in records(baseline) if "event" not in r}
     tally: dict[str, Any] = {"kills": 0, "kinds": {"rank": 0, "job": 0, "node": 0, "flush": 0}, "corruptions": 0, "attempts": 0,
-                             "restores": 0, "restores_as_expected": 0, "unexpected": [], "fresh_starts": 0, "loops": 0, "unrestorable": 0,
+                             "restores": 0, "restores_as_expected": 0, "unexpected": [], "fresh_starts": 0, "complete": 0, "loops": 0, "unrestorable": 0,
                              "runs": 0, "steps_checked": 0, "mismatched_steps": 0,
                              "flushes_committed": 0, "storage_problems": []}
     started = time.monotonic()
@@ -238,9 +239,12 @@ def campaign(kills: int, steps: int, seed: int, work: Path, say: Any) -> dict[st
                 else:
                     tally["unexpected"].append({"run": run, "expected": before, "restored": restores[-1]})
                 seen = len(restores)
-            elif not killed:  # it finished without restoring: nothing was there
+            elif not killed:  # it finished without restoring: nothing was there, or nothing left to train
+                said = proc.stderr.read().decode()[-800:] if proc.stderr else ""
                 if before is None:
                     tally["fresh_starts"] += 1
+                elif before == steps and "nothing to train" in said:  # a flush had committed the last step to storage
+                    tally["complete"] += 1
                 else:
                     tally["unexpected"].append({"run": run, "expected": before, "restored": None})
             if not killed:
