@@ -139,14 +139,26 @@ def cli() -> None:
 
 
 
-def init_torchrun() -> Any:
-    """Join the torchrun job this process belongs to (gloo), or return None when run alone."""
+@contextlib.contextmanager
+def torchrun_job() -> Iterator[tuple[int, int]]:
+    """Run the command's work in the torchrun job this process belongs to (gloo; alone: rank 0 of
+    1): yield (rank, world size), leave the process group at the end. A ckptkit error on a rank
+    other than 0 ends that process with the error's exit code, unsaid: rank 0 says it, once."""
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
+        yield 0, 1
+        return
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    return dist
+    rank = dist.get_rank()
+    try:
+        yield rank, dist.get_world_size()
+    except CkptkitError as exc:
+        if rank:
+            sys.exit(exit_code_of(exc))
+        raise
+    finally:
+        dist.destroy_process_group()
 
 
 

@@ -10,7 +10,7 @@ import click
 import ckptkit
 
 from .. import CkptkitError, LayoutError
-from .base import SHOWN, cli, emit_json, init_torchrun, progress, shows_progress
+from .base import SHOWN, cli, emit_json, progress, shows_progress, torchrun_job
 
 
 @cli.command("inspect")
@@ -58,14 +58,8 @@ def verify_cmd(path: str, quick: bool, as_json: bool, workers: int) -> None:
       ckptkit verify demo-out/run
       ckptkit verify --quick --json demo-out/run/step_00000010
     """
-    dist = init_torchrun()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist is not None else (0, 1)
-    try:
-        # no bar under torchrun: each rank hashes a share of the bytes
+    with torchrun_job() as (rank, world):  # no bar under torchrun: each rank hashes a share of the bytes
         report = _withprogress(path, quick, workers, show=world == 1 and shows_progress(as_json))
-    finally:
-        if dist is not None:
-            dist.destroy_process_group()
     if rank != 0:
         sys.exit(0 if report.ok else 1)
     if as_json:

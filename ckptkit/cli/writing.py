@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +12,7 @@ import click
 import ckptkit
 
 from .. import CkptkitError
-from .base import cli, emit_json, exit_code_of, init_torchrun, parse_size, progress, shows_progress, usage
+from .base import cli, emit_json, parse_size, progress, shows_progress, torchrun_job, usage
 
 
 @cli.command("reshard")
@@ -56,15 +55,9 @@ def reshard_cmd(
         usage(f"--zero: stage {zero} is not one of 0, 1, 2, 3")
     layout = _layout_of(layout_file, src)
     target = ckptkit.Topology(world_size=tp * pp * cp * dp, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero_stage=zero)
-    dist = init_torchrun()
-    rank = dist.get_rank() if dist is not None else 0
-    try:
-        with progress("resharding", rank == 0 and shows_progress(as_json)) as update:
-            report = ckptkit.reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest,
-                                     layout=layout, progress=update)
-    finally:
-        if dist is not None:
-            dist.destroy_process_group()
+    with torchrun_job() as (rank, _), progress("resharding", rank == 0 and shows_progress(as_json)) as update:
+        report = ckptkit.reshard(src, dst, target, threads=threads, check_source=not no_check, update_latest=not no_latest,
+                                 layout=layout, progress=update)
     if rank != 0:
         return
     if as_json:
@@ -181,20 +174,10 @@ def export_cmd(src: str, dst: str, fmt: str, dtype: str | None, max_shard_size: 
     if problem:
         usage(problem)
     layout = _layout_of(layout_file, src)
-    dist = init_torchrun()
-    rank = dist.get_rank() if dist is not None else 0
-    try:
-        with progress("exporting", rank == 0 and shows_progress(as_json)) as update:
-            report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
-                                    layout=layout, progress=update, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form, allow_skip=allow_skip,
-                                    dp=dp)
-    except CkptkitError as exc:
-        if rank:  # rank 0 says it, once
-            sys.exit(exit_code_of(exc))
-        raise
-    finally:
-        if dist is not None:
-            dist.destroy_process_group()
+    with torchrun_job() as (rank, _), progress("exporting", rank == 0 and shows_progress(as_json)) as update:
+        report = ckptkit.export(src, dst, format=fmt, dtype=dtype, max_shard_bytes=size, include_optimizer=include_optimizer,
+                                layout=layout, progress=update, tp=tp, pp=pp, ep=ep, dcp_form=dcp_form, allow_skip=allow_skip,
+                                dp=dp)
     if rank:
         return
     for warning in report.warnings:
@@ -274,9 +257,7 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
     names = ckptkit.list_converters()
     if source_format != "auto" and source_format not in names:
         usage(f"--from: no converter for {source_format!r}; choose auto or one of: {', '.join(names) or 'none installed'}")
-    dist = init_torchrun()
-    rank = dist.get_rank() if dist is not None else 0
-    try:
+    with torchrun_job() as (rank, _):
         if source_format == "auto":
             source_format = ckptkit.detect_format(src)
             if rank == 0:
@@ -284,13 +265,6 @@ def convert_cmd(src: str, dst: str, source_format: str, allow_skip: bool, layout
         with progress("converting", rank == 0 and shows_progress(as_json)) as update:
             report = ckptkit.convert(src, dst, source_format=source_format, allow_skip=allow_skip, progress=update, layout=layout,
                                      config=config, max_file_bytes=max_file_bytes)
-    except CkptkitError as exc:
-        if rank:  # rank 0 says it, once
-            sys.exit(exit_code_of(exc))
-        raise
-    finally:
-        if dist is not None:
-            dist.destroy_process_group()
     if rank:
         return
     for warning in report.warnings:
