@@ -11,6 +11,7 @@ directories are named and left alone.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -95,8 +96,9 @@ def list_root(path: str | os.PathLike[str]) -> ListingReport:
         warnings.append(f"{path} is {DESCRIPTIONS[kind]}, not a root of checkpoints; "
                         + ("ckptkit inspect it, or ckptkit ls its parent" if readable else "ckptkit ls its parent"))
         loc = locate(path)
-        itself = (_checkpoint(loc.storage, loc.name, None)[0] if kind == "checkpoint"
-                  else _foreign(os.fspath(path), warnings) if readable else None)
+        raw = sealed_manifest(loc.storage, loc.name)[0] if kind == "checkpoint" else None
+        itself = (_checkpoint(raw, loc.name, None) if raw is not None
+                  else _foreign(os.fspath(path), warnings) if readable and kind != "checkpoint" else None)
         return ListingReport(root=str(path), kind=kind, latest=latest, run=None, checkpoints=[itself] if itself else [],
                              others=[], leftovers=[], warnings=warnings)
     checkpoints: list[ListedCheckpoint] = []
@@ -128,10 +130,10 @@ def _entry(storage: Storage, child: str, latest: str | None, checkpoints: list[L
     keys = [key.removeprefix(f"{name}/") for key in storage.list(name, recursive=False)]
     kind = classify(keys)
     if kind == "checkpoint":
-        listed, problem = _checkpoint(storage, name, latest)
-        if listed is not None:
-            checkpoints.append(listed)
-            leftovers += _leftovers_inside(storage, name, keys)
+        raw, problem = sealed_manifest(storage, name)
+        if raw is not None:
+            checkpoints.append(_checkpoint(raw, name, latest))
+            leftovers += _leftovers_inside(storage, name, keys, raw)
         else:  # a manifest is there: not a leftover, and nothing that clean removes
             others.append(Other(name=name, kind="damaged", detail=f"unreadable {MANIFEST_NAME}: {problem}"))
     elif kind == "leftover":
@@ -142,10 +144,8 @@ def _entry(storage: Storage, child: str, latest: str | None, checkpoints: list[L
         others.append(Other(name=name, kind=kind, detail=DESCRIPTIONS[kind]))
 
 
-def _checkpoint(storage: Storage, name: str, latest: str | None) -> tuple[ListedCheckpoint | None, str]:
-    raw, problem = sealed_manifest(storage, name)
-    if raw is None:
-        return None, problem
+def _checkpoint(raw: dict[str, Any], name: str, latest: str | None) -> ListedCheckpoint:
+    """The listing of checkpoint `name` from its sealed manifest `raw`."""
     step = raw.get("step")
     try:
         topology = Topology.model_validate(raw.get("topology"))
@@ -158,19 +158,15 @@ def _checkpoint(storage: Storage, name: str, latest: str | None) -> tuple[Listed
         name=name, step=step if type(step) is int else None, topology=topology,
         payload_bytes=sum(n for n in sizes if type(n) is int) if sizes else None,
         created_at=created if isinstance(created, str) else None, is_latest=name == latest,
-    ), ""
+    )
 
 
-def _leftovers_inside(storage: Storage, name: str, keys: list[str]) -> list[Leftover]:
-    """What interrupted writes left in checkpoint `name` (its manifest names none of it): the
-    folders of an interrupted compaction, and the temporary files of interrupted atomic writes
-    beside its files (where the storage renames: a flusher killed while another committed)."""
-    folders = [k for k in keys if k.endswith("/")]
-    if not folders and not any(WRITE_LEFTOVER.match(k) for k in keys):
-        return []  # a checkpoint of files alone, none left by an interrupted write
-    raw, _ = sealed_manifest(storage, name)
-    files = raw.get("files") if raw is not None else None
-    if not isinstance(files, list):  # unreadable now: nothing is called a leftover
+def _leftovers_inside(storage: Storage, name: str, keys: list[str], raw: dict[str, Any]) -> list[Leftover]:
+    """What interrupted writes left in checkpoint `name` (its sealed manifest `raw` names none of
+    it): the folders of an interrupted compaction, and the temporary files of interrupted atomic
+    writes beside its files (where the storage renames: a flusher killed while another committed)."""
+    files = raw.get("files")
+    if not isinstance(files, list):
         return []
     paths = [f["path"] for f in files if isinstance(f, dict) and isinstance(f.get("path"), str) and f.get("base") is None]
     used = {path.split("/", 1)[0] for path in paths}
