@@ -368,7 +368,7 @@ def write_converted(
                               tokenizer=tokenizer)
     loc = locate(dst, storage)
     files = plan.all_files()
-    mine = [i for i in range(len(files)) if i % coll.world_size == coll.rank]
+    mine = set(range(coll.rank, len(files), coll.world_size))
     total = sum(item.nbytes for i in mine for item, _ in files[i].items)
     stage = unwrap(coll.broadcast(_shared(coll, lambda: _staged(loc)) if coll.rank == 0 else None))
     done = [0]
@@ -385,7 +385,7 @@ def write_converted(
         """This process's files (and on rank 0 the scalars of the others', where a step may be, and the tokenizer's)."""
         written = []
         for i, f in enumerate(files):
-            if i % coll.world_size == coll.rank:
+            if i in mine:
                 keyed = [(key, item.dtype, item.box.lengths) for item, key in f.items]
                 written.append((i, write_safetensors(loc.storage, stage.key(f.path), f.path, keyed, bodies(f.items))))
             elif coll.rank == 0:
