@@ -4,7 +4,7 @@ built afresh at TP `tp` in the checkpoint's dtype, their sharded state dicts loa
 then ``load_state_dict`` on each, then one training step on fixed tokens. Rank 0 writes, for each
 checkpoint, the loss of that step, the loss on the same tokens after it, and the optimizer's
 step and learning rates (``resumed.json``). Used by ``tests/test_export_megatron.py``; needs
-megatron-core, and the stand-in `torch_adam_resume_patches` on a machine without TE or Apex."""
+megatron-core, and the fixtures' stand-in ``make_megatron.torch_adam_resume_patches`` on a machine without TE or Apex."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .megatron_job import gpt_model
-from .megatron_session import megatron_ranks, torch_adam_resume_patches
+from .megatron_session import megatron_ranks
 
 SEED = 7
 
@@ -67,7 +67,9 @@ def job(rank: int, tp: int, runs: list[tuple[str, str, int | None]], out: str, p
     saved, the DDP bucket size it was saved with: None for one bucket a buffer), this process
     being rank `rank` of `tp`; see the module."""
     with megatron_ranks(rank, tp, port, tp=tp):
-        torch_adam_resume_patches()
+        import make_megatron  # (on the path in megatron_ranks)
+
+        make_megatron.torch_adam_resume_patches()
         results = {path: _resume(path, tp, config, getattr(torch, dtype_name), sharding, bucket) for path, sharding, bucket in runs}
         if rank == 0:
             with open(os.path.join(out, "resumed.json"), "w") as f:

@@ -37,7 +37,11 @@ def write_dcp(state: dict[str, Any], planner: DefaultSavePlanner, dst: Storage, 
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    writer = FileSystemWriter(local_path(dst, tmp, "a DCP export"), thread_count=1, sync_files=True)
+    class Writer(FileSystemWriter):
+        def storage_meta(self) -> None:
+            return None  # not the temporary path and a random save id: the same export gives the same bytes
+
+    writer = Writer(local_path(dst, tmp, "a DCP export"), thread_count=1, sync_files=True)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         try:

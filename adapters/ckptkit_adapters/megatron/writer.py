@@ -20,7 +20,8 @@ naming the backend. Keys follow Megatron-Core (layout ``megatron-gpt``):
 - each linear module's extra state (``<module>._extra_state/shard_<layer>_<layers>``: ``None``
   in the local layer spec) as megatron-core asks for it;
 - in ``common.pt``, what Megatron-LM's ``load_checkpoint`` reads besides: ``args`` (the model's
-  arguments with the export's parallel sizes), ``iteration`` (the step), ``checkpoint_version``,
+  arguments with the export's parallel sizes and how it was saved), ``content_metadata`` (how to
+  build the state dicts to load), ``iteration`` (the step), ``checkpoint_version``,
   and a Megatron save's ``num_floating_point_operations_so_far`` and, with the optimizer, its
   ``opt_param_scheduler``. Per-rank RNG states are not carried to a new topology (Megatron-LM
   resumes from the export with ``--no-load-rng``); every value not written is listed as skipped.
@@ -114,7 +115,7 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
         param_groups(source, experts=bool(target.experts)) if layout.name != "megatron-gpt" else _param_groups(source)
     chosen = {fqn for e in entries for c in e.chunks for fqn, _ in c.pieces if fqn}
     skipped = sorted(set(source.manifest.tensors) - chosen)
-    args = export_args(source, layout, target, tp, pp, ep)
+    args = export_args(source, layout, target, tp, pp, ep) | _saved_with(include_optimizer)
     counters, warnings = _counters(source.manifest, include_optimizer, layout.name != "megatron-gpt", str(source.loc))
     carried = _carried(source.manifest, layout, target) | {f"megatron/{key}" for key in counters}
 
@@ -123,7 +124,7 @@ def megatron_writer(source: Source, out_dtype: str | None, include_optimizer: bo
         report: dict[tuple[str, tuple[int, ...]], ExportedTensor] = {}
         where = write_dcp({}, _Planner(source, entries, _extra_states(target), report), dst, tmp)
         tensors = [t.model_copy(update={"file": where[at]}) for at, t in report.items()]
-        common: dict[str, Any] = {"args": argparse.Namespace(**args), **counters}
+        common: dict[str, Any] = {"args": argparse.Namespace(**args), **counters, CONTENT_METADATA: content_metadata(include_optimizer)}
         if groups is not None:
             # one state per optimizer; a mixture of experts' is megatron-core's ChainedOptimizer of two (dense, experts)
             states = [{"param_state_sharding_type": "fully_reshardable", "optimizer": {"param_groups": g}} for g in groups]
@@ -183,7 +184,31 @@ def _carried(manifest: Manifest, layout: Layout, target: Layout) -> frozenset[st
     modules += [f"{i}.{MEGATRON_LOCAL_EXPERTS}.{e}.linear_fc{k}" for i in range(n) for e in range(experts or 0) for k in (1, 2)]
     empty = {f"model/decoder.layers.{m}._extra_state" for m in modules}
     args = layout.name == "megatron-gpt" and isinstance((manifest.info.config or {}).get("args"), dict)
-    return frozenset(k for k, v in manifest.objects.items() if (k in empty and v in (None, [None])) or (args and k == "megatron/args"))
+    own = {"megatron/args"} if args else set()
+    own.add(f"megatron/{CONTENT_METADATA}")  # a Megatron save's, which the export writes for its own files
+    return frozenset(k for k, v in manifest.objects.items() if (k in empty and v in (None, [None])) or k in own)
+
+
+CONTENT_METADATA = "content_metadata"  # common.pt's: how the sharded state dicts were built (megatron-core 0.13+)
+
+
+def content_metadata(include_optimizer: bool) -> dict[str, Any]:
+    """What Megatron-LM saves as ``content_metadata`` and its ``load_checkpoint`` builds the state
+    dicts to load from: keys without a ``ChainedOptimizer`` prefix, not singleton local shards, and
+    with the optimizer, the distributed optimizer's ``fully_reshardable`` form. (Without it,
+    Megatron-LM takes the export for a save older than megatron-core 0.13 and asks for another form.)"""
+    out: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if include_optimizer:
+        out |= {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": False}
+    return out
+
+
+def _saved_with(include_optimizer: bool) -> dict[str, Any]:
+    """The arguments that say how the export was saved: ``torch_dist``, and with the optimizer the
+    distributed optimizer's fully reshardable form; without it ``no_save_optim``, so that
+    Megatron-LM's ``load_checkpoint`` loads the model alone rather than look for optimizer state."""
+    return {"ckpt_format": "torch_dist", "use_dist_ckpt": True, "no_save_optim": None if include_optimizer else True,
+            **({"use_distributed_optimizer": True, "dist_ckpt_optim_fully_reshardable": True} if include_optimizer else {})}
 
 
 # Megatron-LM's arguments of the parallel sizes, set to the export's
@@ -234,11 +259,15 @@ def megatron_sources(source: Source, layout: Layout, include_optimizer: bool, tp
             raise LayoutError(f"cannot export to Megatron: {len(missing)} tensor(s) missing: " + summarize(missing))
         return out, target
     out = {}
-    for prefix in ["model", *(p for p in STATES if p != "model" and include_optimizer)]:
+    for wanted in ["model", *(p for p in STATES if p != "model" and include_optimizer)]:
+        prefix = wanted
+        if wanted == "optimizer/fp32" and not any(f.startswith("optimizer/fp32/") for f in tensors) and all(
+                t.dtype == "float32" for f, t in tensors.items() if f.startswith("model/")):
+            prefix = "model"  # a float32 model's optimizer (Megatron's FP32Optimizer) keeps no other master
         names = [f for f in tensors if f.startswith(f"{prefix}/")]
         if not names:
             raise LayoutError(f"{source.loc}: no {prefix} tensors in the checkpoint, which the export needs")
-        out[STATES[prefix]] = {unescape(f[len(prefix) + 1:]): [Run(0, tensors[f].shape[0] if tensors[f].shape else 1, f, 0)]
+        out[STATES[wanted]] = {unescape(f[len(prefix) + 1:]): [Run(0, tensors[f].shape[0] if tensors[f].shape else 1, f, 0)]
                                for f in names}
     return out, layout
 
@@ -378,7 +407,8 @@ def _extra_states(layout: Layout) -> list[str]:
 def _param_groups(source: Source) -> list[list[dict[str, Any]]]:
     """The optimizers' parameter groups for ``common.pt``, from the checkpoint's info: one
     optimizer's, or (groups of expert-parallel parameters among them) the dense and the experts'
-    optimizers' of megatron-core's ``ChainedOptimizer``.
+    optimizers' of megatron-core's ``ChainedOptimizer``; each with the optimizer's step, which
+    the distributed optimizer keeps in its groups (a plain optimizer's, per parameter).
 
     Raises:
         LayoutError: none recorded.
@@ -387,6 +417,8 @@ def _param_groups(source: Source) -> list[list[dict[str, Any]]]:
     if info is None or not info.param_groups:
         raise LayoutError(f"{source.loc}: no optimizer parameter groups recorded, which Megatron's optimizer state needs")
     groups = [{k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in g.options.items()} for g in info.param_groups]
+    if info.step is not None:  # a plain optimizer's groups (torch's Adam) keep no step; the distributed optimizer's do
+        groups = [g if "step" in g else {**g, "step": float(info.step)} for g in groups]
     experts = [g for g in groups if g.get("is_expert_parallel") is True]
     return [[g for g in groups if g not in experts], experts] if experts and len(experts) < len(groups) else [groups]
 
