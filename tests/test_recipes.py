@@ -43,6 +43,10 @@ def test_a_recipe_runs_as_written(index: int, tmp_path: Path) -> None:
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], PYTHONWARNINGS="ignore")
     for command in _recipes()[index]:
         args = [arg.replace(PLACE, str(tmp_path)) for arg in shlex.split(command)]
+        if args[0] == "echo":  # a line of the shell's (Megatron-LM's tracker file)
+            done = subprocess.run(command.replace(PLACE, str(tmp_path)), shell=True, cwd=REPO, timeout=10, check=False)
+            assert done.returncode == 0, command
+            continue
         assert args[0] == "ckptkit", command
         done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=300, check=False)
         assert done.returncode == 0, f"{command}: {done.stderr}"
