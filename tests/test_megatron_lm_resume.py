@@ -41,6 +41,9 @@ def test_ckptkit_writes_the_files_megatron_lm_resumed_from(name: str, tmp_path: 
 def test_megatron_lm_resumed_from_the_export_as_from_its_own_save(name: str) -> None:
     case = RECORD["cases"][name]
     original, export, control = case["original"], case["export"], case["export_without_optimizer"]
+    # the resume from the export took the model's sizes and parallel sizes from its arguments
+    assert "--use-checkpoint-args" in case["export_arguments"] and "--num-layers" not in case["export_arguments"]
+    assert "--tensor-model-parallel-size" not in case["export_arguments"]
     # the step and learning rate come back from the checkpoint (the job's own arguments start at 0)
     assert original["iteration"] == export["iteration"] == 3 and export["lr"] == original["lr"] > 0
     # every parameter, fp32 master, Adam moment and step as loaded, on every rank, bitwise
