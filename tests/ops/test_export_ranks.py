@@ -49,12 +49,12 @@ def _report(out: Path) -> dict:
 
 
 @pytest.mark.parametrize("options", [("--format", "hf", "--max-shard-size", "2KB"), ("--format", "zarr")], ids=["hf", "zarr"])
-def test_two_and_three_ranks_write_what_one_process_does(converted: Path, options: tuple[str, ...], tmp_path: Path) -> None:
+def test_two_and_four_ranks_write_what_one_process_does(converted: Path, options: tuple[str, ...], tmp_path: Path) -> None:
     one = _export(converted, tmp_path / "one", 1, *options)
     assert one.returncode == 0, one.stderr
     files = _files(tmp_path / "one")
     assert len([f for f in files if f.endswith(".safetensors")]) >= 3 or options[1] == "zarr"
-    for ranks in ((2, 3) if options[1] == "hf" else (2,)):
+    for ranks in ((2, 4) if options[1] == "hf" else (2,)):
         out = tmp_path / f"ranks{ranks}"
         done = _export(converted, out, ranks, *options)
         assert done.returncode == 0, done.stderr[-2000:]
