@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 READ_THREADS = 4
 AHEAD_THREADS = 3
 AHEAD_BYTES = 128 << 20
+SCRATCH_BYTES = 128 << 20  # the read buffers of converted tensors kept for the next ones (fresh memory costs its faults)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Source:
     expected: int = 0
     done: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    scratch: list[np.ndarray[Any, Any]] = field(default_factory=list)  # idle read buffers, largest first
 
     def __post_init__(self) -> None:
         self.reader = Reader(self.loc, self.manifest)
@@ -62,14 +64,40 @@ class Source:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     def read(self, fqn: str, dtype: str | None = None) -> np.ndarray[Any, Any]:
-        """Return tensor `fqn` whole as flat bytes (C order), converted to `dtype` if given."""
-        data = self.reader.read_whole(fqn, pool=self.pool)
+        """Return tensor `fqn` whole as flat bytes (C order), converted to `dtype` if given (read
+        into a buffer of the source's own, used again for the next tensor converted)."""
         entry = self.manifest.tensors[fqn]
+        nbytes = math.prod(entry.shape) * itemsize(entry.dtype)
+        converted = dtype is not None and dtype != entry.dtype
+        buffer = self._take_scratch(nbytes) if converted else None
+        data = self.reader.read_whole(fqn, pool=self.pool, into=buffer)
         if self.progress is not None:
             with self.lock:
-                self.done += math.prod(entry.shape) * itemsize(entry.dtype)
+                self.done += nbytes
                 self.progress(self.done, max(self.expected, self.done))
-        return convert(data, entry.dtype, dtype or entry.dtype)
+        if buffer is None:
+            return convert(data, entry.dtype, dtype or entry.dtype)
+        try:
+            return convert(data, entry.dtype, dtype or entry.dtype)  # new memory: the buffer is free again after
+        finally:
+            self._give_scratch(buffer)
+
+    def _take_scratch(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """The smallest idle read buffer of at least `nbytes`, or a new one."""
+        with self.lock:
+            fits = [i for i, b in enumerate(self.scratch) if b.size >= nbytes]
+            if fits:
+                return self.scratch.pop(fits[-1])
+        return np.empty(max(nbytes, 1), np.uint8)
+
+    def _give_scratch(self, buffer: np.ndarray[Any, Any]) -> None:
+        """Keep `buffer` for later reads while the idle ones stay within SCRATCH_BYTES (the largest kept)."""
+        with self.lock:
+            kept = sorted([*self.scratch, buffer], key=lambda b: -b.size)
+            self.scratch = []
+            for b in kept:
+                if sum(k.size for k in self.scratch) + b.size <= max(SCRATCH_BYTES, kept[0].size):
+                    self.scratch.append(b)
 
     def read_box(self, fqn: str, box: Box) -> np.ndarray[Any, Any]:
         """Return `box` of tensor `fqn` as flat bytes (C order), in its saved dtype, reading

@@ -369,13 +369,15 @@ class Reader:
 
         finish.append(scatter)
 
-    def read_whole(self, fqn: str, *, pool: Executor | None = None) -> np.ndarray[Any, Any]:
-        """Return tensor `fqn` whole as bytes (see `byte_shape`), from whatever shards hold it."""
+    def read_whole(self, fqn: str, *, pool: Executor | None = None, into: np.ndarray[Any, Any] | None = None) -> np.ndarray[Any, Any]:
+        """Return tensor `fqn` whole as bytes (see `byte_shape`), from whatever shards hold it:
+        in the front of `into` (a flat uint8 array at least that long), or in new memory."""
         from ..plan.load import plan_load
 
         entry = self.manifest.tensors[fqn]
         self.open_files_of([fqn])
-        out = np.empty(byte_shape(entry.shape, itemsize(entry.dtype)), np.uint8)
+        shape = byte_shape(entry.shape, itemsize(entry.dtype))
+        out = np.empty(shape, np.uint8) if into is None else into[: math.prod(shape)].reshape(shape)
         self.fill(plan_load(self.manifest, [(fqn, Box((0,) * len(entry.shape), entry.shape))]).targets, [out], pool=pool)
         return out
 
