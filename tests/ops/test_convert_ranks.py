@@ -59,3 +59,36 @@ def test_a_refusal_is_said_once_and_nothing_is_written(tmp_path: Path) -> None:
     assert error["ok"] is False and error["error"] == "CheckpointExistsError"  # one object: rank 0 says it, once
     assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == ["kept.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no staging left behind
+
+
+# Loaded by every process of the job (PYTHONPATH), it fills the disk for rank 1 alone: its writes
+# of payload files fail with ENOSPC, as they would on a full disk, in the middle of the conversion.
+FULL_DISK = '''
+import errno, os
+if os.environ.get("RANK") == "1":
+    _write = os.write
+    def _full(fd, data):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = ""
+        if ".safetensors" in path:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return _write(fd, data)
+    os.write = _full
+'''
+
+
+def test_a_rank_failing_mid_write_fails_the_job_once_and_nothing_is_committed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FULL_DISK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(inject), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "out"
+    out.mkdir()
+    done = _convert(FIXTURES / "dcp-fsdp2-fp32", out / "dst", 2, "--max-file-size", "1000")
+    assert done.returncode == 1
+    error = json.loads(done.stdout)  # rank 0 says rank 1's error, once
+    assert error["error"] == "StorageError" and "No space left on device" in error["message"]
+    assert len([line for line in done.stderr.splitlines() if line.startswith("ckptkit: error: ")]) == 1
+    assert list(out.iterdir()) == []  # no checkpoint, and no staging left behind
