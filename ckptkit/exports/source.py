@@ -75,12 +75,11 @@ class Source:
             with self.lock:
                 self.done += nbytes
                 self.progress(self.done, max(self.expected, self.done))
-        if buffer is None:
-            return convert(data, entry.dtype, dtype or entry.dtype)
         try:
-            return convert(data, entry.dtype, dtype or entry.dtype)  # new memory: the buffer is free again after
+            return convert(data, entry.dtype, dtype or entry.dtype)  # (converted: in new memory, the buffer free again)
         finally:
-            self._give_scratch(buffer)
+            if buffer is not None:
+                self._give_scratch(buffer)
 
     def _take_scratch(self, nbytes: int) -> np.ndarray[Any, Any]:
         """The smallest idle read buffer of at least `nbytes`, or a new one."""
@@ -91,13 +90,15 @@ class Source:
         return np.empty(max(nbytes, 1), np.uint8)
 
     def _give_scratch(self, buffer: np.ndarray[Any, Any]) -> None:
-        """Keep `buffer` for later reads while the idle ones stay within SCRATCH_BYTES (the largest kept)."""
+        """Keep `buffer` for later reads: the largest idle buffers, as many as SCRATCH_BYTES holds (at least one)."""
         with self.lock:
-            kept = sorted([*self.scratch, buffer], key=lambda b: -b.size)
+            idle, held = sorted([*self.scratch, buffer], key=lambda b: -b.size), 0
             self.scratch = []
-            for b in kept:
-                if sum(k.size for k in self.scratch) + b.size <= max(SCRATCH_BYTES, kept[0].size):
-                    self.scratch.append(b)
+            for b in idle:
+                if self.scratch and held + b.size > SCRATCH_BYTES:
+                    break
+                self.scratch.append(b)
+                held += b.size
 
     def read_box(self, fqn: str, box: Box) -> np.ndarray[Any, Any]:
         """Return `box` of tensor `fqn` as flat bytes (C order), in its saved dtype, reading
