@@ -20,6 +20,12 @@ VERIFY_VS_LIMIT = 0.8
 MAX_ADDED_PEAK = 1.0
 SCALE_MAX_S = 5.0
 SCALE_MAX_JSON_BYTES = 50_000_000
+# The 131,072-rank DeepSeek-V3-like save (issue targets): manifest size, parse, build, one rank's plans.
+SCALE_131K_JSON_BYTES = 16_000_000
+SCALE_131K_PARSE_S = 1.0
+SCALE_131K_BUILD_S = 2.0
+SCALE_131K_LOAD_PLAN_MS = 50.0
+SCALE_131K_RESHARD_PLAN_MS = 200.0
 
 
 def added_peak(run: dict[str, Any], phase: str) -> int | None:
@@ -239,4 +245,12 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         for stage in ("build_s", "validate_s", "serialize_s", "parse_s"):
             add(f"scale {stage.removesuffix('_s')} seconds", scale["median"][stage], SCALE_MAX_S, False)
         add("scale manifest JSON bytes", scale["median"]["json_bytes"], SCALE_MAX_JSON_BYTES, False)
+    block = results.get("scale_131k")
+    if block and "error" not in block:
+        m = block["median"]
+        add("scale 131k: manifest JSON bytes", m["json_bytes"], SCALE_131K_JSON_BYTES, False)
+        add("scale 131k: parse seconds", m["parse_s"], SCALE_131K_PARSE_S, False)
+        add("scale 131k: build seconds", m["build_s"], SCALE_131K_BUILD_S, False)
+        add("scale 131k: one rank's load plan ms (max)", m["load_plan_max_ms"], SCALE_131K_LOAD_PLAN_MS, False)
+        add("scale 131k: one rank's reshard plan ms (max)", m["reshard_plan_max_ms"], SCALE_131K_RESHARD_PLAN_MS, False)
     return rows

@@ -1,6 +1,6 @@
 """Benchmark ckptkit against torch.save, safetensors and DCP, and against the machine's limits.
 
-Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,load-warm,verify,scale,reshard,reshard-plan,export,convert,async,s3,checksums,incremental]``.
+Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,load-warm,verify,scale,scale-131k,reshard,reshard-plan,export,convert,async,s3,checksums,incremental]``.
 Prints a table and writes a JSON document (``<out>/results.json`` unless ``--json``); the
 checkpoints it writes under ``<out>/work`` are deleted at the end. See docs/PERFORMANCE.md.
 """
@@ -28,8 +28,8 @@ from .phases import Runs, Settings, load_phase, run_rounds, run_worker, save_pha
 from .state import state_bytes, state_specs
 from .table import render
 
-PHASES = ("save", "load", "load-warm", "verify", "scale", "reshard", "reshard-plan", "export", "convert", "async", "s3", "checksums",
-          "incremental", "tier")
+PHASES = ("save", "load", "load-warm", "verify", "scale", "scale-131k", "reshard", "reshard-plan", "export", "convert", "async", "s3",
+          "checksums", "incremental", "tier")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -162,6 +162,22 @@ def run_scale_phase(args: argparse.Namespace, settings: Settings) -> dict[str, A
     # Timings are medians; the counts and the JSON size are the same in every run.
     median = {key: statistics.median(r[key] for r in runs) if key.endswith("_s") else runs[0][key] for key in runs[0]}
     median.pop("state_bytes", None)
+    return {"runs": len(runs), "median": median, "all": runs}
+
+
+def run_scale_131k_phase(settings: Settings) -> dict[str, Any]:
+    """The 131,072-rank DeepSeek-V3-like save described by its layout, --repeats times (a fresh
+    process each, one core); timings are medians over the runs, the sizes the same in each."""
+    runs: list[dict[str, Any]] = []
+    for repeat in range(settings.repeats):
+        result = run_worker({"kind": "scale-131k", "size_mib": 1})
+        if "error" in result:
+            settings.say(f"[scale-131k] FAILED: {result['error']}")
+            return {"error": result["error"]}
+        settings.say(f"[scale-131k {repeat + 1}/{settings.repeats}] parse {result['parse_s']:.3f} s, "
+                     f"load plan {result['load_plan_ms']:.1f} ms, reshard plan {result['reshard_plan_ms']:.1f} ms")
+        runs.append(result)
+    median = {k: statistics.median(r[k] for r in runs) if isinstance(runs[0][k], float) else runs[0][k] for k in runs[0]}
     return {"runs": len(runs), "median": median, "all": runs}
 
 
@@ -376,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         run_io_phases(args, settings, results)
         if "scale" in args.only.split(","):
             results["scale"] = run_scale_phase(args, settings)
+        if "scale-131k" in args.only.split(","):
+            results["scale_131k"] = run_scale_131k_phase(settings)
         if "reshard" in args.only.split(","):
             results["reshard"] = run_reshard_phase(settings)
         if "export" in args.only.split(","):

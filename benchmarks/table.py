@@ -40,6 +40,8 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", *_s3_table(results["s3"])]
     if "reshard_plan" in results:
         lines += ["", *_plan_table(results["reshard_plan"])]
+    if "scale_131k" in results:
+        lines += ["", *_scale_131k_table(results["scale_131k"])]
     if "checksums" in results:
         lines += ["", *_checksums_table(results["checksums"], results["state"]["bytes"])]
     if "incremental" in results:
@@ -250,6 +252,30 @@ def _plan_table(plan: dict[str, Any]) -> list[str]:
         f"  {'reads of every target file (one process)':<44}{plan['reads_s']:>9.2f} s",
         f"  {'total (median run; all runs: ' + ', '.join(f'{x:.1f}' for x in plan.get('all_seconds', [])) + ')':<44}"
         f"{plan['seconds']:>9.2f} s",
+    ]
+
+
+def _scale_131k_table(block: dict[str, Any]) -> list[str]:
+    if "error" in block:
+        return [f"SCALE 131K: FAILED: {block['error']}"]
+    m = block["median"]
+    return [
+        f"SCALE 131K: DeepSeek-V3-like, {m['layers']} layers, {m['logical']} logical tensors ({m['tensors']} with masters and "
+        f"both Adam moments), {m['ranks']} ranks ({m['topology']}), one core, median of {block['runs']} run(s)",
+        f"  {'file entries as the ranks report them (input)':<52}{m['inputs_s']:>9.3f} s",
+        f"  {'build (Manifest: file table, tensors derived)':<52}{m['build_s']:>9.3f} s",
+        f"  {'validate (manifest_findings of the built one)':<52}{m['validate_s']:>9.3f} s",
+        f"  {'serialize (manifest_to_json)':<52}{m['serialize_s']:>9.3f} s",
+        f"  {'parse (parse_manifest)':<52}{m['parse_s']:>9.3f} s",
+        f"  {'manifest JSON':<52}{m['json_bytes'] / 1e6:>9.2f} MB",
+        f"  {'one rank: load plan, median / max of ' + str(m['sampled_ranks']) + ' ranks':<52}"
+        f"{m['load_plan_ms']:>9.1f} / {m['load_plan_max_ms']:.1f} ms ({m['load_reads']:.0f} reads)",
+        f"  {'one rank: reshard plan to ' + str(m['target_ranks']) + ' ranks, median / max':<52}"
+        f"{m['reshard_plan_ms']:>9.1f} / {m['reshard_plan_max_ms']:.1f} ms",
+        f"  {'DCP: the same load, create_read_items_for_chunk_list':<52}{m['dcp_plan_ms']:>9.1f} / {m['dcp_plan_max_ms']:.1f} ms "
+        f"({m['dcp_reads']:.0f} reads)",
+        f"  {'DCP: its metadata listing ' + format(round(m['chunks']), ',') + ' chunks (est.)':<52}{m['dcp_metadata_bytes'] / 1e6:>9.0f} MB, "
+        f"unpickled in {m['dcp_unpickle_s']:.0f} s",
     ]
 
 

@@ -133,6 +133,12 @@ def run_scale(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any
     return asdict(measure_scale(request["tensors"], request["ranks"], request["dp"]))
 
 
+def run_scale_131k(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
+    from . import deepseek
+
+    return deepseek.run()
+
+
 def run_s3(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
     from . import s3s
 
@@ -195,6 +201,7 @@ RUNNERS = {
     "write-limit": run_limit,
     "read-limit": run_limit,
     "scale": run_scale,
+    "scale-131k": run_scale_131k,
     "reshard": run_reshard,
     "reshard-prepare": run_reshard,
     "reshard-plan": run_reshard,

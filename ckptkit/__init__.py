@@ -33,6 +33,7 @@ from .manifest import (
     ParamGroup,
     Topology,
 )
+from . import layouts as _layouts  # registers the rules of derived tensors (manifest 1.6)
 from .io.run_record import RunRecord, read_run
 from .ops.provenance import code_version
 from .state.sharded import ShardedTensor

@@ -19,6 +19,10 @@ from .builtin import builtin, families, reference_llama, reference_llama_moe
 from .model import Constraint, Layout, Param, StateGroup, TensorPart, TPCut, Unit, Zero, layout_json_schema, layout_problems, parse_layout
 from .parts import ParamSpec, Part, column_parts, norm_parts, part_ranges, partition, replicated_parts, row_parts, unit_offsets, vocab_parts, vocab_rows
 from .placement import Holders, fit_problems, holders, placed_tensors, rank_boxes, stage_units, topology_problems
+from .saved import RULE, RangesView
+from ..manifest.derived import register_rule
+
+register_rule(RULE, RangesView)
 
 __all__ = [
     "Constraint", "Holders", "Layout", "Param", "ParamSpec", "Part", "StateGroup", "TPCut", "TensorPart",

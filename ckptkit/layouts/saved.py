@@ -30,10 +30,12 @@ import re
 from dataclasses import dataclass
 
 from ..boxes import Box
-from ..manifest import Topology
-from .model import EXPERT, LAYER, Layout, StateGroup
+from ..errors import LayoutError
+from ..manifest import Manifest, Topology
+from ..manifest.shards import Shard
+from .model import EXPERT, LAYER, Layout, StateGroup, Unit, parse_layout
 from .parts import ParamSpec, Part, partition, unit_offsets
-from .placement import _sharded, _stage, buffers, coordinates, range_boxes, rank_of, stage_layers
+from .placement import _sharded, _stage, buffers, coordinates, range_boxes, rank_of, stage_layers, topology_problems
 
 RULE = "ranges"
 
@@ -290,16 +292,16 @@ def _stage_of(layout: Layout, pp: int, layer: int | None) -> int:
     raise ValueError(f"layer {layer} is on no stage")
 
 
-def _templates(layout: Layout) -> list[tuple[re.Pattern[str], object, tuple[int, ...]]]:
+def _templates(layout: Layout) -> list[tuple[re.Pattern[str], Unit, tuple[int, ...]]]:
     """A pattern per (unit, logical tensor template): ``{layer}`` and ``{expert}`` match numbers."""
-    out = []
+    out: list[tuple[re.Pattern[str], Unit, tuple[int, ...]]] = []
     seen = set()
-    for unit in layout.units:
+    for u, unit in enumerate(layout.units):
         for param in unit.params:
             for part in param.parts:
-                if (unit.name, part.tensor) in seen:
+                if (u, part.tensor) in seen:
                     continue
-                seen.add((unit.name, part.tensor))
+                seen.add((u, part.tensor))
                 text = re.escape(part.tensor)
                 text = text.replace(re.escape(LAYER), r"(?P<layer>\d+)").replace(re.escape(EXPERT), r"(?P<expert>\d+)")
                 out.append((re.compile(text), unit, part.shape))
@@ -323,3 +325,54 @@ def _ravel(index: list[int], shape: tuple[int, ...]) -> int:
         flat = flat * n + i
     return flat
 
+
+
+class RangesView:
+    """The ``ranges`` rule over one manifest (``Manifest.derived``): what `Saved` derives, in the
+    manifest's terms (file r is rank r's)."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        assert manifest.derived is not None
+        if manifest.layout is None:
+            raise ValueError("derived: the tensors are derived from the layout, and the manifest has none")
+        try:
+            layout = parse_layout(dict(manifest.layout), source="the manifest's layout")
+        except LayoutError as exc:
+            raise ValueError(str(exc)) from None
+        problems = topology_problems(layout, manifest.topology)
+        if problems:
+            raise ValueError(f"derived: the layout does not fit the topology: {'; '.join(problems)}")
+        self.groups = manifest.derived.groups
+        self.saved = Saved(layout, manifest.topology, list(self.groups))
+        unknown = sorted(set(self.groups) - {g.label for g in self.saved.groups})
+        if unknown:
+            raise ValueError(f"derived: groups {unknown} are not state groups of the layout")
+        self._by_file: dict[int, list[tuple[str, Box, str, str]]] = {}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.saved.shapes()
+
+    def find(self, fqn: str) -> tuple[str, str, tuple[int, ...]] | None:
+        found = self.saved.find(fqn)
+        if found is None:
+            return None
+        group = self.groups[found[0].label]
+        return group.dtype, group.kind, found[2]
+
+    def overlapping(self, fqn: str, box: Box) -> list[Shard]:
+        return [Shard(s.box, s.file, s.key) for s in self.saved.overlapping(fqn, box)]
+
+    def files(self) -> int:
+        return self.saved.topology.world_size
+
+    def file_keys(self, file: int) -> list[tuple[str, Box, str, str]]:
+        found = self._by_file.get(file)
+        if found is None:
+            writes = self.saved.writes(file) if 0 <= file < self.files() else []
+            found = self._by_file[file] = [(w.fqn, w.box, w.key, self._dtype(w.fqn)) for w in writes]
+        return found
+
+    def _dtype(self, fqn: str) -> str:
+        found = self.find(fqn)
+        assert found is not None, fqn
+        return found[0]

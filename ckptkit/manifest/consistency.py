@@ -6,6 +6,7 @@ Every finding is collected; callers raise once or report them all.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,7 +14,8 @@ import numpy as np
 from ..boxes import tiling_problems
 from .dtypes import DTYPES
 from ..errors import StorageError
-from .model import BoxShards, GridShards, Manifest, TensorEntry, file_checksum_of_blocks
+from .derived import FileList, derivation_of, listed_tensors, table_path
+from .model import TABLE_SINCE, BoxShards, FileEntry, GridShards, Manifest, TensorEntry, _version, file_checksum_of_blocks
 from .shards import grid_cell_count, grid_cells, grid_file, iter_shards, spec_keys
 from ..storage import check_key, plain_name
 
@@ -37,9 +39,9 @@ class Finding:
 
 def manifest_findings(manifest: Manifest) -> list[Finding]:
     """Return every inconsistency of a manifest with itself."""
-    findings: list[Finding] = []
+    findings: list[Finding] = _table_findings(manifest.files)
     seen: set[str] = set()
-    for entry in manifest.files:
+    for _, entry in _listed_files(manifest.files):
         where = entry.where()
         try:
             check_key(entry.path)
@@ -64,10 +66,70 @@ def manifest_findings(manifest: Manifest) -> list[Finding]:
         elif entry.checksum.startswith("xxh3-128-blocks:") and (blocks is None or inline is not None
                                                                 and entry.checksum != file_checksum_of_blocks(inline)):
             findings.append(Finding("checksum", where, "file checksum does not match its block checksums"))
-    for fqn, tensor in manifest.tensors.items():
+    for fqn, tensor in listed_tensors(manifest.tensors).items():
         findings += _tensor_findings(fqn, tensor, len(manifest.files))
+    findings += _derived_findings(manifest)
     if not findings:  # every spec is sound, so expanding the shards is bounded by the files
         findings += _mapping_findings(manifest)
+    return findings
+
+
+def _listed_files(files: Sequence[FileEntry]) -> list[tuple[int, FileEntry]]:
+    """(index, entry) of the files a manifest lists (after its table's)."""
+    start = files.table.count if isinstance(files, FileList) else 0
+    return list(enumerate(files[start:], start))
+
+
+def _file_sizes(files: Sequence[FileEntry]) -> np.ndarray:
+    """Every file's size, as an array (a table's without making its entries)."""
+    listed = np.fromiter((f.size for _, f in _listed_files(files)), dtype=np.int64)
+    return np.concatenate((files.sizes, listed)) if isinstance(files, FileList) else listed
+
+
+def _table_findings(files: Sequence[FileEntry]) -> list[Finding]:
+    """A file table's sizes and block sizes, checked as arrays; no listed file under one of its paths."""
+    if not isinstance(files, FileList):
+        return []
+    findings = []
+    big = np.flatnonzero(files.sizes >= SIZE_LIMIT)
+    if len(big):
+        findings.append(Finding("schema", table_path(int(big[0])), f"size {int(files.sizes[big[0]])} is beyond any file (limit 2^62 bytes)"))
+    empty = np.flatnonzero(files.block_sizes <= 0)
+    if len(empty):
+        findings.append(Finding("schema", table_path(int(empty[0])), "block size 0"))
+    tabled = {table_path(i) for i in range(files.table.count)} if files.listed else set()
+    findings += [Finding("path", f.where(), "listed twice in files (also in the file table)") for f in files.listed if f.path in tabled]
+    return findings
+
+
+def _derived_findings(manifest: Manifest) -> list[Finding]:
+    """A manifest deriving tensors: of schema 1.6 or later, known dtypes, a rule that applies to the
+    layout and topology (checked as the manifest is read), a tensors file for each of the topology's ranks, and no listed tensor or
+    key in the rule's names (the rule's boxes tile their tensors and hold distinct keys by
+    construction: nothing is expanded here)."""
+    source = derivation_of(manifest.tensors)
+    if source is None or manifest.derived is None:
+        return []
+    where = "derived"
+    findings = []
+    if _version(manifest.schema_version) < TABLE_SINCE:
+        findings.append(Finding("schema", where, f"derived tensors need schema 1.6, the manifest says {manifest.schema_version}"))
+    for label, group in manifest.derived.groups.items():
+        if group.dtype not in DTYPES:
+            findings.append(Finding("schema", where, f"group {label!r}: unknown dtype {group.dtype!r}"))
+    files = manifest.files
+    count = source.files()
+    if len(files) < count:
+        findings.append(Finding("mapping", where, f"the rule writes {count} files, the manifest has {len(files)}"))
+    else:
+        odd = next((i for i, f in _listed_files(files) if i < count and (f.role != "tensors" or f.encoding != "safetensors"
+                                                                         or f.base is not None)), None)
+        if odd is not None:
+            findings.append(Finding("mapping", where, f"file #{odd} ({files[odd].where()}) is not a rank's own safetensors file"))
+    for fqn, tensor in listed_tensors(manifest.tensors).items():
+        named = [k for k in spec_keys(tensor) if source.find(k.split("#", 1)[0]) is not None]
+        if source.find(fqn) is not None or named:
+            findings.append(Finding("mapping", fqn, "listed, but its name or key is one the rule derives"))
     return findings
 
 
@@ -77,15 +139,16 @@ def _mapping_findings(manifest: Manifest) -> list[Finding]:
     zarr chunk at the edge of its array, of the size of the array's largest chunk: the padding the
     zarr form writes). Grids are checked cell by cell as arrays, never expanded into objects."""
     findings: list[Finding] = []
-    sizes = np.fromiter((f.size for f in manifest.files), dtype=np.int64, count=len(manifest.files))
-    raw_files = {i for i, f in enumerate(manifest.files) if f.encoding == "raw"}
+    sizes = _file_sizes(manifest.files)
+    raw_files = {i for i, f in _listed_files(manifest.files) if f.encoding == "raw"}
+    tensors = listed_tensors(manifest.tensors)
     spec_count: dict[str, int] = {}
-    for tensor in manifest.tensors.values():
+    for tensor in tensors.values():
         for key in spec_keys(tensor):
             spec_count[key] = spec_count.get(key, 0) + 1
     owner: dict[tuple[int, str], str] = {}
     raw: dict[int, list[tuple[str, int, int]]] = {}
-    for fqn, tensor in manifest.tensors.items():
+    for fqn, tensor in tensors.items():
         item = DTYPES[tensor.dtype][0]
         spec = tensor.shards
         if isinstance(spec, GridShards):

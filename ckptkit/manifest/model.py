@@ -13,24 +13,28 @@ import functools
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_serializer, model_serializer, model_validator
 
 import xxhash
 
 from ..errors import ManifestError
 from . import strictjson
+from .derived import RULES, FileList, TensorTable, listed_files, listed_tensors, pack_table, table_files
 
 FORMAT = "ckptkit"
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 5  # 1.1: raw files, format files; 1.2: block checksums, the seal, the layout; 1.3: info.source;
+SCHEMA_MINOR = 6  # 1.1: raw files, format files; 1.2: block checksums, the seal, the layout; 1.3: info.source;
 # 1.4: files of an earlier checkpoint (FileEntry.base) and the digests of a file's keys (FileEntry.contents);
-# 1.5: block digests in a file's sidecar (BlockChecksums.digests omitted)
+# 1.5: block digests in a file's sidecar (BlockChecksums.digests omitted);
+# 1.6: files in a packed table (FileTable), tensors derived from the layout (Derived)
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 MANIFEST_NAME = "manifest.json"
 # No manifest is read past this size: a larger file is refused before it is parsed.
 MANIFEST_LIMIT = 256 << 20
 # Since 1.2 the manifest carries the checksum of its own content (see `seal`).
 SEALED_SINCE = (1, 2)
+# Since 1.6: file tables and derived tensors.
+TABLE_SINCE = (1, 6)
 
 Kind = Literal["param", "optimizer", "buffer", "rng", "other"]
 KINDS: tuple[str, ...] = ("param", "optimizer", "buffer", "rng", "other")
@@ -307,8 +311,45 @@ class CheckpointInfo(Model):
     source: SourceInfo | None = Field(default=None, exclude_if=lambda v: v is None)  # since 1.3
 
 
+class FileTable(Model):
+    """Since 1.6: the first `count` files described rather than listed. File i is
+    ``rank<i>.safetensors`` (i zero-padded to 5 digits), a tensors file in safetensors with its
+    block digests in its sidecar. Base64 arrays, one item per file: ``sizes`` (8-byte
+    little-endian), ``checksums`` (the 16-byte xxh3-128 of the file's block digests: its
+    ``xxh3-128-blocks:`` checksum) and ``block_sizes`` (4-byte little-endian). In memory the
+    manifest's ``files`` hold the table's entries first; this field is the document's only."""
+
+    count: int = Field(ge=0)
+    sizes: str
+    checksums: str
+    block_sizes: str
+
+
+class DerivedGroup(Model):
+    """The dtype and kind of every tensor of one derived state group."""
+
+    dtype: str
+    kind: Kind
+
+
+class Derived(Model):
+    """Since 1.6: tensors the manifest does not list. Every tensor of the layout's state groups
+    named in `groups` is there, with the dtype and kind given; its boxes, the file holding each
+    and the key there follow from the layout and the topology by `rule`: ``ranges`` (see
+    ``ckptkit.layouts.saved``: rank r writes file r, each data-parallel rank its ZeRO ranges, a
+    group held whole dealt box by box to the replicas)."""
+
+    rule: Literal["ranges"]
+    groups: dict[str, DerivedGroup]
+
+
 class Manifest(Model):
-    """The manifest of one committed checkpoint (schema v1)."""
+    """The manifest of one committed checkpoint (schema v1).
+
+    Since 1.6 ``files`` and ``tensors`` hold, in memory, what the document describes as well as
+    what it lists (`FileTable`, `Derived`); a manifest is written with the longest run of rank
+    files from the first as a table (once there are 64 of them) and without its derived tensors.
+    """
 
     format: Literal["ckptkit"] = "ckptkit"
     schema_version: str = SCHEMA_VERSION
@@ -328,10 +369,52 @@ class Manifest(Model):
     # Since 1.2: the checksum of the rest of the document (see `seal`). Computed whenever a
     # manifest is written; checked and dropped when one is parsed, so always None in memory.
     manifest_checksum: str | None = Field(default=None, exclude=True)
+    # Since 1.6: the files described by a table (the document's; in memory, part of ``files``).
+    file_table: FileTable | None = Field(default=None, exclude_if=lambda v: v is None)
+    # Since 1.6: the tensors derived from the layout.
+    derived: Derived | None = Field(default=None, exclude_if=lambda v: v is None)
+
+    @model_validator(mode="after")
+    def _described(self) -> Manifest:
+        """Take in what the document describes: a table's files, a rule's tensors."""
+        if self.file_table is not None:
+            try:
+                files = FileList(self.file_table, self.files)
+            except ValueError as exc:
+                raise ValueError(f"file_table: {exc}") from None
+            object.__setattr__(self, "files", files)
+            object.__setattr__(self, "file_table", None)
+        if self.derived is not None and not isinstance(self.tensors, TensorTable):
+            factory = RULES.get(self.derived.rule)
+            if factory is None:
+                raise ValueError(f"derived: rule {self.derived.rule!r} is not known (import ckptkit.layouts)")
+            object.__setattr__(self, "tensors", TensorTable(self.tensors, factory(self)))
+        return self
+
+    def _tabled(self) -> int:
+        """How many files, from the first, this manifest writes as a table."""
+        return table_files(self.files) if _version(self.schema_version) >= TABLE_SINCE else 0
+
+    @field_serializer("files")
+    def _files_listed(self, files: Any) -> tuple[FileEntry, ...]:
+        return listed_files(files, self._tabled())
+
+    @field_serializer("tensors")
+    def _tensors_listed(self, tensors: Any) -> dict[str, TensorEntry]:
+        return listed_tensors(tensors)
+
+    @model_serializer(mode="wrap")
+    def _with_table(self, handler: Any) -> dict[str, Any]:
+        doc: dict[str, Any] = handler(self)
+        count = self._tabled()
+        if count:
+            doc["file_table"] = pack_table(self.files, count)
+        return doc
 
     def bases(self) -> tuple[str, ...]:
         """The earlier checkpoints (names under the same root) whose files this one refers to, sorted."""
-        return tuple(sorted({f.base for f in self.files if f.base is not None}))
+        listed = self.files.listed if isinstance(self.files, FileList) else self.files
+        return tuple(sorted({f.base for f in listed if f.base is not None}))
 
 
 def manifest_to_json(manifest: Manifest) -> bytes:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..boxes import Box, chunk_cuts, chunk_step
+from ..boxes import Box, chunk_cuts, chunk_step, full_box
+from .derived import DerivedShards, derivation_of, listed_tensors
 from .model import BoxShard, BoxShards, FileRange, GridShards, Patch, TensorEntry
 
 
@@ -45,6 +46,9 @@ def grid_file(spec: GridShards, cell: int) -> int:
 def iter_shards(entry: TensorEntry) -> Iterator[Shard]:
     """Yield every non-empty shard of a tensor, whatever the spec's layout."""
     spec = entry.shards
+    if isinstance(spec, DerivedShards):
+        yield from spec.source.overlapping(spec.fqn, full_box(entry.shape))
+        return
     if isinstance(spec, BoxShards):
         for b in spec.boxes:
             box = Box(tuple(b.offsets), tuple(b.lengths))
@@ -69,7 +73,13 @@ def file_keys(tensors: Mapping[str, TensorEntry], skip: Collection[str] = ()) ->
     `skip`), in one pass over every shard. An empty shard has no bytes and no key (``save``
     writes none)."""
     out: FileKeys = {}
-    for fqn, tensor in tensors.items():
+    source = derivation_of(tensors)
+    if source is not None:
+        for file in range(source.files()):
+            for fqn, box, key, dtype in source.file_keys(file):
+                if fqn not in skip:
+                    out.setdefault(file, {})[key] = (dtype, box.lengths, fqn)
+    for fqn, tensor in listed_tensors(tensors).items():
         if fqn in skip:
             continue
         for shard in iter_shards(tensor):
@@ -88,6 +98,8 @@ def patch_index_dtype(patch: Patch) -> str:
 def spec_keys(entry: TensorEntry) -> set[str]:
     """The payload keys a tensor's shard spec names, without expanding a grid."""
     spec = entry.shards
+    if isinstance(spec, DerivedShards):
+        return {s.key for s in iter_shards(entry)}
     return {spec.key} if isinstance(spec, GridShards) else {b.key for b in spec.boxes}
 
 
@@ -95,6 +107,8 @@ def spec_files(entry: TensorEntry) -> set[int]:
     """The files a tensor's shard spec names, empty shards included (a sound spec: a grid's cells
     are bounded by the tensor's size)."""
     spec = entry.shards
+    if isinstance(spec, DerivedShards):
+        return {s.file for s in iter_shards(entry)}
     if isinstance(spec, BoxShards):
         return {b.file for b in spec.boxes}
     return {grid_file(spec, cell) for cell in range(grid_cell_count(entry.shape, spec))}
@@ -115,6 +129,8 @@ def grid_cells(shape: Sequence[int], spec: GridShards) -> tuple[np.ndarray, np.n
 def shard_count(entry: TensorEntry) -> int:
     """The number of non-empty shards of a tensor (what `iter_shards` yields), grids counted as arrays."""
     spec = entry.shards
+    if isinstance(spec, DerivedShards):
+        return sum(1 for _ in iter_shards(entry))
     if isinstance(spec, BoxShards):
         return sum(1 for b in spec.boxes if not b.lengths or 0 not in b.lengths)
     _, volumes = grid_cells(entry.shape, spec)
@@ -139,13 +155,16 @@ class KeyIndex:
 
     def __init__(self, tensors: Mapping[str, TensorEntry]) -> None:
         self.tensors = tensors
+        self._source = derivation_of(tensors)
+        self._derived: dict[int, dict[str, tuple[str, Box]]] = {}
         self._owners: dict[str, list[str]] = {}
-        for fqn, entry in tensors.items():
+        listed = listed_tensors(tensors)
+        for fqn, entry in listed.items():
             for key in spec_keys(entry):
                 self._owners.setdefault(key, []).append(fqn)
         self._boxes: dict[str, dict[tuple[int, str], Box]] = {}
         self._cells: dict[str, dict[int, int]] = {}
-        self._patches = {(p.file, key): (dtype, (p.count,)) for entry in tensors.values() for p in entry.patches
+        self._patches = {(p.file, key): (dtype, (p.count,)) for entry in listed.values() for p in entry.patches
                          for key, dtype in ((p.indices, patch_index_dtype(p)), (p.values, entry.dtype))}
 
     def patch_key(self, file: int, key: str) -> tuple[str, tuple[int, ...]] | None:
@@ -158,6 +177,11 @@ class KeyIndex:
             box = self._box(fqn, file, key)
             if box is not None and (box.volume or not box.ndim):
                 return fqn, box
+        if self._source is not None:
+            table = self._derived.get(file)
+            if table is None:
+                table = self._derived[file] = {key: (fqn, box) for fqn, box, key, _ in self._source.file_keys(file)}
+            return table.get(key)
         return None
 
     def _box(self, fqn: str, file: int, key: str) -> Box | None:
@@ -203,9 +227,11 @@ def _cell_box(cuts: list[list[int]], idx: Sequence[int]) -> Box:
 def shards_overlapping(entry: TensorEntry, box: Box) -> list[Shard]:
     """Return the shards of `entry` that share at least one element with `box`.
 
-    Grids are searched by bisection per dim; explicit boxes by a scan.
+    Grids are searched by bisection per dim; explicit boxes by a scan; derived ones by their rule.
     """
     spec = entry.shards
+    if isinstance(spec, DerivedShards):
+        return spec.source.overlapping(spec.fqn, box)
     if isinstance(spec, BoxShards):
         return [s for s in iter_shards(entry) if s.box.intersect(box) is not None or not box.ndim]
     cuts = grid_cuts(entry.shape, spec)

@@ -29,12 +29,20 @@ CASES = [
     ("moe", topo(tp=2, dp=4, ep=2, zero=1)),
     ("moe", topo(pp=2, dp=4, ep=4, zero=0)),
     ("moe", topo(tp=2, dp=2, ep=2, zero=3)),
+    ("dense-then-moe", topo(tp=2, pp=2, dp=4, ep=2, zero=1)),
 ]
 
 
 def layout_of(name: str):
     if name == "moe":
         return reference_llama_moe(MOE)
+    if name == "dense-then-moe":  # one unit name on the dense first layer and on the others (DeepSeek's form)
+        dense, moe = reference_llama(LLAMA), reference_llama_moe(MOE)
+        first, layer, *last = dense.units
+        units = (first, layer.model_copy(update={"layers": (0,)}),
+                 *(u.model_copy(update={"layers": (1, 2, 3)}) for u in moe.units if u.place == "layers"), *last)
+        assert units[1].name == units[2].name
+        return moe.model_copy(update={"units": units})
     layout = reference_llama(LLAMA)
     if name == "llama-stage":
         return layout.model_copy(update={"zero": Zero(flatten="stage", align=4)})
