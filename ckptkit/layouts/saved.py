@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 from ..boxes import Box
 from ..errors import LayoutError
@@ -37,7 +38,7 @@ from .model import EXPERT, LAYER, Layout, StateGroup, Unit, parse_layout
 from .parts import ParamSpec, Part, partition, unit_offsets
 from .placement import _sharded, _stage, buffers, coordinates, range_boxes, rank_of, stage_layers, topology_problems
 
-RULE = "ranges"
+RULE: Literal["ranges"] = "ranges"
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..boxes import Box, chunk_cuts, chunk_step, full_box
 from .derived import DerivedShards, derivation_of, listed_tensors
-from .model import BoxShard, BoxShards, FileRange, GridShards, Patch, TensorEntry
+from .model import BoxShard, BoxShards, FileRange, GridShards, Manifest, Patch, TensorEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,15 +150,16 @@ def _cuts_array(shape: Sequence[int], spec: GridShards) -> list[np.ndarray]:
 
 class KeyIndex:
     """The shard a payload file holds under a key, found without expanding grids: what a reader
-    checks each key of a header against. Built in one pass over the tensors' specs (a grid is one
-    entry, a list of boxes is indexed on first use)."""
+    checks each key of a header against. Built in one pass over the listed tensors' specs but
+    `skip` (a grid is one entry, a list of boxes is indexed on first use); a derived tensor's keys
+    are its rule's, file by file."""
 
-    def __init__(self, tensors: Mapping[str, TensorEntry]) -> None:
+    def __init__(self, tensors: Mapping[str, TensorEntry], skip: Collection[str] = ()) -> None:
         self.tensors = tensors
         self._source = derivation_of(tensors)
         self._derived: dict[int, dict[str, tuple[str, Box]]] = {}
         self._owners: dict[str, list[str]] = {}
-        listed = listed_tensors(tensors)
+        listed = {fqn: entry for fqn, entry in listed_tensors(tensors).items() if fqn not in skip}
         for fqn, entry in listed.items():
             for key in spec_keys(entry):
                 self._owners.setdefault(key, []).append(fqn)
@@ -328,3 +329,15 @@ def _as_grid(shape: tuple[int, ...], shards: Sequence[Shard]) -> GridShards | No
     else:
         file_spec = tuple(int(f) for f in files)
     return GridShards(cuts=tuple(dims), files=file_spec, key=key)
+
+
+def listed_form(manifest: Manifest) -> Manifest:
+    """The same checkpoint with every tensor listed (a derived tensor's shards compacted into a
+    grid or a list of boxes) and nothing derived: its document lists what a 1.6 one derives.
+    The files, keys and bytes are the same."""
+    if manifest.derived is None:
+        return manifest
+    tensors = {fqn: t if not isinstance(t.shards, DerivedShards) else
+               TensorEntry(shape=t.shape, dtype=t.dtype, kind=t.kind, shards=compact_shards(t.shape, list(iter_shards(t))))
+               for fqn, t in manifest.tensors.items()}
+    return manifest.model_copy(update={"tensors": tensors, "derived": None})

@@ -118,7 +118,7 @@ def _rewritten(loc: Location, manifest: Manifest, folder: str) -> tuple[Manifest
     others = [f for f in manifest.files if f.role in ("tokenizer", "asset", "format") and f.base is None]
     tensors = {fqn: e.model_copy(update={"shards": compact_shards(e.shape, shards[fqn]), "patches": ()})
                for fqn, e in manifest.tensors.items()}
-    return manifest.model_copy(update={"files": (*written, *others, *kept), "tensors": tensors}), written
+    return manifest.model_copy(update={"files": (*written, *others, *kept), "tensors": tensors, "derived": None}), written
 
 
 __all__ = ["PREFIX", "CompactReport", "compact"]

@@ -38,6 +38,8 @@ from ..manifest.dtypes import itemsize
 from ..errors import IntegrityError, StorageError, summarize
 from ..layouts import Layout, layout_for
 from ..manifest import FileEntry, Manifest, Producer, Topology, manifest_to_json
+from ..manifest.model import Derived, DerivedGroup
+from ..layouts.saved import RULE
 from ..io.payload import open_checkpoint, read_checked
 from ..plan.load import Read, ShardLookup, TargetPlan
 from ..plan.reshard import FileJob, ReshardPlan, collector_paused, plan_reads, plan_reshard
@@ -102,7 +104,8 @@ def reshard(
         dst: the checkpoint directory to create.
         topology: the target; ``world_size`` must be tp x pp x dp.
         threads: target files each process writes at once.
-        files_per_rank: payload files per target rank (default: enough to keep the threads busy).
+        files_per_rank: payload files per target rank; given, the target lists its boxes (default: one
+            per rank, its layout tensors derived as a save with the layout has them, manifest 1.6).
         max_file_bytes: start a new payload file when one would grow past this.
         check_source: check every source file's checksum while copying; the destination is
             committed only if they all match.
@@ -126,8 +129,7 @@ def reshard(
     src_loc, manifest = open_checkpoint(src, storage)
     layout = layout if layout is not None else layout_for(manifest, where=str(src_loc))
     topology = topology.model_copy(update={"rank_order": "-".join(layout.mesh)})
-    per_rank = files_per_rank or max(2, -(-threads // topology.world_size))
-    plan = plan_reshard(manifest, layout, topology, files_per_rank=per_rank, max_file_bytes=max_file_bytes)
+    plan = plan_reshard(manifest, layout, topology, files_per_rank=files_per_rank, max_file_bytes=max_file_bytes)
     with still_committed(src_loc):
         return write_reshard(src_loc, manifest, plan, dst, threads=threads, check_source=check_source,
                              update_latest=update_latest, process_group=process_group, dst_storage=dst_storage, started=started,
@@ -325,8 +327,9 @@ def _commit(
         said = [message if len(results) == 1 else f"rank {r}: {message}" for r, (_, message) in failed]
         unwrap(("error", (failed[0][1][0], "nothing committed: " + summarize(said))))
     written = {w.path: w for res in results for w in res[1][0]}
-    files = [written[f.path].entry(stage.path(f.path)) for f in plan.save.all_files()]
-    index = {f.path: i for i, f in enumerate(plan.save.all_files())}
+    planned = [j.plan for j in plan.jobs] if plan.derived is not None else plan.save.all_files()
+    files = [written[f.path].entry(stage.path(f.path)) for f in planned]
+    index = {f.path: i for i, f in enumerate(planned)}
     files += [_copy_asset(src_loc, loc.storage, stage, entry) for entry in manifest.files if entry.role in ("tokenizer", "asset")]
     target = Manifest(
         checkpoint_id=uuid.uuid4().hex,
@@ -339,6 +342,8 @@ def _commit(
         objects=manifest.objects,
         info=manifest.info,
         layout=manifest.layout if plan.layout is None else plan.layout.to_json(),
+        derived=None if plan.derived is None else Derived(
+            rule=RULE, groups={label: DerivedGroup(dtype=dtype, kind=kind) for label, (dtype, kind) in plan.derived.items()}),  # type: ignore[arg-type]
         tokenizer=None if manifest.tokenizer is None else manifest.tokenizer.model_copy(
             update={"files": tuple(stage.path(f) for f in manifest.tokenizer.files)}),
     )

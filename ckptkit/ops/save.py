@@ -21,6 +21,7 @@ from ..io.commit import Staging, commit, discard, refuse_existing, staging
 from .collective import Collective, default_collective, guard, unwrap
 from ..errors import CkptkitError, LayoutError, StorageError, summarize
 from ..layouts import Layout, fit_problems, topology_problems
+from ..layouts.saved import RULE, Saved
 from ..manifest import (
     KINDS,
     CheckpointInfo,
@@ -33,10 +34,11 @@ from ..manifest import (
     Topology,
     manifest_to_json,
 )
+from ..manifest.model import Derived, DerivedGroup
 from ..io.write import Written, write_safetensors, write_small
 from ..plan.incremental import Ask, Outcome
 from .incremental import Base, assembled, base_reader, find_base, no_base, write_changed
-from ..plan.save import FilePlan, ItemDesc, SavePlan, plan_save, tensor_entries
+from ..plan.save import FilePlan, ItemDesc, SavePlan, derived_file, derived_groups, file_name, layout_share, plan_save, tensor_entries
 from ..storage import Storage
 from ..state.device import DEFAULT_PINNED_BYTES, BouncePool, device_problems, staged_bytes
 from ..state.torch_io import byte_view, dtype_name, host_contiguous, is_leaf, leaf_shards
@@ -120,7 +122,22 @@ def save(
     loc = locate(path, storage)
     local, descs, objects, error = _describe(state, kinds or {})
     pool = _pool(local.values(), pinned_bytes) if not error else None
-    gathered = coll.gather((descs, _digest(objects), error))
+    saved = _derivable(layout, topology, coll, incremental or max_file_bytes is not None)
+    share, sent = None, descs
+    if saved is not None and not error:
+        try:
+            share, sent = layout_share(saved, coll.rank, descs)
+        except CkptkitError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    gathered = coll.gather((sent, share, _digest(objects), error))
+    groups: dict[str, DerivedGroup] | None = None
+    if saved is not None:  # every rank lists its layout boxes too unless rank 0 can derive them all
+        groups = coll.broadcast(_groups(gathered, saved, kinds or {}) if gathered is not None else None)
+        if groups is None:
+            kept = {id(d) for d in sent}
+            rest = coll.gather([d for d in descs if id(d) not in kept] if share is not None else [])
+            if gathered is not None and rest is not None:
+                gathered = [(g[0] + more, None, g[2], g[3]) for g, more in zip(gathered, rest)]
     planned: tuple[str, Any] = ("ok", None)
     plan: SavePlan | None = None
     topo: Topology | None = None
@@ -128,7 +145,8 @@ def save(
     with contextlib.ExitStack() as held_base:  # rank 0 leases the base until the commit
         base: Base | None = None
         if gathered is not None:
-            planned = guard(lambda: _plan(gathered, loc, (max_file_bytes, io_threads), topology, layout, coll))
+            planned = guard(lambda: _plan(gathered, loc, (max_file_bytes, io_threads if groups is None else 1), topology,
+                                          layout if groups is None else None, coll))
             if planned[0] == "ok":
                 plan, uid, topo = planned[1]
                 if incremental:
@@ -138,6 +156,9 @@ def save(
         # Every rank learns whether planning worked, then receives only its own files.
         unwrap(coll.broadcast(("ok", None) if planned[0] == "ok" else planned))
         my_files, uid, found = coll.scatter(shares)
+        if groups is not None and saved is not None:
+            mine = Saved(saved.layout, saved.topology, list(groups))
+            my_files = (derived_file(mine, coll.rank, {d.fqn: d for d in descs}, my_files),)
         stage = staging(loc, uid)
         written = guard(lambda: _write_files(loc.storage, stage, my_files, local, io_threads, pool, found if incremental else None,
                                              not digests_in_manifest))
@@ -146,11 +167,42 @@ def save(
         if results is not None:
             assert plan is not None and topo is not None  # rank 0 planned
             outcome = guard(
-                lambda: _commit(results, plan, loc, stage, step, topo, info, tokenizer, objects, kinds, update_latest, layout, base)
+                lambda: _commit(results, plan, loc, stage, step, topo, info, tokenizer, objects, kinds, update_latest, layout, base,
+                                groups)
             )
             if outcome[0] != "ok":
                 discard(loc.storage, stage)
     return unwrap(coll.broadcast(outcome))  # type: ignore[no-any-return]
+
+
+def _derivable(layout: Layout | None, topology: Topology | None, coll: Collective, listed: bool) -> Saved | None:
+    """The layout's saves over the job's topology, when this save may derive its layout tensors
+    (a layout, the topology it fits, one file per rank, not incremental); None otherwise. The
+    same on every rank."""
+    topo = topology or Topology(world_size=coll.world_size, dp=coll.world_size)
+    if layout is None or listed or topo.world_size != coll.world_size or topology_problems(layout, topo):
+        return None
+    return Saved(layout, topo)
+
+
+def _groups(gathered: list[Any], saved: Saved, kinds: Mapping[str, str]) -> dict[str, DerivedGroup] | None:
+    """The derived groups (dtype, kind) of a save whose ranks each hold exactly their layout boxes
+    and whose every group has one dtype and one kind; None otherwise (the save lists its boxes)."""
+    if any(err or share is None for _, share, _, err in gathered):
+        return None
+    dtypes = derived_groups([share for _, share, _, _ in gathered])
+    if dtypes is None:
+        return None
+    out = {}
+    for group in saved.groups:
+        if group.label not in dtypes:
+            continue
+        names = [group.fqn(n) for n in saved.layout.tensors()] if kinds else [group.fqn("x")]
+        found = {kind_of(fqn, kinds) for fqn in names}
+        if len(found) != 1:
+            return None
+        out[group.label] = DerivedGroup(dtype=dtypes[group.label], kind=found.pop())  # type: ignore[arg-type]
+    return out
 
 
 def _describe(
@@ -199,10 +251,10 @@ def _plan(
     gathered: list[Any], loc: Location, split: tuple[int | None, int], topology: Topology | None, layout: Layout | None,
     coll: Collective,
 ) -> tuple[SavePlan, str, Topology]:
-    errors = [f"rank {r}: {err}" for r, (_, _, err) in enumerate(gathered) if err]
+    errors = [f"rank {r}: {err}" for r, (_, _, _, err) in enumerate(gathered) if err]
     if errors:
         raise LayoutError(summarize(errors))
-    differing = [r for r, (_, digest, _) in enumerate(gathered) if digest != gathered[0][1]]
+    differing = [r for r, (_, _, digest, _) in enumerate(gathered) if digest != gathered[0][2]]
     if differing:
         raise LayoutError(f"non-tensor values differ from rank 0's on ranks {differing}; save per-rank values as tensors")
     refuse_existing(loc)
@@ -212,7 +264,7 @@ def _plan(
             f"topology tp={topo.tp} pp={topo.pp} dp={topo.dp} cp={topo.cp} world_size={topo.world_size} "
             f"does not match {coll.world_size} saving rank(s)"
         )
-    plan = plan_save([descs for descs, _, _ in gathered], max_file_bytes=split[0], files_per_rank=split[1])
+    plan = plan_save([descs for descs, _, _, _ in gathered], max_file_bytes=split[0], files_per_rank=split[1])
     if layout is not None:
         _check_layout(layout, topo, {fqn: shape for fqn, (_, shape) in plan.tensors.items()})
     return plan, uuid.uuid4().hex[:12], topo
@@ -268,6 +320,7 @@ def _commit(
     update_latest: bool,
     layout: Layout | None,
     base: Base | None,
+    groups: dict[str, DerivedGroup] | None = None,
 ) -> Manifest:
     errors = [f"rank {r}: {res[1]}" for r, res in enumerate(results) if res[0] != "ok"]
     if errors:
@@ -276,10 +329,13 @@ def _commit(
     if any(outcome is not None for _, done in results for _, outcome in done):
         parts = assembled(results, plan, stage, base)
         plan, files, patches = parts.plan, parts.files, parts.patches
+    elif groups is not None:  # one file per rank, in rank order: file r is rank r's
+        files = [ws[0][0].entry(stage.path(ws[0][0].path)) for _, ws in results]
     else:
         written = {w.path: w for _, ws in results for w, _ in ws}
         files = [written[f.path].entry(stage.path(f.path)) for f in plan.all_files()]
-    index = {f.path: i for i, f in enumerate(plan.all_files())}
+    paths = [file_name(r, None) for r in range(len(results))] if groups is not None else [f.path for f in plan.all_files()]
+    index = {p: i for i, p in enumerate(paths)}
     tok_info = None
     if tokenizer is not None:
         tok_files = _copy_tokenizer(loc.storage, stage, tokenizer)
@@ -297,6 +353,7 @@ def _commit(
         info=info or CheckpointInfo(),
         tokenizer=tok_info,
         layout=None if layout is None else layout.to_json(),
+        derived=None if groups is None else Derived(rule=RULE, groups=groups),
     )
     commit(loc, stage, manifest_to_json(manifest), update_latest=update_latest, step=step)
     return manifest

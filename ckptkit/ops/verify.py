@@ -104,7 +104,7 @@ def verify(
     # A tensor whose spec is unsound is not expanded (a grid of 10^9 cells would be).
     unsound = {f.where for f in findings if f.code in ("schema", "tiling")}
     expected = file_keys(manifest.tensors, skip=unsound)
-    keys = KeyIndex({fqn: t for fqn, t in manifest.tensors.items() if fqn not in unsound})
+    keys = KeyIndex(manifest.tensors, skip=unsound)
     # The keys of an unsound tensor are not checked against headers (it is reported already).
     unchecked = {k for fqn in unsound if fqn in manifest.tensors for k in spec_keys(manifest.tensors[fqn])}
     present = []

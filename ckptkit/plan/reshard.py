@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..boxes import Box, in_bounds, tiling_problems
 from ..errors import LayoutError, summarize
 from ..layouts import Holders, Layout, holders, placed_tensors, topology_problems
+from ..layouts.saved import Saved
 from ..manifest import Manifest, Topology
 from .load import ShardLookup, TargetPlan, plan_load
-from .save import FilePlan, ItemDesc, SavePlan, plan_files
+from .save import FilePlan, ItemDesc, SavePlan, derived_file, plan_files
 from ..manifest.shards import iter_shards
 
 
@@ -41,6 +42,9 @@ class ReshardPlan:
     jobs: tuple[FileJob, ...]
     kept: tuple[str, ...]  # tensors the layout does not place: copied with their saved boxes
     layout: Layout | None = None  # recorded in the target's manifest
+    # The state groups the target derives (manifest 1.6): dtype and kind by label. ``save`` then
+    # holds the kept tensors alone, and ``jobs`` one file per target rank, in rank order.
+    derived: dict[str, tuple[str, str]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -52,10 +56,13 @@ def plan_reshard(
     layout: Layout,
     topology: Topology,
     *,
-    files_per_rank: int = 1,
+    files_per_rank: int | None = None,
     max_file_bytes: int | None = None,
 ) -> ReshardPlan:
-    """Plan the checkpoint that `topology`'s ranks would have saved from the same state.
+    """Plan the checkpoint that `topology`'s ranks would have saved from the same state: its
+    layout tensors derived, one file per rank, as a save with the layout writes them (unless
+    `files_per_rank` or `max_file_bytes` is given, or a state group mixes dtypes or kinds: then
+    listed, `files_per_rank` files per rank, 1 by default).
 
     Raises:
         LayoutError: the model cannot be laid out over `topology`, the checkpoint lacks part
@@ -69,10 +76,56 @@ def plan_reshard(
     problems += unplaced_problems(layout, manifest, placed)
     if problems:
         raise LayoutError(f"the layout does not match the saved tensors: {len(problems)} problem(s): " + summarize(problems))
+    groups = _derived_groups(manifest, layout, placed) if files_per_rank is None and max_file_bytes is None else None
     with collector_paused():
+        if groups is not None:
+            return _derived_plan(manifest, layout, topology, placed, groups)
         by_tensor = {fqn: boxes for fqn, boxes in holders(layout, topology).items() if fqn in placed}
-        return plan_placement(manifest, by_tensor, topology, files_per_rank=files_per_rank,
+        return plan_placement(manifest, by_tensor, topology, files_per_rank=files_per_rank or 1,
                               max_file_bytes=max_file_bytes, layout=layout)
+
+
+def _derived_groups(manifest: Manifest, layout: Layout, placed: set[str]) -> dict[str, tuple[str, str]] | None:
+    """(dtype, kind) of each state group the checkpoint holds, when each group has one of each."""
+    found: dict[str, set[tuple[str, str]]] = {}
+    for fqn in placed:
+        entry = manifest.tensors[fqn]
+        group = next(g for g in layout.states if g.tensor_of(fqn) is not None)
+        found.setdefault(group.label, set()).add((entry.dtype, entry.kind))
+    if any(len(v) != 1 for v in found.values()):
+        return None
+    return {label: v.pop() for label, v in found.items()}
+
+
+class _Whole(Mapping[str, ItemDesc]):
+    """The whole-tensor description of a checkpoint's tensors, made as they are asked for."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.tensors = manifest.tensors
+
+    def __getitem__(self, fqn: str) -> ItemDesc:
+        entry = self.tensors[fqn]
+        return ItemDesc(fqn, entry.dtype, entry.shape, Box((0,) * len(entry.shape), entry.shape))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def _derived_plan(manifest: Manifest, layout: Layout, topology: Topology, placed: set[str],
+                  groups: dict[str, tuple[str, str]]) -> ReshardPlan:
+    """The target of a reshard whose layout tensors are derived: each target rank's one file holds
+    what the rule has it write and its share of the kept tensors (at their saved boxes)."""
+    world = topology.world_size
+    kept = tuple(sorted(set(manifest.tensors) - placed))
+    by_tensor = {fqn: {shard.box: [i % world] for i, shard in enumerate(iter_shards(manifest.tensors[fqn]))} for fqn in kept}
+    whole = _Whole(manifest)
+    save = plan_files(by_tensor, {fqn: whole[fqn] for fqn in kept}, world)
+    saved = Saved(layout, topology, list(groups))
+    jobs = tuple(FileJob(rank, derived_file(saved, rank, whole, save.files[rank])) for rank in range(world))
+    return ReshardPlan(topology, save, jobs, kept, layout, groups)
 
 
 def unplaced_problems(layout: Layout, manifest: Manifest, placed: set[str]) -> list[str]:

@@ -9,13 +9,16 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..boxes import Box, tiling_problems
 from ..manifest.dtypes import itemsize
 from ..errors import LayoutError, summarize
+from ..layouts import rank_boxes
+from ..layouts.saved import Saved
 from ..manifest import TensorEntry
+from ..manifest.derived import table_path
 from ..manifest.shards import Shard, compact_shards, grid_cuts_of
 
 
@@ -193,12 +196,12 @@ def tensor_entries(plan: SavePlan, index: dict[str, int], kind: Callable[[str], 
     }
 
 
-_FILE_NAME = re.compile(r"(?:^|/)rank(?P<rank>\d{5})(?:-\d{3})?\.safetensors$")
+_FILE_NAME = re.compile(r"(?:^|/)rank(?P<rank>\d{5,})(?:-\d{3})?\.safetensors$")
 
 
 def file_name(rank: int, part: int | None) -> str:
     """The name of rank `rank`'s payload file (its `part`-th, when a rank writes several)."""
-    return f"rank{rank:05d}.safetensors" if part is None else f"rank{rank:05d}-{part:03d}.safetensors"
+    return table_path(rank) if part is None else f"rank{rank:05d}-{part:03d}.safetensors"
 
 
 def file_writer(path: str) -> int | None:
@@ -206,3 +209,69 @@ def file_writer(path: str) -> int | None:
     rank's payload file, such as a tokenizer file, which rank 0 writes at the commit)."""
     found = _FILE_NAME.search(path)
     return int(found["rank"]) if found else None
+
+
+# -- saves whose layout tensors are derived (manifest 1.6) ------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutShare:
+    """What one rank tells rank 0 of its layout tensors instead of listing their boxes: per state
+    group (label) the dtypes it holds them in, and whether it holds exactly the boxes the layout
+    gives it (a group it holds nothing of counts as held exactly only if the layout gives it nothing)."""
+
+    dtypes: dict[str, tuple[str, ...]]
+    exact: dict[str, bool]
+
+
+def layout_share(saved: Saved, rank: int, items: Sequence[ItemDesc]) -> tuple[LayoutShare, list[ItemDesc]]:
+    """Split a rank's items into its layout tensors, summarized, and the others (listed as
+    before). Costs time in proportion to what the rank holds."""
+    layout, topology = saved.layout, saved.topology
+    held = rank_boxes(layout, topology, rank)
+    mine: dict[str, set[tuple[str, Box]]] = {g.label: set() for g in saved.groups}
+    dtypes: dict[str, set[str]] = {g.label: set() for g in saved.groups}
+    exact = {g.label: True for g in saved.groups}
+    others = []
+    for item in items:
+        found = saved.find(item.fqn)
+        if found is None:
+            others.append(item)
+            continue
+        group, _, shape = found
+        dtypes[group.label].add(item.dtype)
+        if item.shape != shape:
+            exact[group.label] = False
+        if item.box.volume or not item.box.ndim:
+            mine[group.label].add((item.fqn, item.box))
+    for group in saved.groups:
+        want = {(group.fqn(name), b) for name, boxes in held[group.label].items() for b in boxes if b.volume or not b.ndim}
+        exact[group.label] = exact[group.label] and mine[group.label] == want
+    return LayoutShare({k: tuple(sorted(v)) for k, v in dtypes.items()}, exact), others
+
+
+def derived_groups(shares: Sequence[LayoutShare]) -> dict[str, str] | None:
+    """The dtype of every state group the ranks hold (a group none holds is left out: a checkpoint
+    without optimizer state), when each rank holds exactly its boxes of each, in one dtype shared
+    by all; None when the save must list its boxes instead."""
+    present = [label for label in shares[0].dtypes if any(s.dtypes[label] for s in shares)]
+    if not present:
+        return None
+    out = {}
+    for label in present:
+        kinds = {d for s in shares for d in s.dtypes[label]}
+        if len(kinds) != 1 or not all(s.exact[label] for s in shares):
+            return None
+        out[label] = kinds.pop()
+    return out
+
+
+def derived_file(saved: Saved, rank: int, meta: Mapping[str, ItemDesc], listed: Sequence[FilePlan]) -> FilePlan:
+    """Rank `rank`'s one file of a derived save: the boxes the rule has it write (under the rule's
+    keys; `meta` gives each tensor's dtype and shape) and its share of the listed tensors,
+    largest element size first."""
+    items = [(ItemDesc(w.fqn, meta[w.fqn].dtype, meta[w.fqn].shape, w.box), w.key) for w in saved.writes(rank)]
+    items += [pair for f in listed for pair in f.items]
+    if len({i.dtype for i, _ in items}) > 1:
+        items.sort(key=lambda pair: -itemsize(pair[0].dtype))
+    return FilePlan(file_name(rank, None), tuple(items))

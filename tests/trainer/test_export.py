@@ -15,7 +15,8 @@ import ckptkit
 from ckptkit.io.checksum import checksum_of
 from ckptkit.errors import CheckpointExistsError, LayoutError
 from ckptkit.exports.run import REPORT_NAME, export
-from ckptkit.manifest import Topology, seal
+from ckptkit.manifest import Topology, manifest_to_json, seal
+from ckptkit.manifest.shards import listed_form
 from ckptkit.trainer.data import Tokenizer
 
 from .runs import train, trainer_logits
@@ -107,7 +108,7 @@ def test_export_refuses_bad_input_before_writing(source: Path, tmp_path: Path, r
 
     broken = tmp_path / "broken"
     shutil.copytree(source, broken)
-    doc = json.loads((broken / "manifest.json").read_text())
+    doc = json.loads(manifest_to_json(listed_form(ckptkit.read_manifest(str(broken)))))
     for name in ("model/layers.1.attn.q.weight", "model/norm.weight"):
         del doc["tensors"][name]
     (broken / "manifest.json").write_bytes(seal(doc))  # a consistent manifest that lacks them

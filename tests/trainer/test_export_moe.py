@@ -17,7 +17,8 @@ import ckptkit
 from ckptkit.errors import LayoutError
 from ckptkit.exports.run import REPORT_NAME, export
 from ckptkit.layouts import reference_llama_moe
-from ckptkit.manifest import seal
+from ckptkit.manifest import manifest_to_json, seal
+from ckptkit.manifest.shards import listed_form
 from ckptkit.trainer.data import Tokenizer
 from ckptkit.trainer.train import config_from, launch, prepare
 
@@ -104,10 +105,10 @@ def test_tied_export_has_no_head_and_thetrainer_logits(tied_source: Path, tmp_pa
 
 
 def _with_layout(source: Path, dst: Path, change: Callable[[dict[str, Any], dict[str, Any]], None]) -> Path:
-    """A copy of `source` whose manifest (resealed, consistent) is changed by `change(doc, config)`
-    and records the llama-moe layout of the changed config."""
+    """A copy of `source` whose manifest (resealed, consistent, listing every tensor) is changed
+    by `change(doc, config)` and records the llama-moe layout of the changed config."""
     shutil.copytree(source, dst)
-    doc = json.loads((dst / "manifest.json").read_text())
+    doc = json.loads(manifest_to_json(listed_form(ckptkit.read_manifest(str(dst)))))  # every tensor listed, to change
     config = dict(doc["info"]["model"]["config"])
     change(doc, config)
     doc["layout"] = json.loads(reference_llama_moe(config).model_dump_json())

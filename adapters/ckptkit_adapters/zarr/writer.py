@@ -289,7 +289,7 @@ def zarr_writer(source: Source, chunk_bytes: int = CHUNK_BYTES) -> Writer:
                 "checkpoint_id": uuid.uuid4().hex,
                 "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "producer": Producer(ckptkit=__version__, python=platform.python_version()),
-                "files": listed, "tensors": tensors,
+                "files": listed, "tensors": tensors, "derived": None,  # the form lists its chunks
             })
             return manifest_to_json(form)
 
