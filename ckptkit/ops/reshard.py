@@ -183,7 +183,7 @@ def write_reshard(
         step=manifest.step,
         source_topology=manifest.topology,
         topology=topology,
-        tensors=len(plan.save.tensors),
+        tensors=len(manifest.tensors),  # every tensor of the source, placed anew or kept
         unplaced=list(plan.kept),
         files=len(plan.jobs),
         bytes_written=plan.nbytes,

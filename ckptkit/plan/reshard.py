@@ -94,7 +94,7 @@ def _derived_groups(manifest: Manifest, layout: Layout, placed: set[str]) -> dic
         found.setdefault(group.label, set()).add((entry.dtype, entry.kind))
     if any(len(v) != 1 for v in found.values()):
         return None
-    return {label: v.pop() for label, v in found.items()}
+    return {g.label: found[g.label].pop() for g in layout.states if g.label in found}  # in the layout's order
 
 
 class _Whole(Mapping[str, ItemDesc]):
