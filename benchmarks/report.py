@@ -26,6 +26,9 @@ SCALE_131K_PARSE_S = 1.0
 SCALE_131K_BUILD_S = 2.0
 SCALE_131K_LOAD_PLAN_MS = 50.0
 SCALE_131K_RESHARD_PLAN_MS = 200.0
+# Each rank's planning as the ranks grow from 8 to 64 (same model): time and memory at most this
+# much more at 64 than at 8 ("flat"); bytes read at most the blocks its boxes touch.
+SCALE_RANKS_GROWTH = 1.5
 
 
 def added_peak(run: dict[str, Any], phase: str) -> int | None:
@@ -253,4 +256,11 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         add("scale 131k: build seconds", m["build_s"], SCALE_131K_BUILD_S, False)
         add("scale 131k: one rank's load plan ms (max)", m["load_plan_max_ms"], SCALE_131K_LOAD_PLAN_MS, False)
         add("scale 131k: one rank's reshard plan ms (max)", m["reshard_plan_max_ms"], SCALE_131K_RESHARD_PLAN_MS, False)
+    block = results.get("scale_ranks")
+    if block and "error" not in block:
+        add("scale ranks: load plan time, 64 / 8 ranks (max)", block["load_plan_growth"], SCALE_RANKS_GROWTH, False)
+        add("scale ranks: save plan time, 64 / 8 ranks (max)", block["save_plan_growth"], SCALE_RANKS_GROWTH, False)
+        add("scale ranks: plan memory, 64 / 8 ranks (max)", block["plan_memory_growth"], SCALE_RANKS_GROWTH, False)
+        add("scale ranks: bytes read / blocks touched (max)", max(s["read_vs_blocks_max"] for s in block["sizes"].values()),
+            1.0 + 1e-9, False)
     return rows

@@ -1,6 +1,6 @@
 """Benchmark ckptkit against torch.save, safetensors and DCP, and against the machine's limits.
 
-Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,load-warm,verify,scale,scale-131k,reshard,reshard-plan,export,convert,async,s3,checksums,incremental]``.
+Usage: ``python -m benchmarks.run [--size-mb 2048] [--repeats 3] [--only save,load,load-warm,verify,scale,scale-131k,scale-ranks,reshard,reshard-plan,export,convert,async,s3,checksums,incremental]``.
 Prints a table and writes a JSON document (``<out>/results.json`` unless ``--json``); the
 checkpoints it writes under ``<out>/work`` are deleted at the end. See docs/PERFORMANCE.md.
 """
@@ -28,7 +28,7 @@ from .phases import Runs, Settings, load_phase, run_rounds, run_worker, save_pha
 from .state import state_bytes, state_specs
 from .table import render
 
-PHASES = ("save", "load", "load-warm", "verify", "scale", "scale-131k", "reshard", "reshard-plan", "export", "convert", "async", "s3",
+PHASES = ("save", "load", "load-warm", "verify", "scale", "scale-131k", "scale-ranks", "reshard", "reshard-plan", "export", "convert", "async", "s3",
           "checksums", "incremental", "tier")
 
 
@@ -394,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
             results["scale"] = run_scale_phase(args, settings)
         if "scale-131k" in args.only.split(","):
             results["scale_131k"] = run_scale_131k_phase(settings)
+        if "scale-ranks" in args.only.split(","):
+            result = run_worker({"kind": "scale-ranks", "size_mib": 1})
+            if "error" in result:
+                settings.say(f"[scale-ranks] FAILED: {result['error']}")
+            results["scale_ranks"] = result
         if "reshard" in args.only.split(","):
             results["reshard"] = run_reshard_phase(settings)
         if "export" in args.only.split(","):

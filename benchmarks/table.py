@@ -42,6 +42,10 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", *_plan_table(results["reshard_plan"])]
     if "scale_131k" in results:
         lines += ["", *_scale_131k_table(results["scale_131k"])]
+    if "scale_ranks" in results:
+        from .rank_plans import render as ranks_table
+
+        lines += ["", *ranks_table(results["scale_ranks"])]
     if "checksums" in results:
         lines += ["", *_checksums_table(results["checksums"], results["state"]["bytes"])]
     if "incremental" in results:

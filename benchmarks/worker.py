@@ -139,6 +139,12 @@ def run_scale_131k(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str
     return deepseek.run()
 
 
+def run_scale_ranks(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
+    from . import rank_plans
+
+    return rank_plans.run()
+
+
 def run_s3(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
     from . import s3s
 
@@ -202,6 +208,7 @@ RUNNERS = {
     "read-limit": run_limit,
     "scale": run_scale,
     "scale-131k": run_scale_131k,
+    "scale-ranks": run_scale_ranks,
     "reshard": run_reshard,
     "reshard-prepare": run_reshard,
     "reshard-plan": run_reshard,

@@ -28,15 +28,17 @@ from __future__ import annotations
 import heapq
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..boxes import Box
 from ..errors import LayoutError
 from ..manifest import Manifest, Topology
-from ..manifest.shards import Shard
 from .model import EXPERT, LAYER, Layout, StateGroup, Unit, parse_layout
 from .parts import ParamSpec, Part, partition, unit_offsets
 from .placement import _sharded, _stage, buffers, coordinates, range_boxes, rank_of, stage_layers, topology_problems
+
+if TYPE_CHECKING:
+    from ..manifest.shards import Shard
 
 RULE: Literal["ranges"] = "ranges"
 
@@ -361,6 +363,8 @@ class RangesView:
         return group.dtype, group.kind, found[2]
 
     def overlapping(self, fqn: str, box: Box) -> list[Shard]:
+        from ..manifest.shards import Shard  # here: the layouts import without numpy
+
         return [Shard(s.box, s.file, s.key) for s in self.saved.overlapping(fqn, box)]
 
     def files(self) -> int:

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
-import numpy as np
-
 from ..boxes import Box
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .model import FileEntry, FileTable, Manifest, TensorEntry
     from .shards import Shard
 
@@ -138,6 +138,8 @@ class FileList(Sequence["FileEntry"]):
     """A manifest's files: those of its table (entries made on demand), then those it lists."""
 
     def __init__(self, table: FileTable, listed: tuple[FileEntry, ...]) -> None:
+        import numpy as np  # here: the package imports without numpy (the adapters' registry reads it at start)
+
         self.table = table
         self.listed = listed
         self.sizes = _array(table.sizes, "<u8", table.count).astype(np.int64)
@@ -183,6 +185,8 @@ class FileList(Sequence["FileEntry"]):
 
 
 def _array(text: str, dtype: str, count: int) -> np.ndarray:
+    import numpy as np
+
     try:
         raw = base64.b64decode(text, validate=True)
     except ValueError:
@@ -209,6 +213,8 @@ def table_files(files: Sequence[FileEntry]) -> int:
 
 def pack_table(files: Sequence[FileEntry], count: int) -> dict[str, Any]:
     """The ``file_table`` document of the first `count` files (as `table_files` found them)."""
+    import numpy as np
+
     head = [files[i] for i in range(count)]
     sizes = np.fromiter((f.size for f in head), dtype="<u8", count=count)
     blocks = np.fromiter((f.blocks.size if f.blocks is not None else 0 for f in head), dtype="<u4", count=count)

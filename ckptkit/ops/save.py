@@ -197,7 +197,7 @@ def _groups(gathered: list[Any], saved: Saved, kinds: Mapping[str, str]) -> dict
     for group in saved.groups:
         if group.label not in dtypes:
             continue
-        names = [group.fqn(n) for n in saved.layout.tensors()] if kinds else [group.fqn("x")]
+        names = [group.fqn(n) for n in saved.layout.tensors()] if kinds else [group.prefix]  # else: by the top key
         found = {kind_of(fqn, kinds) for fqn in names}
         if len(found) != 1:
             return None
