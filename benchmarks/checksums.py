@@ -334,7 +334,7 @@ def partial_reads(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str,
                 counts = {"needed_bytes": needed, "storage_bytes": storage.payload_bytes,
                           "reader_bytes": reader.bytes_read, "requests": storage.requests}
                 if variant == "checked":
-                    counts["touched_block_bytes"] = touched_block_bytes(reader, target)
+                    counts["touched_block_bytes"] = touched_block_bytes(reader, [(fqn, st.box) for fqn, st in target.items()])
                 per_rank.append(counts)
             needed = sum(r["needed_bytes"] for r in per_rank)
             read = sum(r["storage_bytes"] for r in per_rank)
@@ -353,16 +353,17 @@ def partial_reads(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str,
     return {"partial": out}
 
 
-def touched_block_bytes(reader: Any, target: dict[str, Any]) -> int:
-    """The bytes of the blocks a rank's boxes touch, and of those holding each file's header: the
-    least any reader that checks whole blocks must read for `target` (after `reader` filled it)."""
+def touched_block_bytes(reader: Any, requests: list[tuple[str, Any]]) -> int:
+    """The bytes of the blocks a rank's boxes (`requests`: fqn and box) touch, and of those holding
+    each file's header: the least any reader that checks whole blocks must read for them (after
+    `reader` filled them: it holds the files' headers)."""
     from ckptkit.boxes import byte_runs
     from ckptkit.manifest.dtypes import itemsize
     from ckptkit.plan.load import plan_load
 
     manifest = reader.manifest
     touched: dict[int, set[int]] = {}
-    for plan in plan_load(manifest, [(fqn, st.box) for fqn, st in target.items()]).targets:
+    for plan in plan_load(manifest, requests).targets:
         dtype = manifest.tensors[plan.fqn].dtype
         for read in plan.reads:
             b = manifest.files[read.file].blocks.size

@@ -33,7 +33,7 @@ TOPOLOGY = Topology(world_size=131072, tp=8, pp=16, dp=1024, ep=64, zero_stage=1
 HALF = Topology(world_size=65536, tp=8, pp=16, dp=512, ep=64, zero_stage=1)
 
 
-def _mlp(prefix: str, ffn: int) -> tuple:
+def _mlp(prefix: str, ffn: int) -> tuple[Any, ...]:
     return (
         param(f"{prefix}gate_up.weight", [(prefix + "gate_proj.weight", (ffn, HIDDEN)), (prefix + "up_proj.weight", (ffn, HIDDEN))], 0),
         param(f"{prefix}down.weight", [(prefix + "down_proj.weight", (HIDDEN, ffn))], 1),
@@ -114,10 +114,11 @@ def run(samples: int = 9) -> dict[str, Any]:
     import time
 
     from ckptkit.layouts.saved import Saved
-    from ckptkit.manifest import Manifest, Producer, manifest_to_json, parse_manifest
-    from ckptkit.manifest.consistency import manifest_findings
+    from ckptkit.manifest import Manifest, Producer, parse_manifest
     from ckptkit.manifest.model import Derived
     from ckptkit.plan.load import plan_load
+
+    from .scale import validate_and_serialize
 
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     model = layout()
@@ -130,14 +131,7 @@ def run(samples: int = 9) -> dict[str, Any]:
                         topology=TOPOLOGY, files=files, tensors={}, layout=model.to_json(),
                         derived=Derived(rule="ranges", groups=_groups()))
     build_s = time.perf_counter() - start
-    start = time.perf_counter()
-    findings = manifest_findings(manifest)
-    validate_s = time.perf_counter() - start
-    if findings:
-        raise RuntimeError(f"the manifest has {len(findings)} finding(s), e.g. {findings[0]}")
-    start = time.perf_counter()
-    data = manifest_to_json(manifest)
-    serialize_s = time.perf_counter() - start
+    validate_s, serialize_s, data = validate_and_serialize(manifest)
     parse_times = []
     for _ in range(3):
         start = time.perf_counter()
@@ -199,7 +193,7 @@ def _dcp_plan(model: Layout, rank: int) -> tuple[float, int, int, float, int]:
     wanted: dict[str, list[Any]] = {}
     for fqn, box in _requests(model, TOPOLOGY, rank):
         wanted.setdefault(fqn, []).append(ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.lengths)))
-    entries = {}
+    entries: dict[str, Any] = {}
     chunks = 0
     for fqn in wanted:
         found = saved.find(fqn)
@@ -217,5 +211,5 @@ def _dcp_plan(model: Layout, rank: int) -> tuple[float, int, int, float, int]:
     pickle.loads(blob)
     unpickle_s = time.perf_counter() - start
     start = time.perf_counter()
-    items = [item for fqn, local in wanted.items() for item in create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], local)]
+    items = [item for fqn, local in wanted.items() for item in create_read_items_for_chunk_list(fqn, entries[fqn], local)]
     return time.perf_counter() - start, len(items), len(blob), unpickle_s, chunks

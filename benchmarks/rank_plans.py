@@ -99,6 +99,8 @@ def _job(rank: int, world: int, root: str, out: str) -> None:
     from ckptkit.plan.save import derived_file, layout_share
     from ckptkit.storage import LocalStorage
 
+    from .checksums import touched_block_bytes
+
     layout, topology = _layout(), _topology(world)
     state, nbytes = _state(layout, topology, rank, blank=False)
     items = _items(state)
@@ -134,35 +136,7 @@ def _job(rank: int, world: int, root: str, out: str) -> None:
     Path(out, f"{rank}.json").write_text(json.dumps({
         "save_plan_s": save_s, "save_plan_peak": save_peak, "load_plan_s": load_s, "load_plan_peak": load_peak,
         "save_s": save_wall, "load_s": load_wall, "payload_read": Counting.payload, "box_bytes": nbytes,
-        "block_bytes": _touched_blocks(checkpoint, requests), "exact": exact}))
-
-
-def _touched_blocks(checkpoint: Any, requests: list[Any]) -> int:
-    """The bytes of the blocks the rank's boxes touch and of those holding each file's header: the
-    least a reader that checks whole blocks reads (the reader's headers, read by the load)."""
-    from ckptkit.boxes import byte_runs
-    from ckptkit.manifest.dtypes import itemsize
-    from ckptkit.plan.load import plan_load
-
-    manifest, reader = checkpoint.manifest, checkpoint._reader
-    touched: dict[int, set[int]] = {}
-    for plan in plan_load(manifest, requests).targets:
-        dtype = manifest.tensors[plan.fqn].dtype
-        for read in plan.reads:
-            size = manifest.files[read.file].blocks.size
-            begin = reader.begin(read, dtype)
-            runs = byte_runs(read.src_box, read.overlap, itemsize(dtype))
-            blocks = touched.setdefault(read.file, set())
-            for offset in runs.offsets():
-                lo = begin + int(offset)
-                blocks.update(range(lo // size, (lo + runs.run_length - 1) // size + 1))
-    total = 0
-    for file, blocks in touched.items():
-        entry = manifest.files[file]
-        size = entry.blocks.size
-        blocks.update(range(-(-len(reader.headers[file][1]) // size)))
-        total += sum(min(size, entry.size - k * size) for k in blocks)
-    return total
+        "block_bytes": touched_block_bytes(checkpoint._reader, requests), "exact": exact}))
 
 
 def _items_values(state: dict[str, Any]) -> dict[str, Any]:

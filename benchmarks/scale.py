@@ -160,13 +160,12 @@ def build_manifest(n_tensors: int, ranks: int, dp: int) -> tuple[Manifest, float
     return manifest, inputs_s, build_s + time.perf_counter() - start
 
 
-def run_scale(n_tensors: int, ranks: int, dp: int) -> ScaleResult:
-    """Build, validate, serialize and parse the synthetic manifest, timing each stage.
+def validate_and_serialize(manifest: Manifest) -> tuple[float, float, bytes]:
+    """Check `manifest` against itself, then write it: the seconds of each, and its JSON.
 
     Raises:
-        RuntimeError: the manifest has findings, or does not survive a JSON round trip.
+        RuntimeError: the manifest has findings.
     """
-    manifest, inputs_s, build_s = build_manifest(n_tensors, ranks, dp)
     start = time.perf_counter()
     findings = manifest_findings(manifest)
     validate_s = time.perf_counter() - start
@@ -174,7 +173,17 @@ def run_scale(n_tensors: int, ranks: int, dp: int) -> ScaleResult:
         raise RuntimeError(f"synthetic manifest has {len(findings)} finding(s), e.g. {findings[0]}")
     start = time.perf_counter()
     data = manifest_to_json(manifest)
-    serialize_s = time.perf_counter() - start
+    return validate_s, time.perf_counter() - start, data
+
+
+def run_scale(n_tensors: int, ranks: int, dp: int) -> ScaleResult:
+    """Build, validate, serialize and parse the synthetic manifest, timing each stage.
+
+    Raises:
+        RuntimeError: the manifest has findings, or does not survive a JSON round trip.
+    """
+    manifest, inputs_s, build_s = build_manifest(n_tensors, ranks, dp)
+    validate_s, serialize_s, data = validate_and_serialize(manifest)
     start = time.perf_counter()
     parsed = parse_manifest(data)
     parse_s = time.perf_counter() - start
