@@ -1,4 +1,4 @@
-"""The machine's own limits: a durable sequential write and a cold read of the same bytes."""
+"""The machine's own limits: a durable write and a cold read of the same bytes, one stream or several."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ BUFFER_BYTES = 16 << 20
 LIMIT_FILE = "limit.bin"
 
 
-def write_limit(directory: str, nbytes: int) -> float:
-    """Write `nbytes` to a new file with os.write from one reusable buffer, then fdatasync.
+def write_limit(directory: str, nbytes: int, threads: int = 1) -> float:
+    """Write `nbytes` to a new file from reusable buffers, then fdatasync: with one thread front
+    to back with os.write; with more, each thread its own contiguous range with os.pwrite (the
+    file sized first), as a parallel writer can.
 
     Returns:
         The seconds from open to the end of fdatasync.
@@ -19,16 +21,29 @@ def write_limit(directory: str, nbytes: int) -> float:
     buffer = memoryview(os.urandom(min(BUFFER_BYTES, max(nbytes, 1))))
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, LIMIT_FILE)
+    part = -(-nbytes // threads)
+    ranges = [(i * part, min(nbytes, (i + 1) * part)) for i in range(threads)]
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        left = nbytes
-        while left:
-            left -= os.write(fd, buffer[: min(left, len(buffer))])
+        if threads == 1:
+            left = nbytes
+            while left:
+                left -= os.write(fd, buffer[: min(left, len(buffer))])
+        else:
+            os.ftruncate(fd, nbytes)
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda r: _write_range(fd, buffer, *r), ranges))
         os.fdatasync(fd)
     finally:
         os.close(fd)
     return time.perf_counter() - start
+
+
+def _write_range(fd: int, buffer: memoryview, begin: int, end: int) -> None:
+    done = begin
+    while done < end:
+        done += os.pwrite(fd, buffer[: min(len(buffer), end - done)], done)
 
 
 def read_limit(directory: str, nbytes: int, threads: int = 1) -> float:

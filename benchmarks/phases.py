@@ -24,7 +24,8 @@ WRITE_LIMIT = "write limit"
 READ_LIMIT = "read limit"
 # Informative, no target: reads in parallel ranges, as ckptkit verify's threads do.
 PARALLEL_READ_LIMIT = "read limit, 4 threads"
-PARALLEL_READ_THREADS = 4
+PARALLEL_THREADS = 4
+PARALLEL_WRITE_LIMIT = "write limit, 4 threads"
 
 PRELOAD = (
     "torch",
@@ -49,7 +50,7 @@ class Settings:
     say: Callable[[str], None]
 
     def save_dir(self, tool: str) -> str:
-        return os.path.join(self.work, "save", tool.replace(" ", "-"))
+        return os.path.join(self.work, "save", tool.replace(" ", "-").replace(",", ""))
 
 
 def run_worker(request: dict[str, Any]) -> dict[str, Any]:
@@ -119,14 +120,17 @@ def _brief(result: dict[str, Any]) -> str:
 
 
 def save_phase(settings: Settings, dcp_threads: list[int]) -> Runs:
-    """Time a durable save of the state by every tool, and the machine's durable write limit."""
-    tools = [WRITE_LIMIT, "ckptkit", "torch.save", "safetensors"] + [f"dcp-t{n}" for n in dcp_threads]
+    """Time a durable save of the state by every tool, and the machine's durable write limits (one
+    stream, and 4 threads writing a quarter of the file each)."""
+    tools = [WRITE_LIMIT, PARALLEL_WRITE_LIMIT, "ckptkit", "torch.save", "safetensors"] + [f"dcp-t{n}" for n in dcp_threads]
     return run_rounds(settings, "save", tools, lambda tool: _save_request(settings, tool))
 
 
 def _save_request(settings: Settings, tool: str) -> dict[str, Any]:
-    kind = "write-limit" if tool == WRITE_LIMIT else "save"
-    return {"kind": kind, "tool": tool, "directory": settings.save_dir(tool)}
+    if tool in (WRITE_LIMIT, PARALLEL_WRITE_LIMIT):
+        threads = PARALLEL_THREADS if tool == PARALLEL_WRITE_LIMIT else 1
+        return {"kind": "write-limit", "tool": tool, "directory": settings.save_dir(tool), "threads": threads}
+    return {"kind": "save", "tool": tool, "directory": settings.save_dir(tool)}
 
 
 def load_phase(settings: Settings, dcp_source: str, *, warm: bool = False) -> Runs:
@@ -151,7 +155,7 @@ def load_phase(settings: Settings, dcp_source: str, *, warm: bool = False) -> Ru
 
 
 def _read_limit_request(settings: Settings, tool: str) -> dict[str, Any]:
-    threads = PARALLEL_READ_THREADS if tool == PARALLEL_READ_LIMIT else 1
+    threads = PARALLEL_THREADS if tool == PARALLEL_READ_LIMIT else 1
     return {"kind": "read-limit", "tool": tool, "directory": settings.save_dir(WRITE_LIMIT), "threads": threads}
 
 

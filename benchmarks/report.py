@@ -9,12 +9,13 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .phases import READ_LIMIT, WRITE_LIMIT, Runs
+from .phases import PARALLEL_READ_LIMIT, READ_LIMIT, WRITE_LIMIT, Runs
 
 GB = 1e9
 GIB = float(1 << 30)
 SAVE_VS_LIMIT = 0.9
 LOAD_VS_LIMIT = 0.8
+LOAD_VS_PARALLEL_LIMIT = 0.9  # a cold load / the cold read of the same bytes by 4 threads: at least
 LOAD_WARM_VS_LIMIT = 0.6  # a load of a checkpoint still in the page cache / the page-cache read rate: at least
 VERIFY_VS_LIMIT = 0.8
 MAX_ADDED_PEAK = 1.0
@@ -177,6 +178,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for phase, limit, bound, name in (
         ("save", WRITE_LIMIT, SAVE_VS_LIMIT, "ckptkit save"),
         ("load", READ_LIMIT, LOAD_VS_LIMIT, "ckptkit load"),
+        ("load", PARALLEL_READ_LIMIT, LOAD_VS_PARALLEL_LIMIT, "ckptkit load"),
         ("load_warm", READ_LIMIT, LOAD_WARM_VS_LIMIT, "ckptkit warm load"),
         ("verify", READ_LIMIT, VERIFY_VS_LIMIT, "ckptkit verify"),
     ):

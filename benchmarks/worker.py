@@ -120,7 +120,7 @@ def run_verify(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, An
 def run_limit(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any]:
     nbytes = state_bytes(specs)
     if request["kind"] == "write-limit":
-        return {"seconds": write_limit(request["directory"], nbytes)}
+        return {"seconds": write_limit(request["directory"], nbytes, request.get("threads", 1))}
     cold = go_cold(request)
     return {"seconds": read_limit(request["directory"], nbytes, request.get("threads", 1)), **cold}
 
