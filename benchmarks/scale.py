@@ -20,7 +20,8 @@ from ckptkit.boxes import Box, chunk_cuts, flat_range_to_boxes
 from ckptkit.manifest.consistency import manifest_findings
 from ckptkit.io.checksum import block_size_for
 from ckptkit.manifest import BlockChecksums, FileEntry, Manifest, Producer, TensorEntry, Topology, manifest_to_json, parse_manifest
-from ckptkit.manifest.shards import Shard, compact_shards
+from ckptkit.manifest.model import Shard
+from ckptkit.manifest.shards import compact_shards
 
 # Shapes of an 8B-class transformer layer: q/o, k/v, gate/up, down, norm.
 SHAPES: tuple[tuple[int, ...], ...] = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (4096,))

@@ -28,17 +28,15 @@ from __future__ import annotations
 import heapq
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from ..boxes import Box
 from ..errors import LayoutError
 from ..manifest import Manifest, Topology
+from ..manifest.model import Shard
 from .model import EXPERT, LAYER, Layout, StateGroup, Unit, parse_layout
 from .parts import ParamSpec, Part, partition, unit_offsets
 from .placement import _sharded, _stage, buffers, coordinates, range_boxes, rank_of, stage_layers, topology_problems
-
-if TYPE_CHECKING:
-    from ..manifest.shards import Shard
 
 RULE: Literal["ranges"] = "ranges"
 
@@ -49,15 +47,6 @@ class Write:
 
     fqn: str
     box: Box
-    key: str
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    """Where a box of a tensor lies: the file (the writing rank) and its key there."""
-
-    box: Box
-    file: int
     key: str
 
 
@@ -180,7 +169,7 @@ class Saved:
 
     # -- one tensor -------------------------------------------------------------------------
 
-    def overlapping(self, fqn: str, box: Box) -> list[Stored]:
+    def overlapping(self, fqn: str, box: Box) -> list[Shard]:
         """Where the boxes of `fqn` that share an element with `box` lie (all of them for its
         whole box); empty when the layout does not place `fqn`."""
         found = self.find(fqn)
@@ -188,7 +177,7 @@ class Saved:
             return []
         group, name, _ = found
         t = self.topology
-        out: list[Stored] = []
+        out: list[Shard] = []
         for stage, run, _ in self._sites(name):
             for tp_rank in range(t.tp):
                 piece = self._slice(stage, tp_rank, run)
@@ -207,11 +196,11 @@ class Saved:
                         who, k = self._deal(stage, tp_rank, run if buffer.expert else None)[(name, whole)]
                         dp = run + who * t.ep if buffer.expert else who
                         writer = rank_of(self.layout, t, {"tp": tp_rank, "cp": 0, "dp": dp, "pp": stage})
-                        out.append(Stored(whole, writer, _key(fqn, k)))
+                        out.append(Shard(whole, writer, _key(fqn, k)))
         return out
 
     def _ranged(self, group: StateGroup, name: str, stage: int, tp_rank: int, run: int, buffer: _Buffer,
-                s: int, q: int, common: Box) -> list[Stored]:
+                s: int, q: int, common: Box) -> list[Shard]:
         """The range boxes of part q of param s of `buffer` that meet `common` (a box inside the part)."""
         t = self.topology
         spec, part = buffer.params[s], buffer.params[s].parts[q]
@@ -231,7 +220,7 @@ class Saved:
                     if p is part and (b.intersect(common) is not None or not b.ndim):
                         dp = run + i * t.ep if buffer.expert else i
                         writer = rank_of(self.layout, t, {"tp": tp_rank, "cp": 0, "dp": dp, "pp": stage})
-                        out.append(Stored(b, writer, _key(fqn, k)))
+                        out.append(Shard(b, writer, _key(fqn, k)))
                     k += 1
         return out
 
@@ -329,7 +318,6 @@ def _ravel(index: list[int], shape: tuple[int, ...]) -> int:
     return flat
 
 
-
 class RangesView:
     """The ``ranges`` rule over one manifest (``Manifest.derived``): what `Saved` derives, in the
     manifest's terms (file r is rank r's)."""
@@ -363,9 +351,7 @@ class RangesView:
         return group.dtype, group.kind, found[2]
 
     def overlapping(self, fqn: str, box: Box) -> list[Shard]:
-        from ..manifest.shards import Shard  # here: the layouts import without numpy
-
-        return [Shard(s.box, s.file, s.key) for s in self.saved.overlapping(fqn, box)]
+        return self.saved.overlapping(fqn, box)
 
     def files(self) -> int:
         return self.saved.topology.world_size

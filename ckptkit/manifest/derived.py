@@ -20,8 +20,7 @@ from ..boxes import Box
 if TYPE_CHECKING:
     import numpy as np
 
-    from .model import FileEntry, FileTable, Manifest, TensorEntry
-    from .shards import Shard
+    from .model import FileEntry, FileTable, Manifest, Shard, TensorEntry
 
 # The paths a file table describes: file i is ``rank<i, 5 digits or more>.safetensors``, as a save names a rank's file.
 TABLE_PREFIX, TABLE_WIDTH, TABLE_SUFFIX = "rank", 5, ".safetensors"
@@ -213,6 +212,8 @@ def table_files(files: Sequence[FileEntry]) -> int:
 
 def pack_table(files: Sequence[FileEntry], count: int) -> dict[str, Any]:
     """The ``file_table`` document of the first `count` files (as `table_files` found them)."""
+    if isinstance(files, FileList) and count == files.table.count:
+        return files.table.model_dump()  # the table read, written back as it was
     import numpy as np
 
     head = [files[i] for i in range(count)]

@@ -11,12 +11,14 @@ from __future__ import annotations
 import base64
 import functools
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_serializer, model_serializer, model_validator
 
 import xxhash
 
+from ..boxes import Box
 from ..errors import ManifestError
 from . import strictjson
 from .derived import RULES, FileList, TensorTable, listed_files, listed_tensors, pack_table, table_files
@@ -151,6 +153,16 @@ class FileEntry(Model):
     def sidecar(self) -> bool:
         """Whether the file's block digests are in its sidecar (``<path>.blocks``)."""
         return self.blocks is not None and self.blocks.digests is None
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """A box of a global tensor and where its bytes are: file index and key in that file (in
+    memory: what a spec, listed or derived, expands to)."""
+
+    box: Box
+    file: int
+    key: str
 
 
 class BoxShard(Model):

@@ -7,22 +7,12 @@ import functools
 import itertools
 import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..boxes import Box, chunk_cuts, chunk_step, full_box
 from .derived import DerivedShards, derivation_of, listed_tensors
-from .model import BoxShard, BoxShards, FileRange, GridShards, Manifest, Patch, TensorEntry
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """A box of a global tensor and where its bytes are: file index and key in that file."""
-
-    box: Box
-    file: int
-    key: str
+from .model import BoxShard, BoxShards, FileRange, GridShards, Manifest, Patch, Shard, TensorEntry
 
 
 def grid_cuts(shape: Sequence[int], spec: GridShards) -> list[list[int]]:

@@ -28,7 +28,8 @@ from ..io.read import Reader, byte_shape
 from ..io.write import write_safetensors
 from ..manifest import FileEntry, Manifest, manifest_to_json
 from ..manifest.dtypes import itemsize
-from ..manifest.shards import Shard, compact_shards, iter_shards
+from ..manifest.model import Shard
+from ..manifest.shards import compact_shards, iter_shards
 from ..plan.incremental import DIGEST
 from ..plan.load import plan_load
 from ..storage import Storage

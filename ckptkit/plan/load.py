@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from ..boxes import Box, in_bounds
 from ..errors import LayoutError, summarize
 from ..manifest import BoxShards, Manifest, TensorEntry
-from ..manifest.shards import Shard, iter_shards, shards_overlapping
+from ..manifest.model import Shard
+from ..manifest.shards import iter_shards, shards_overlapping
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,8 @@ from ..layouts import rank_boxes
 from ..layouts.saved import Saved
 from ..manifest import TensorEntry
 from ..manifest.derived import table_path
-from ..manifest.shards import Shard, compact_shards, grid_cuts_of
+from ..manifest.model import Shard
+from ..manifest.shards import compact_shards, grid_cuts_of
 
 
 @dataclass(frozen=True, slots=True)
