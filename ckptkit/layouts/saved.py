@@ -85,6 +85,8 @@ class Saved:
         self._slices: dict[tuple[int, int, int], _Slice] = {}
         self._deals: dict[tuple[int, int, int | None], dict[tuple[str, Box], tuple[int, int]]] = {}
         self._shapes: dict[str, tuple[int, ...]] | None = None
+        self._site_memo: dict[str, list[tuple[int, int, tuple[int, ...]]]] = {}
+        self._strides = {axis: rank_of(layout, topology, {a: int(a == axis) for a in ("tp", "cp", "dp", "pp")}) for axis in ("tp", "dp", "pp")}
 
     # -- names ------------------------------------------------------------------------------
 
@@ -108,7 +110,14 @@ class Saved:
         return None
 
     def _sites(self, name: str) -> list[tuple[int, int, tuple[int, ...]]]:
-        """(pipeline stage, EP run, shape) of every unit instance holding logical tensor `name`."""
+        """(pipeline stage, EP run, shape) of every unit instance holding logical tensor `name`
+        (matched against every name template once per name)."""
+        found = self._site_memo.get(name)
+        if found is None:
+            found = self._site_memo[name] = self._match_sites(name)
+        return found
+
+    def _match_sites(self, name: str) -> list[tuple[int, int, tuple[int, ...]]]:
         out = []
         t = self.topology
         for pattern, unit, shape in self._templates:
@@ -181,7 +190,8 @@ class Saved:
         for stage, run, _ in self._sites(name):
             for tp_rank in range(t.tp):
                 piece = self._slice(stage, tp_rank, run)
-                for b, s, q in piece.where.get(name, ()):
+                where = piece.where.get(name, [])
+                for b, s, q in where:
                     buffer = piece.buffers[b]
                     part = buffer.params[s].parts[q]
                     if tp_rank and part.replicated:
@@ -191,17 +201,19 @@ class Saved:
                     if common is None or (not common.volume and common.ndim):
                         continue
                     if self._sharded[group.label]:
-                        out += self._ranged(group, name, stage, tp_rank, run, buffer, s, q, common)
+                        named = sorted({s2 for b2, s2, _ in where if b2 == b})  # the params of the buffer holding `name`
+                        out += self._ranged(group, name, stage, tp_rank, run, buffer, s, q, common, named)
                     else:
                         who, k = self._deal(stage, tp_rank, run if buffer.expert else None)[(name, whole)]
                         dp = run + who * t.ep if buffer.expert else who
-                        writer = rank_of(self.layout, t, {"tp": tp_rank, "cp": 0, "dp": dp, "pp": stage})
-                        out.append(Shard(whole, writer, _key(fqn, k)))
+                        out.append(Shard(whole, self._rank(tp_rank, dp, stage), _key(fqn, k)))
         return out
 
     def _ranged(self, group: StateGroup, name: str, stage: int, tp_rank: int, run: int, buffer: _Buffer,
-                s: int, q: int, common: Box) -> list[Shard]:
-        """The range boxes of part q of param s of `buffer` that meet `common` (a box inside the part)."""
+                s: int, q: int, common: Box, named: list[int]) -> list[Shard]:
+        """The range boxes of part q of param s of `buffer` that meet `common` (a box inside the
+        part). `named`: the params of the buffer with a part of `name`, the only ones whose boxes
+        count in its key numbers (so the only ones split into boxes)."""
         t = self.topology
         spec, part = buffer.params[s], buffer.params[s].parts[q]
         first, last = _flat_extent(spec, part, common)
@@ -209,20 +221,23 @@ class Saved:
         size = t.dp // t.ep if buffer.expert else t.dp
         chunk, _, _ = partition(buffer.numel, size, 0, buffer.quantum)
         fqn = group.fqn(name)
+        params, offsets = [buffer.params[j] for j in named], [buffer.offsets[j] for j in named]
         out = []
         for i in range((start + first) // chunk, (start + last - 1) // chunk + 1):
             lo, hi = i * chunk, min((i + 1) * chunk, buffer.numel)
             k = 0
-            for p, boxes in range_boxes(buffer.params, buffer.offsets, lo, hi):
+            for p, boxes in range_boxes(params, offsets, lo, hi):
                 if p.name != name or (tp_rank and p.replicated):
                     continue
                 for b in boxes:
                     if p is part and (b.intersect(common) is not None or not b.ndim):
-                        dp = run + i * t.ep if buffer.expert else i
-                        writer = rank_of(self.layout, t, {"tp": tp_rank, "cp": 0, "dp": dp, "pp": stage})
-                        out.append(Shard(b, writer, _key(fqn, k)))
+                        out.append(Shard(b, self._rank(tp_rank, run + i * t.ep if buffer.expert else i, stage), _key(fqn, k)))
                     k += 1
         return out
+
+    def _rank(self, tp_rank: int, dp: int, stage: int) -> int:
+        """The rank at (tp_rank, context-parallel rank 0, dp, stage): `rank_of` without a dict per box."""
+        return tp_rank * self._strides["tp"] + dp * self._strides["dp"] + stage * self._strides["pp"]
 
     # -- per stage --------------------------------------------------------------------------
 

@@ -266,12 +266,17 @@ def _summary(path: str, m: Manifest, match: str) -> InspectReport:
     count_kind: Counter[str] = Counter()
     shards = 0
     largest: tuple[int, str | None] = (0, None)
+    listed: list[TensorSummary] = []
     for fqn, t in m.tensors.items():
         nbytes = math.prod(t.shape) * itemsize(t.dtype)
         by_kind[t.kind] += nbytes
         by_dtype[t.dtype] += nbytes
         count_kind[t.kind] += 1
-        shards += shard_count(t)
+        if fnmatch.fnmatchcase(fqn, match):  # each tensor's shards found once (a derived tensor's cost a rule's sweep)
+            listed.append(tensor_summary(fqn, t))
+            shards += listed[-1].shards
+        else:
+            shards += shard_count(t)
         if nbytes > largest[0] or largest[1] is None:
             largest = (nbytes, fqn)
     return InspectReport(
@@ -295,7 +300,7 @@ def _summary(path: str, m: Manifest, match: str) -> InspectReport:
         tokenizer=list(m.tokenizer.files) if m.tokenizer else [],
         info=m.info,
         model=model_summary(m.info, m.layout),
-        tensor_list=[tensor_summary(fqn, t) for fqn, t in sorted(m.tensors.items()) if fnmatch.fnmatchcase(fqn, match)],
+        tensor_list=sorted(listed, key=lambda t: t.name),
         owned_bytes=sum(f.size for f in m.files if f.base is None) if m.bases() else None,
         borrowed=_borrowed(m),
         patches=sum(len(t.patches) for t in m.tensors.values()),

@@ -72,6 +72,7 @@ def test_inspect_json_always_lists_the_tensors_and_matches_its_schema(checkpoint
     assert doc["model"]["layers"] == 4
     full = json.loads(CliRunner().invoke(cli, ["inspect", "--json", str(checkpoint)]).stdout)
     assert len(full["tensor_list"]) == full["tensors"] == 3
+    assert doc["shards"] == full["shards"] == 1 + 2 + 4  # every tensor's shards, listed or not
 
 
 @pytest.mark.parametrize(("config", "want"), [
