@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import os
 import sys
 import time
 import warnings
@@ -21,8 +22,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .cache import drop_caches, evict_files, rewarm_libraries, warm_files
-from .limits import read_limit, write_limit
+from .cache import drop_caches, evict_files, files_under, rewarm_libraries, warm_files
+from .limits import read_files_limit, read_limit, write_limit
 from .memory import PeakRss
 from .state import TensorSpec, build_state, build_tensor, state_bytes, state_specs
 
@@ -122,6 +123,9 @@ def run_limit(request: dict[str, Any], specs: list[TensorSpec]) -> dict[str, Any
     if request["kind"] == "write-limit":
         return {"seconds": write_limit(request["directory"], nbytes, request.get("threads", 1))}
     cold = go_cold(request)
+    if request.get("payload_files"):
+        paths = [p for p in files_under(request["directory"]) if p.endswith(".safetensors")]
+        return {"seconds": read_files_limit(paths, request["threads"]), "bytes_read": sum(map(os.path.getsize, paths)), **cold}
     return {"seconds": read_limit(request["directory"], nbytes, request.get("threads", 1)), **cold}
 
 
