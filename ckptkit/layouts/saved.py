@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -89,6 +90,10 @@ class Saved:
         self._strides = {axis: rank_of(layout, topology, {a: int(a == axis) for a in ("tp", "cp", "dp", "pp")}) for axis in ("tp", "dp", "pp")}
 
     # -- names ------------------------------------------------------------------------------
+
+    def sharded(self, group: StateGroup) -> bool:
+        """Whether ZeRO cuts `group` into ranges (else each box of it is held, and written, whole)."""
+        return self._sharded[group.label]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor saved (fqn) with its global shape, group by group."""
@@ -157,8 +162,8 @@ class Saved:
             counts[fqn] = k + 1
             out.append(Write(fqn, box, _key(fqn, k)))
 
-        sharded = [g for g in self.groups if self._sharded[g.label]]
-        whole = [g for g in self.groups if not self._sharded[g.label]]
+        sharded = [g for g in self.groups if self.sharded(g)]
+        whole = [g for g in self.groups if not self.sharded(g)]
         for buffer in self._slice(c["pp"], c["tp"], run).buffers if sharded else ():
             size, index = (t.dp // t.ep, c["dp"] // t.ep) if buffer.expert else (t.dp, c["dp"])
             _, lo, hi = partition(buffer.numel, size, index, buffer.quantum)
@@ -200,7 +205,7 @@ class Saved:
                     common = whole.intersect(box) if box.ndim else whole
                     if common is None or (not common.volume and common.ndim):
                         continue
-                    if self._sharded[group.label]:
+                    if self.sharded(group):
                         named = sorted({s2 for b2, s2, _ in where if b2 == b})  # the params of the buffer holding `name`
                         out += self._ranged(group, name, stage, tp_rank, run, buffer, s, q, common, named)
                     else:
@@ -367,6 +372,11 @@ class RangesView:
 
     def overlapping(self, fqn: str, box: Box) -> list[Shard]:
         return self.saved.overlapping(fqn, box)
+
+    def boxes_key(self, fqn: str) -> Hashable:
+        found = self.saved.find(fqn)
+        assert found is not None, fqn
+        return found[1], self.saved.sharded(found[0])  # every group cut alike holds one tensor in the same boxes
 
     def files(self) -> int:
         return self.saved.topology.world_size

@@ -11,7 +11,7 @@ only through `Derivation`.
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
@@ -45,6 +45,10 @@ class Derivation(Protocol):
 
     def overlapping(self, fqn: str, box: Box) -> list[Shard]:
         """The shards of `fqn` that share an element with `box` (every shard for the whole box)."""
+
+    def boxes_key(self, fqn: str) -> Hashable:
+        """A key equal for derived tensors cut into the same boxes (their files and keys may
+        differ): what a summary of each tensor's cut computes once per key."""
 
     def files(self) -> int:
         """How many files, from the first, hold derived shards (file i is rank i's)."""

@@ -6,6 +6,7 @@ import fnmatch
 import math
 import os
 from collections import Counter
+from collections.abc import Hashable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -16,6 +17,7 @@ from ..io.kinds import Kind, what
 from ..io.payload import open_checkpoint
 from ..manifest.dtypes import itemsize
 from ..manifest import CheckpointInfo, Manifest, Producer, SourceInfo, TensorEntry, Topology
+from ..manifest.derived import DerivedShards
 from ..manifest.shards import iter_shards, patch_index_dtype, shard_count
 
 
@@ -76,6 +78,11 @@ def model_summary(info: CheckpointInfo, layout: dict[str, Any] | None) -> ModelS
 
 def tensor_summary(fqn: str, entry: TensorEntry) -> TensorSummary:
     """Summarize one tensor and its cut (pure)."""
+    return _summary_with(fqn, entry, _cut(entry))
+
+
+def _cut(entry: TensorEntry) -> tuple[int, list[int], str]:
+    """A tensor's shard count, the distinct pieces along each dim, and the cut in words."""
     shards = list(iter_shards(entry))
     grid = [len({s.box.offsets[d] for s in shards}) for d in range(len(entry.shape))]
     if len(shards) <= 1:
@@ -84,8 +91,12 @@ def tensor_summary(fqn: str, entry: TensorEntry) -> TensorSummary:
         cut = " x ".join(str(n) for n in grid)
     else:
         cut = f"{len(shards)} boxes"
+    return len(shards), grid, cut
+
+
+def _summary_with(fqn: str, entry: TensorEntry, cut: tuple[int, list[int], str]) -> TensorSummary:
     return TensorSummary(name=fqn, shape=list(entry.shape), dtype=entry.dtype, kind=entry.kind,
-                         bytes=math.prod(entry.shape) * itemsize(entry.dtype), shards=len(shards), grid=grid, cut=cut)
+                         bytes=math.prod(entry.shape) * itemsize(entry.dtype), shards=cut[0], grid=list(cut[1]), cut=cut[2])
 
 
 class Borrowed(BaseModel):
@@ -267,16 +278,23 @@ def _summary(path: str, m: Manifest, match: str) -> InspectReport:
     shards = 0
     largest: tuple[int, str | None] = (0, None)
     listed: list[TensorSummary] = []
+    derived: dict[Hashable, tuple[int, list[int], str]] = {}  # a derived tensor's cut, once per boxes key
     for fqn, t in m.tensors.items():
         nbytes = math.prod(t.shape) * itemsize(t.dtype)
         by_kind[t.kind] += nbytes
         by_dtype[t.dtype] += nbytes
         count_kind[t.kind] += 1
-        if fnmatch.fnmatchcase(fqn, match):  # each tensor's shards found once (a derived tensor's cost a rule's sweep)
-            listed.append(tensor_summary(fqn, t))
+        cut = None
+        if isinstance(t.shards, DerivedShards):  # found by a rule's sweep: tensors cut alike share it
+            key = t.shards.source.boxes_key(fqn)
+            cut = derived.get(key)
+            if cut is None:
+                cut = derived[key] = _cut(t)
+        if fnmatch.fnmatchcase(fqn, match):
+            listed.append(_summary_with(fqn, t, cut or _cut(t)))
             shards += listed[-1].shards
         else:
-            shards += shard_count(t)
+            shards += cut[0] if cut is not None else shard_count(t)
         if nbytes > largest[0] or largest[1] is None:
             largest = (nbytes, fqn)
     return InspectReport(
