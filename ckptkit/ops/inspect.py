@@ -76,12 +76,14 @@ def model_summary(info: CheckpointInfo, layout: dict[str, Any] | None) -> ModelS
     return ModelSummary(family=family, **values)
 
 
-def tensor_summary(fqn: str, entry: TensorEntry) -> TensorSummary:
-    """Summarize one tensor and its cut (pure)."""
-    return _summary_with(fqn, entry, _cut(entry))
+def tensor_summary(fqn: str, entry: TensorEntry, cut: tuple[int, list[int], str] | None = None) -> TensorSummary:
+    """Summarize one tensor and its cut (`tensor_cut`, found here unless given; pure)."""
+    count, grid, words = cut or tensor_cut(entry)
+    return TensorSummary(name=fqn, shape=list(entry.shape), dtype=entry.dtype, kind=entry.kind,
+                         bytes=math.prod(entry.shape) * itemsize(entry.dtype), shards=count, grid=list(grid), cut=words)
 
 
-def _cut(entry: TensorEntry) -> tuple[int, list[int], str]:
+def tensor_cut(entry: TensorEntry) -> tuple[int, list[int], str]:
     """A tensor's shard count, the distinct pieces along each dim, and the cut in words."""
     shards = list(iter_shards(entry))
     grid = [len({s.box.offsets[d] for s in shards}) for d in range(len(entry.shape))]
@@ -92,11 +94,6 @@ def _cut(entry: TensorEntry) -> tuple[int, list[int], str]:
     else:
         cut = f"{len(shards)} boxes"
     return len(shards), grid, cut
-
-
-def _summary_with(fqn: str, entry: TensorEntry, cut: tuple[int, list[int], str]) -> TensorSummary:
-    return TensorSummary(name=fqn, shape=list(entry.shape), dtype=entry.dtype, kind=entry.kind,
-                         bytes=math.prod(entry.shape) * itemsize(entry.dtype), shards=cut[0], grid=list(cut[1]), cut=cut[2])
 
 
 class Borrowed(BaseModel):
@@ -289,9 +286,9 @@ def _summary(path: str, m: Manifest, match: str) -> InspectReport:
             key = t.shards.source.boxes_key(fqn)
             cut = derived.get(key)
             if cut is None:
-                cut = derived[key] = _cut(t)
+                cut = derived[key] = tensor_cut(t)
         if fnmatch.fnmatchcase(fqn, match):
-            listed.append(_summary_with(fqn, t, cut or _cut(t)))
+            listed.append(tensor_summary(fqn, t, cut))
             shards += listed[-1].shards
         else:
             shards += cut[0] if cut is not None else shard_count(t)
