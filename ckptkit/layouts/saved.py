@@ -183,6 +183,12 @@ class Saved:
 
     # -- one tensor -------------------------------------------------------------------------
 
+    def boxes_key(self, fqn: str) -> tuple[str, bool] | None:
+        """(logical tensor, sharded?) of `fqn`, the same for every state group cut alike: the
+        tensors of equal keys are cut into the same boxes (None: the layout does not place `fqn`)."""
+        found = self.find(fqn)
+        return None if found is None else (found[1], self.sharded(found[0]))
+
     def overlapping(self, fqn: str, box: Box) -> list[Shard]:
         """Where the boxes of `fqn` that share an element with `box` lie (all of them for its
         whole box); empty when the layout does not place `fqn`."""
@@ -374,9 +380,7 @@ class RangesView:
         return self.saved.overlapping(fqn, box)
 
     def boxes_key(self, fqn: str) -> Hashable:
-        found = self.saved.find(fqn)
-        assert found is not None, fqn
-        return found[1], self.saved.sharded(found[0])  # every group cut alike holds one tensor in the same boxes
+        return self.saved.boxes_key(fqn)
 
     def files(self) -> int:
         return self.saved.topology.world_size

@@ -78,6 +78,22 @@ def test_the_writes_tile_every_tensor_once_each_from_a_rank_holding_it(name: str
 
 
 @pytest.mark.parametrize(("name", "topology"), CASES)
+def test_tensors_of_one_boxes_key_are_cut_into_the_same_boxes(name: str, topology: Topology) -> None:
+    saved = Saved(layout_of(name), topology)
+    boxes: dict[str, set[Box]] = {}
+    for _, fqn, box, _ in every_write(saved):
+        boxes.setdefault(fqn, set()).add(box)
+    by_key: dict[object, list[str]] = {}
+    for fqn in saved.shapes():
+        by_key.setdefault(saved.boxes_key(fqn), []).append(fqn)
+    assert None not in by_key and len(by_key) < len(boxes)  # some tensors share a key (the groups cut alike)
+    for key, fqns in by_key.items():
+        assert all(boxes[f] == boxes[fqns[0]] for f in fqns), key
+    whole, sharded = ({f for f in saved.shapes() if saved.boxes_key(f)[1] == s} for s in (False, True))  # type: ignore[index]
+    assert whole and sharded if 0 < topology.zero_stage < 3 else not (whole and sharded)
+
+
+@pytest.mark.parametrize(("name", "topology"), CASES)
 def test_a_tensor_s_boxes_and_those_meeting_a_box_are_found_without_the_other_ranks(name: str, topology: Topology) -> None:
     saved = Saved(layout_of(name), topology)
     writes = every_write(saved)
