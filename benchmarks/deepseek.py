@@ -117,6 +117,7 @@ def run(samples: int = 9) -> dict[str, Any]:
     from ckptkit.layouts.saved import Saved
     from ckptkit.manifest import Manifest, Producer, parse_manifest
     from ckptkit.manifest.model import Derived
+    from ckptkit.ops.inspect import summarize
     from ckptkit.plan.load import plan_load
 
     from .scale import validate_and_serialize
@@ -165,6 +166,11 @@ def run(samples: int = 9) -> dict[str, Any]:
         dcp_chunks += chunks
         dcp_unpickle_s += unpickle_s
     total_chunks = statistics.mean(chunks_per_rank) * TOPOLOGY.world_size
+    fresh = parse_manifest(data)
+    gc.collect()
+    start = time.perf_counter()
+    summary = summarize("bench", fresh)  # what `ckptkit inspect` shows: every tensor and its cut
+    inspect_s = time.perf_counter() - start
     return {
         "tensors": len(parsed.tensors), "logical": len(model.tensors()), "ranks": TOPOLOGY.world_size, "target_ranks": HALF.world_size,
         "layers": model.num_layers, "topology": TOPOLOGY.describe(),
@@ -174,7 +180,8 @@ def run(samples: int = 9) -> dict[str, Any]:
         "reshard_plan_ms": statistics.median(reshard_ms), "reshard_plan_max_ms": max(reshard_ms),
         "dcp_plan_ms": statistics.median(dcp_ms), "dcp_plan_max_ms": max(dcp_ms), "dcp_reads": statistics.median(dcp_reads),
         "chunks": total_chunks, "dcp_metadata_bytes": dcp_bytes / dcp_chunks * total_chunks,
-        "dcp_unpickle_s": dcp_unpickle_s / dcp_chunks * total_chunks, "seconds": 0.0,
+        "dcp_unpickle_s": dcp_unpickle_s / dcp_chunks * total_chunks, "inspect_s": inspect_s, "inspect_boxes": summary.shards,
+        "seconds": 0.0,
     }
 
 

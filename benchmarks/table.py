@@ -280,6 +280,8 @@ def _scale_131k_table(block: dict[str, Any]) -> list[str]:
         f"({m['dcp_reads']:.0f} reads)",
         f"  {'DCP: its metadata listing ' + format(round(m['chunks']), ',') + ' chunks (est.)':<52}{m['dcp_metadata_bytes'] / 1e6:>9.0f} MB, "
         f"unpickled in {m['dcp_unpickle_s']:.0f} s",
+        *([f"  {'inspect (every tensor and its cut, ' + format(round(m['inspect_boxes']), ',') + ' boxes)':<52}{m['inspect_s']:>9.1f} s"]
+          if "inspect_s" in m else []),
     ]
 
 

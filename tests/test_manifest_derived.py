@@ -121,14 +121,14 @@ def test_the_checks_find_a_listed_tensor_under_a_derived_name_and_too_few_files(
 
 def test_inspect_of_a_derived_manifest_reports_every_tensor_s_cut_as_the_listed_form_does() -> None:
     from ckptkit.manifest.shards import listed_form
-    from ckptkit.ops.inspect import _summary
+    from ckptkit.ops.inspect import summarize
 
     m = parse_manifest(manifest_to_json(derived_manifest()))
-    derived, listed = _summary("c", m, "*"), _summary("c", listed_form(m), "*")
+    derived, listed = summarize("c", m), summarize("c", listed_form(m))
     assert derived.tensor_list == listed.tensor_list and derived.shards == listed.shards
     cuts = {t.name: t.cut for t in derived.tensor_list}
     # ZeRO-1: the parameters whole per TP rank, the two moments (one cut, computed once) in ranges
     assert cuts["model/layers.0.attn.o.weight"] == "1 x 2"
     assert cuts["optimizer/exp_avg/layers.0.attn.o.weight"] == cuts["optimizer/exp_avg_sq/layers.0.attn.o.weight"] != "1 x 2"
-    some = _summary("c", m, "optimizer/exp_avg/*")
+    some = summarize("c", m, "optimizer/exp_avg/*")
     assert some.shards == listed.shards and all(t.name.startswith("optimizer/exp_avg/") for t in some.tensor_list)

@@ -250,7 +250,7 @@ def inspect(path: str | os.PathLike[str], *, match: str = "*") -> InspectReport:
         loc, m = open_checkpoint(path)
     except ForeignCheckpointError as exc:
         return _foreign(exc, match)
-    return _summary(str(loc), m, match)
+    return summarize(str(loc), m, match)
 
 
 def _foreign(exc: ForeignCheckpointError, match: str) -> InspectReport:
@@ -259,7 +259,7 @@ def _foreign(exc: ForeignCheckpointError, match: str) -> InspectReport:
     from .convert import survey  # the adapters' readers, imported only for another tool's checkpoint
 
     found = survey(exc.path)
-    report = _summary(exc.path, found.manifest, match)
+    report = summarize(exc.path, found.manifest, match)
     return report.model_copy(update={
         "checkpoint_id": "", "created_at": "", "schema_version": "", "producer": None, "files": found.files,
         "payload_bytes": found.file_bytes, "shards": 0, "read_through": found.format,
@@ -267,8 +267,9 @@ def _foreign(exc: ForeignCheckpointError, match: str) -> InspectReport:
         "skipped": list(found.report.skipped)})
 
 
-def _summary(path: str, m: Manifest, match: str) -> InspectReport:
-    """The summary of the checkpoint `m` describes."""
+def summarize(path: str, m: Manifest, match: str = "*") -> InspectReport:
+    """The summary of the checkpoint the manifest `m` describes (found at `path`), listing the
+    tensors whose names match the glob `match` (pure: reads nothing but `m`)."""
     by_kind: Counter[str] = Counter()
     by_dtype: Counter[str] = Counter()
     count_kind: Counter[str] = Counter()
