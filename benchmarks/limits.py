@@ -59,14 +59,12 @@ def read_limit(directory: str, nbytes: int, threads: int = 1) -> float:
         OSError: the file holds fewer than `nbytes` bytes.
     """
     path = os.path.join(directory, LIMIT_FILE)
-    part = -(-nbytes // threads)
-    ranges = [(i * part, min(nbytes, (i + 1) * part)) for i in range(threads)]
+    if threads > 1:
+        if os.path.getsize(path) < nbytes:
+            raise OSError(f"{path}: holds {os.path.getsize(path)} bytes, expected {nbytes}")
+        return read_files_limit([path], threads)
     start = time.perf_counter()
-    if threads == 1:
-        _read_sequential(path, nbytes)
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(lambda r: _read_range(path, *r), ranges))
+    _read_sequential(path, nbytes)
     return time.perf_counter() - start
 
 
