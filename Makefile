@@ -28,7 +28,7 @@ export UV_INDEX_STRATEGY ?= unsafe-best-match  # pip's choice: the best version 
 endif
 
 # What the demo needs: ckptkit with torch and safetensors, nothing of the development tools.
-$(RUNTIME): pyproject.toml constraints.txt
+$(RUNTIME): pyproject.toml constraints.txt ckptkit/ops/_changed.c
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt uv
 	$(UV_INSTALL) -e '.[torch]'

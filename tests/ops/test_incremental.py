@@ -5,6 +5,7 @@ broken chain is refused in one line."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -299,20 +300,50 @@ def test_reshard_of_a_patched_checkpoint_writes_whole_tensors(tmp_path: Path) ->
     assert ckptkit.diff(str(tmp_path / "run" / "step_3"), str(tmp_path / "full" / "step_3")).ok
 
 
-@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 1001, (1 << 19) + 3])  # the last spans chunks
-def test_changed_positions_are_those_numpy_finds(n: int) -> None:
+@pytest.fixture(params=["native", "numpy"])
+def finder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`changed_positions` through the compiled loop, then through numpy alone."""
+    from ckptkit.ops import incremental
+
+    if request.param == "native" and incremental._native is None:
+        if os.environ.get("CKPTKIT_REQUIRE_NATIVE"):
+            pytest.fail("ckptkit.ops._changed was not built (CKPTKIT_REQUIRE_NATIVE is set)")
+        pytest.skip("ckptkit.ops._changed was not built (no C compiler at install)")
+    if request.param == "numpy":
+        monkeypatch.setattr(incremental, "_native", None)
+    return str(request.param)
+
+
+# 0 to 5 and 1001 end inside a 64-element block; (1 << 19) + 3 spans numpy's chunks; the flips range from
+# none to every element, so blocks hold 0, 1 to 8, and more than 8 changes
+@pytest.mark.parametrize("n, flips", [(0, 0), (1, 1), (3, 2), (64, 64), (65, 9), (1001, 150), (4096, 4096), ((1 << 19) + 3, 75_000)])
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64])
+def test_changed_positions_are_those_numpy_finds(finder: str, n: int, flips: int, dtype: type[np.integer]) -> None:
     from ckptkit.ops.incremental import changed_positions
 
     rng = np.random.default_rng(n)
     before = rng.integers(0, 1 << 16, n, dtype=np.uint16)
     after = before.copy()
-    flip = rng.choice(n, size=n // 7 + (n > 0), replace=False) if n else np.array([], dtype=np.int64)
-    after[flip] ^= 1
+    after[rng.choice(n, size=flips, replace=False)] ^= rng.integers(1, 1 << 16, flips, dtype=np.uint16)
     expected = np.flatnonzero(before != after)
-    got = changed_positions(before.view(np.uint8), after.view(np.uint8), n)
-    assert got is not None and got.tolist() == expected.tolist()
+    got = changed_positions(before.view(np.uint8), after.view(np.uint8), n, dtype)
+    assert got is not None and got.dtype == dtype and got.tolist() == expected.tolist()
+    assert changed_positions(before.view(np.uint8), after.view(np.uint8), len(expected), dtype).tolist() == expected.tolist()
     if len(expected):
-        assert changed_positions(before.view(np.uint8), after.view(np.uint8), len(expected) - 1) is None
+        assert changed_positions(before.view(np.uint8), after.view(np.uint8), len(expected) - 1, dtype) is None
+
+
+def test_changed_positions_of_unaligned_bytes_with_an_odd_tail(finder: str) -> None:
+    """Buffers that start at an odd address and end in half an element: the half is not an element."""
+    from ckptkit.ops.incremental import changed_positions
+
+    rng = np.random.default_rng(7)
+    raw_before = rng.integers(0, 256, 2 * 1000 + 2, dtype=np.uint8)
+    raw_after = raw_before.copy()
+    raw_after[1 + 2 * np.array([0, 63, 64, 500, 999]) + 1] ^= 0x80  # the high byte of 5 elements
+    raw_after[1 + 2000] ^= 1  # the odd byte past the last whole element
+    got = changed_positions(raw_before[1:], raw_after[1:], 1000)
+    assert got is not None and got.tolist() == [0, 63, 64, 500, 999]
 
 
 def test_compaction_rewrites_a_chain_whole_in_place_and_frees_its_bases(tmp_path: Path, run_ckptkit) -> None:
