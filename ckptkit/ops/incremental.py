@@ -138,7 +138,7 @@ def changed_positions(before: np.ndarray[Any, Any], after: np.ndarray[Any, Any],
     limit = min(limit, n)
     if _native is not None:
         out = np.empty(limit + 8, dtype)  # the loop's room: a block's 8 stores past the last position
-        found = _native.positions(before[: n * 2], after[: n * 2], out, limit)
+        found = _native.positions(np.ascontiguousarray(before[: n * 2]), np.ascontiguousarray(after[: n * 2]), out, limit)
         return None if found < 0 else out[:found]
     return _numpy_positions(before, after, limit, dtype)
 

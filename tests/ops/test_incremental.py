@@ -344,6 +344,9 @@ def test_changed_positions_of_unaligned_bytes_with_an_odd_tail(finder: str) -> N
     raw_after[1 + 2000] ^= 1  # the odd byte past the last whole element
     got = changed_positions(raw_before[1:], raw_after[1:], 1000)
     assert got is not None and got.tolist() == [0, 63, 64, 500, 999]
+    strided = np.stack([raw_before[1:], raw_after[1:]], axis=1)  # every other byte: neither array is contiguous
+    got = changed_positions(strided[:, 0], strided[:, 1], 1000)
+    assert got is not None and got.tolist() == [0, 63, 64, 500, 999]
 
 
 def test_compaction_rewrites_a_chain_whole_in_place_and_frees_its_bases(tmp_path: Path, run_ckptkit) -> None:
