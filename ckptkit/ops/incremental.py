@@ -136,9 +136,10 @@ def changed_positions(before: np.ndarray[Any, Any], after: np.ndarray[Any, Any],
     machine): the compiled loop where the package was built with it, else numpy."""
     n = len(before) // 2
     limit = min(limit, n)
+    before, after = np.ascontiguousarray(before[: n * 2]), np.ascontiguousarray(after[: n * 2])  # views unless strided
     if _native is not None:
         out = np.empty(limit + 8, dtype)  # the loop's room: a block's 8 stores past the last position
-        found = _native.positions(np.ascontiguousarray(before[: n * 2]), np.ascontiguousarray(after[: n * 2]), out, limit)
+        found = _native.positions(before, after, out, limit)
         return None if found < 0 else out[:found]
     return _numpy_positions(before, after, limit, dtype)
 
