@@ -1,8 +1,9 @@
 /* The compiled loop of an incremental save: the positions of the 16-bit elements that differ
  * between two byte buffers of equal length (ckptkit.ops.incremental.changed_positions).
  *
- * Each block of 64 elements becomes one 64-bit mask of the elements that differ (SSE2 compares
- * where the processor has them). A block with at most 8 of them, the usual case of a sparse
+ * Each block of 64 elements becomes one 64-bit mask of the elements that differ: SSE2 compares
+ * where the processor has them; elsewhere (or built with -DCKPT_PORTABLE) 16 words compared at
+ * once, an unchanged block skipped, and each word's 4 elements folded into 4 bits. A block with at most 8 of them, the usual case of a sparse
  * change, writes 8 positions whatever its count and moves on by the count, so the loop does not
  * branch on where the changed elements lie: that branch, unpredictable on a random change, is
  * what bounds numpy's flatnonzero. Built optionally: without a compiler ckptkit uses numpy. */
@@ -12,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__SSE2__) || defined(_M_X64) || (defined(_M_IX86_FP) && _M_IX86_FP >= 2)
+#if !defined(CKPT_PORTABLE) && (defined(__SSE2__) || defined(_M_X64) || (defined(_M_IX86_FP) && _M_IX86_FP >= 2))
 #include <emmintrin.h>
 #define CKPT_SSE2 1
 #endif
@@ -24,6 +25,19 @@ static int popcount64(uint64_t x) { return (int)__popcnt64(x); }
 #else
 static int ctz64(uint64_t x) { return __builtin_ctzll(x); }
 static int popcount64(uint64_t x) { return __builtin_popcountll(x); }
+#endif
+
+#ifndef CKPT_SSE2
+/* 8 bytes as a little-endian word whatever the processor's order (one load where it is little-endian). */
+static inline uint64_t le64(const unsigned char *p)
+{
+    uint64_t x;
+    memcpy(&x, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    x = __builtin_bswap64(x);
+#endif
+    return x;
+}
 #endif
 
 /* Bit j set where element j of the 64 at a and b differ. */
@@ -38,13 +52,23 @@ static uint64_t differ64(const unsigned char *a, const unsigned char *b)
         same |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_packs_epi16(lo, hi)) << (16 * q);
     }
     return ~same;
-#else
+#else  /* other processors (and CKPT_PORTABLE builds): 16 words of 4 elements, each lane's bits folded */
+    uint64_t d[16], any = 0;
+    for (int w = 0; w < 16; w++) {
+        d[w] = le64(a + 8 * w) ^ le64(b + 8 * w);
+        any |= d[w];
+    }
+    if (!any)
+        return 0;
     uint64_t m = 0;
-    for (int j = 0; j < 64; j++) {
-        uint16_t x, y;
-        memcpy(&x, a + 2 * j, 2);
-        memcpy(&y, b + 2 * j, 2);
-        m |= (uint64_t)(x != y) << j;
+    for (int w = 0; w < 16; w++) {
+        uint64_t t = d[w];
+        t |= t >> 8;  /* bit 16k: any bit of the word's element k (of 4) */
+        t |= t >> 4;
+        t |= t >> 2;
+        t |= t >> 1;
+        t &= 0x0001000100010001ULL;
+        m |= ((t * 0x0001000200040008ULL) >> 48 & 0xF) << (4 * w);  /* the 4 bits side by side */
     }
     return m;
 #endif
@@ -96,6 +120,7 @@ static Py_ssize_t positions16(const unsigned char *a, const unsigned char *b, Py
 
 static PyObject *positions(PyObject *self, PyObject *args)
 {
+    (void)self;
     Py_buffer before, after, out;
     Py_ssize_t limit, found = -2;
     if (!PyArg_ParseTuple(args, "y*y*w*n:positions", &before, &after, &out, &limit))
@@ -130,6 +155,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_changed", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_changed", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__changed(void) { return PyModule_Create(&module); }

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -300,15 +301,44 @@ def test_reshard_of_a_patched_checkpoint_writes_whole_tensors(tmp_path: Path) ->
     assert ckptkit.diff(str(tmp_path / "run" / "step_3"), str(tmp_path / "full" / "step_3")).ok
 
 
-@pytest.fixture(params=["native", "numpy"])
+def _no_loop(why: str) -> None:
+    if os.environ.get("CKPTKIT_REQUIRE_NATIVE"):
+        pytest.fail(f"{why} (CKPTKIT_REQUIRE_NATIVE is set)")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def portable_loop(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """ckptkit/ops/_changed.c built without SIMD compares (CKPT_PORTABLE), as on processors
+    other than x86: the word-folding mask, which this machine's builds never use otherwise."""
+    import importlib.util
+    import subprocess
+    import sysconfig
+
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        _no_loop(f"no C compiler ({cc}) to build the portable loop with")
+    src = Path(ckptkit.__file__).parent / "ops" / "_changed.c"
+    out = tmp_path_factory.mktemp("portable") / ("_changed" + sysconfig.get_config_var("EXT_SUFFIX"))
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-DCKPT_PORTABLE", f"-I{sysconfig.get_paths()['include']}", str(src), "-o", str(out)],
+                   check=True)
+    spec = importlib.util.spec_from_file_location("_changed", out)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(params=["native", "portable", "numpy"])
 def finder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """`changed_positions` through the compiled loop, then through numpy alone."""
+    """`changed_positions` through the compiled loop as installed, through the loop built without
+    SIMD, then through numpy alone."""
     from ckptkit.ops import incremental
 
     if request.param == "native" and incremental._native is None:
-        if os.environ.get("CKPTKIT_REQUIRE_NATIVE"):
-            pytest.fail("ckptkit.ops._changed was not built (CKPTKIT_REQUIRE_NATIVE is set)")
-        pytest.skip("ckptkit.ops._changed was not built (no C compiler at install)")
+        _no_loop("ckptkit.ops._changed was not built (no C compiler at install)")
+    if request.param == "portable":
+        monkeypatch.setattr(incremental, "_native", request.getfixturevalue("portable_loop"))
     if request.param == "numpy":
         monkeypatch.setattr(incremental, "_native", None)
     return str(request.param)
