@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 
 State = dict[str, "torch.Tensor"]
 PAGE = 4096
+MAPPED = "ckptkit, mapped"  # ckptkit.load(..., mapped=True): tensors that view the page cache, locked and checked
 REQUIRES = {
     "ckptkit": ("torch", "ckptkit.ops.load"),
+    MAPPED: ("torch", "ckptkit.ops.load"),
     "torch.load": ("torch",),
     "safetensors": ("torch", "safetensors.torch"),
     "safetensors-pread": ("torch", "safetensors.torch"),
@@ -45,6 +47,12 @@ def load_ckptkit(directory: str, specs: list[TensorSpec]) -> State:
     from ckptkit.ops.load import load
 
     return load(os.path.join(directory, "step_1"))
+
+
+def load_ckptkit_mapped(directory: str, specs: list[TensorSpec]) -> State:
+    from ckptkit.ops.load import load
+
+    return load(os.path.join(directory, "step_1"), mapped=True)
 
 
 def load_torch(directory: str, specs: list[TensorSpec]) -> State:
@@ -76,6 +84,7 @@ def load_dcp(directory: str, specs: list[TensorSpec]) -> State:
 
 LOADERS: dict[str, Callable[[str, list[TensorSpec]], State]] = {
     "ckptkit": load_ckptkit,
+    MAPPED: load_ckptkit_mapped,
     "torch.load": load_torch,
     "safetensors": safetensors_loader("mmap"),
     "safetensors-pread": safetensors_loader("pread"),
@@ -85,6 +94,7 @@ LOADERS: dict[str, Callable[[str, list[TensorSpec]], State]] = {
 # The save whose output each loader reads ("dcp" is resolved to the fastest DCP save).
 SOURCES = {
     "ckptkit": "ckptkit",
+    MAPPED: "ckptkit",
     "torch.load": "torch.save",
     "safetensors": "safetensors",
     "safetensors-pread": "safetensors",

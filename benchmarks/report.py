@@ -184,6 +184,12 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     ):
         if phase in results:
             add(f"{name} / {limit}", results[phase]["ratios"].get(limit), bound, True)
+    for phase, limit, bound, name in (  # ckptkit.load(..., mapped=True), beside the plain load
+        ("load", PARALLEL_READ_LIMIT, LOAD_VS_PARALLEL_LIMIT, "ckptkit mapped load"),
+        ("load_warm", READ_LIMIT, LOAD_WARM_VS_LIMIT, "ckptkit mapped warm load"),
+    ):
+        if phase in results and "ratios_mapped" in results[phase]:
+            add(f"{name} / {limit}", results[phase]["ratios_mapped"].get(limit), bound, True)
     for phase in ("save", "load"):
         if phase in results:
             ratio = results[phase]["tools"]["ckptkit"].get("added_peak_ratio")

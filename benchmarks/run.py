@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from . import report
+from .loads import MAPPED
 from .phases import Runs, Settings, load_phase, run_rounds, run_worker, save_phase, verify_phase
 from .state import state_bytes, state_specs
 from .table import render
@@ -139,6 +140,9 @@ def run_io_phases(args: argparse.Namespace, settings: Settings, results: dict[st
         results["load"]["dcp_source"] = dcp_source
     if "load-warm" in phases:
         results["load_warm"] = phase_block(load_phase(settings, dcp_source, warm=True), "load", "ckptkit")
+    for key in ("load", "load_warm"):  # the mapped load against the same limits
+        if key in results:
+            results[key]["ratios_mapped"] = report.ratios(results[key]["runs"], MAPPED)
     if "verify" in phases:
         block = phase_block(verify_phase(settings, args.verify_workers), "verify", "ckptkit verify")
         block["workers"] = args.verify_workers

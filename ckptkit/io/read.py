@@ -315,6 +315,29 @@ class Reader:
             if index in piece.keep:
                 self._keep(piece.file, index, b"".join(parts))
 
+    def check_blocks(self, file: int, data: memoryview, offset: int) -> None:
+        """Check the blocks of payload file `file` that `data`, its bytes from `offset` (a block
+        boundary) on, holds: each whole block, or the file's last one up to its end (a mapped
+        load's check, ``ckptkit.state.mapped``).
+
+        Raises:
+            IntegrityError: a block does not match its checksum.
+        """
+        blocks = self.manifest.files[file].blocks
+        assert blocks is not None and offset % blocks.size == 0
+        digests = self._digests_of(file)
+        size = self.manifest.files[file].size
+        for start in range(0, len(data), blocks.size):
+            index = (offset + start) // blocks.size
+            end = min(start + blocks.size, len(data))
+            if end - start < blocks.size and offset + end != size:
+                break  # a part of a block: the next call's data holds it
+            if xxhash.xxh3_64_digest(data[start:end]) != digests[8 * index : 8 * index + 8]:
+                raise IntegrityError(f"{self._where(file)}: block {index} (bytes {offset + start} to {offset + end}) "
+                                     f"does not match its checksum")
+        with self._lock:
+            self.bytes_read += len(data)
+
     def _where(self, file: int) -> str:
         return self.loc.file_str(self.manifest.files[file])
 

@@ -11,7 +11,9 @@ import torch
 
 from ..io.catalog import Location, still_committed
 from ..errors import LayoutError, summarize
+from ..state.mapped import can_map, map_files, tensor_of
 from ..io.read import Reader
+from ..boxes import Box
 from ..manifest import Manifest
 from ..plan.load import plan_load
 from ..io.payload import open_checkpoint
@@ -38,23 +40,36 @@ class Checkpoint:
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.location)!r}, step={self.manifest.step})"
 
-    def load(self, target: Mapping[str, Any] | None = None, *, pinned_bytes: int = DEFAULT_PINNED_BYTES) -> dict[str, Any]:
+    def load(self, target: Mapping[str, Any] | None = None, *, pinned_bytes: int = DEFAULT_PINNED_BYTES,
+             mapped: bool = False) -> dict[str, Any]:
         """Load the checkpoint, whole or into `target`; see :func:`ckptkit.load`."""
         manifest = self.manifest
-        if target is None:
-            tensors = {
-                fqn: host_empty(entry.shape, torch_dtype(entry.dtype)) for fqn, entry in manifest.tensors.items()
-            }
-            pieces = {fqn: [ShardedTensor(t, t.shape, (0,) * t.dim())] for fqn, t in tensors.items()}
-            leaves: dict[str, Any] = dict(tensors)
-        else:
-            leaves, _ = flatten(target, is_leaf)
-            pieces = {fqn: leaf_shards(leaf) for fqn, leaf in leaves.items()}
+        if mapped and target is not None:
+            raise ValueError("mapped=True returns new tensors that map the checkpoint's files: give no target")
         with still_committed(self.location):
-            if target is None:  # every payload file, those of empty tensors included
-                self._reader.open_files_of(manifest.tensors)
+            if target is None:
+                self._reader.open_files_of(manifest.tensors)  # every payload file, those of empty tensors included
+                views = self._mapped_views() if mapped else {}
+                tensors = {fqn: host_empty(entry.shape, torch_dtype(entry.dtype))
+                           for fqn, entry in manifest.tensors.items() if fqn not in views}
+                pieces = {fqn: [ShardedTensor(t, t.shape, (0,) * t.dim())] for fqn, t in tensors.items()}
+                leaves: dict[str, Any] = {fqn: views[fqn] if fqn in views else tensors[fqn] for fqn in manifest.tensors}
+            else:
+                leaves, _ = flatten(target, is_leaf)
+                pieces = {fqn: leaf_shards(leaf) for fqn, leaf in leaves.items()}
             fill(self._reader, pieces, pinned_bytes=pinned_bytes)
         return unflatten({**{k: from_json(v) for k, v in manifest.objects.items()}, **leaves})
+
+    def _mapped_views(self) -> dict[str, torch.Tensor]:
+        """The tensors a mapped load maps (``ckptkit.state.mapped``), by name: their files mapped,
+        locked and checked whole."""
+        reader, manifest = self._reader, self.manifest
+        plan = plan_load(manifest, [(fqn, Box((0,) * len(e.shape), e.shape)) for fqn, e in manifest.tensors.items()])
+        targets = [t for t in plan.targets if can_map(reader, t)]
+        with ThreadPoolExecutor(max_workers=READ_THREADS) as threads:
+            files = map_files(reader, sorted({t.reads[0].file for t in targets}), threads)
+        views = {t.fqn: tensor_of(reader, files, t, torch_dtype(manifest.tensors[t.fqn].dtype)) for t in targets}
+        return {fqn: view for fqn, view in views.items() if view is not None}
 
 
 def open(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Checkpoint:  # noqa: A001
@@ -70,7 +85,7 @@ def open(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Che
 
 def load(
     path: str | os.PathLike[str], target: Mapping[str, Any] | None = None, *, storage: Storage | None = None,
-    pinned_bytes: int = DEFAULT_PINNED_BYTES,
+    pinned_bytes: int = DEFAULT_PINNED_BYTES, mapped: bool = False,
 ) -> dict[str, Any]:
     """Load a committed checkpoint (or the one a root's ``latest`` names).
 
@@ -91,14 +106,24 @@ def load(
     blocks at the ends of each range); a checkpoint written before block checksums (schema 1.1
     and older) is checked file by file where a load reads all of a file's tensor bytes.
 
+    With ``mapped=True`` (no `target`), each tensor held whole by one shard of a local payload
+    file is instead a view of that file, mapped copy-on-write: no new memory, no copy. Every
+    block of a mapped file is checked through the mapping before the call returns, its pages
+    locked in memory first so that none is read again from disk unchecked (where locking is
+    refused, for want of ``CAP_IPC_LOCK`` or ``RLIMIT_MEMLOCK``, the load warns with
+    ``ckptkit.state.mapped.UnlockedWarning`` and goes on). Writing to such a tensor copies the page
+    written; the file never changes. Other tensors (on S3, cut over several shards, patched) are
+    read as without it. See ``ckptkit.state.mapped``.
+
     Raises:
         CheckpointNotFoundError: nothing committed at `path`.
         ManifestError: the manifest is malformed or of a newer schema.
         IntegrityError: payload files disagree with the manifest.
         LayoutError: a target tensor is missing from the checkpoint, has another shape or dtype,
             or is on a device other than cpu and cuda (or on cuda where CUDA is not available).
+        ValueError: ``mapped=True`` with a `target`.
     """
-    return open(path, storage=storage).load(target, pinned_bytes=pinned_bytes)
+    return open(path, storage=storage).load(target, pinned_bytes=pinned_bytes, mapped=mapped)
 
 
 def fill(
