@@ -38,9 +38,13 @@ def _payload(path: Path) -> Path:
     return file
 
 
-def _locked_kib() -> int:
+def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmLck:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _locked_kib() -> int:
+    return _status_kib("VmLck")
 
 
 def _is_mapped(t: torch.Tensor, file: Path) -> bool:
@@ -127,3 +131,15 @@ def test_mapped_with_a_target_is_refused(tmp_path: Path) -> None:
     ckptkit.save(state, tmp_path / "step_1", step=1)
     with pytest.raises(ValueError, match="give no target"):
         ckptkit.load(tmp_path / "step_1", state, mapped=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_mapped_load_copies_no_page(tmp_path: Path) -> None:
+    """Locked and checked, a mapped tensor is still the page cache's pages: the load adds no
+    anonymous memory (locking the tensors' own private mapping would copy all 64 MiB)."""
+    ckptkit.save({"w": torch.randn(16 << 20)}, tmp_path / "step_1", step=1)
+    gc.collect()
+    before = _status_kib("RssAnon")
+    got = ckptkit.load(tmp_path / "step_1", mapped=True)
+    assert _is_mapped(got["w"], _payload(tmp_path / "step_1"))
+    assert _status_kib("RssAnon") - before < 16 << 10  # KiB: far below the tensor's 64 MiB
