@@ -10,9 +10,9 @@ What it costs, said where it is offered:
 
 - The pages are locked in memory (``mlock``, through a second, shared read-only mapping of the file:
   locking the private one would copy every page) before they are checked, so that the kernel
-  cannot drop a checked page and read it again, unchecked, from the disk later. Locking needs ``CAP_IPC_LOCK``
-  or a ``RLIMIT_MEMLOCK`` as large as the files; where it is refused the load goes on unlocked and
-  warns once (`UnlockedWarning`).
+  cannot drop a checked page and read it again, unchecked, from the disk later. Locking needs
+  ``CAP_IPC_LOCK`` or a ``RLIMIT_MEMLOCK`` as large as the files; where it is refused the load
+  goes on unlocked and warns once (`UnlockedWarning`).
 - A write to a mapped tensor copies that page first (private mapping): the file never changes. A
   process that rewrites a committed payload file in place (ckptkit never does) would change the
   tensors' pages it has not written; deleting the checkpoint does not (the mapping holds the file).
