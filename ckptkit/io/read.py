@@ -301,42 +301,43 @@ class Reader:
         key = self.loc.file_key(self.manifest.files[piece.file])
         for offset, views in _consecutive(piece.reads):  # a range and the end-block bytes around it: one request
             self.loc.storage.readv(key, offset, views)
-        blocks = self.manifest.files[piece.file].blocks
-        digests = self._digests_of(piece.file) if piece.blocks else b""
         for index, parts in piece.blocks:
-            assert blocks is not None
-            hasher = xxhash.xxh3_64()
-            for part in parts:
-                hasher.update(part)
-            if hasher.digest() != digests[8 * index : 8 * index + 8]:
-                size = sum(len(p) for p in parts)
-                raise IntegrityError(f"{self._where(piece.file)}: block {index} (bytes {index * blocks.size} to "
-                                     f"{index * blocks.size + size}) does not match its checksum")
+            self._check_block(piece.file, index, parts)
             if index in piece.keep:
                 self._keep(piece.file, index, b"".join(parts))
 
     def check_blocks(self, file: int, data: memoryview, offset: int) -> None:
-        """Check the blocks of payload file `file` that `data`, its bytes from `offset` (a block
-        boundary) on, holds: each whole block, or the file's last one up to its end (a mapped
-        load's check, ``ckptkit.state.mapped``).
+        """Check the blocks of payload file `file` that `data`, its bytes from `offset` on, holds
+        (whole blocks: `offset` a block boundary, the end one or the file's end; a mapped load's
+        check, ``ckptkit.state.mapped``).
 
         Raises:
             IntegrityError: a block does not match its checksum.
         """
         blocks = self.manifest.files[file].blocks
+        end = offset + len(data)
         assert blocks is not None and offset % blocks.size == 0
-        digests = self._digests_of(file)
-        size = self.manifest.files[file].size
+        assert end % blocks.size == 0 or end == self.manifest.files[file].size
         for start in range(0, len(data), blocks.size):
-            index = (offset + start) // blocks.size
-            end = min(start + blocks.size, len(data))
-            if end - start < blocks.size and offset + end != size:
-                break  # a part of a block: the next call's data holds it
-            if xxhash.xxh3_64_digest(data[start:end]) != digests[8 * index : 8 * index + 8]:
-                raise IntegrityError(f"{self._where(file)}: block {index} (bytes {offset + start} to {offset + end}) "
-                                     f"does not match its checksum")
+            self._check_block(file, (offset + start) // blocks.size, [data[start : start + blocks.size]])
         with self._lock:
             self.bytes_read += len(data)
+
+    def _check_block(self, file: int, index: int, parts: Sequence[memoryview]) -> None:
+        """Check block `index` of payload file `file`, its bytes the concatenation of `parts`.
+
+        Raises:
+            IntegrityError: the block does not match its checksum.
+        """
+        hasher = xxhash.xxh3_64()
+        for part in parts:
+            hasher.update(part)
+        if hasher.digest() != self._digests_of(file)[8 * index : 8 * index + 8]:
+            blocks = self.manifest.files[file].blocks
+            assert blocks is not None
+            begin = index * blocks.size
+            raise IntegrityError(f"{self._where(file)}: block {index} (bytes {begin} to "
+                                 f"{begin + sum(len(p) for p in parts)}) does not match its checksum")
 
     def _where(self, file: int) -> str:
         return self.loc.file_str(self.manifest.files[file])

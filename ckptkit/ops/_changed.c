@@ -3,10 +3,11 @@
  *
  * Each block of 64 elements becomes one 64-bit mask of the elements that differ: SSE2 compares
  * where the processor has them; elsewhere (or built with -DCKPT_PORTABLE) 16 words compared at
- * once, an unchanged block skipped, and each word's 4 elements folded into 4 bits. A block with at most 8 of them, the usual case of a sparse
- * change, writes 8 positions whatever its count and moves on by the count, so the loop does not
- * branch on where the changed elements lie: that branch, unpredictable on a random change, is
- * what bounds numpy's flatnonzero. Built optionally: without a compiler ckptkit uses numpy. */
+ * once, an unchanged block skipped, and each word's 4 elements folded into 4 bits. A block with
+ * at most 8 changes, the usual case of a sparse change, writes 8 positions whatever its count and
+ * moves on by the count, so the loop does not branch on where the changed elements lie: that
+ * branch, unpredictable on a random change, is what bounds numpy's flatnonzero. Built
+ * optionally: without a compiler ckptkit uses numpy. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
