@@ -73,12 +73,41 @@ def machine_info(directory: str) -> dict[str, Any]:
         "filesystem": mount,
         "versions": versions,
         "ckptkit_commit": git_commit(),
+        "free_page_reporting": free_page_reporting(),
     }
     info["summary"] = (
         f"{info['cpus']} CPUs, {info['memory_bytes'] / (1 << 30):.1f} GiB RAM, Linux {info['kernel']}, "
         f"{mount['type']} on {mount['device']}; torch {versions['torch']}, safetensors {versions['safetensors']}"
     )
+    if info["free_page_reporting"]:
+        info["summary"] += ("\nmemory: the host takes back freed memory (virtio free page reporting), so memory touched "
+                            "for the first time costs up to 20x more (docs/PERFORMANCE.md, \"Memory the host takes back\")")
     return info
+
+
+VIRTIO_DEVICES = "/sys/bus/virtio/devices"
+VIRTIO_BALLOON = 5  # the virtio device id of a memory balloon
+BALLOON_F_REPORTING = 5  # its feature bit: freed guest pages are reported to the host, which drops them
+
+
+def free_page_reporting(devices: str = VIRTIO_DEVICES) -> bool:
+    """Whether this machine is a virtual machine whose memory balloon reports freed pages to the
+    host (the host then drops them, and the next first touch of such a page waits for the host)."""
+    try:
+        names = os.listdir(devices)
+    except OSError:
+        return False
+    for name in names:
+        try:
+            with open(os.path.join(devices, name, "device")) as f:
+                device = int(f.read().strip(), 16)
+            with open(os.path.join(devices, name, "features")) as f:
+                features = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if device == VIRTIO_BALLOON and len(features) > BALLOON_F_REPORTING and features[BALLOON_F_REPORTING] == "1":
+            return True
+    return False
 
 
 def _mount_of(directory: str) -> dict[str, str]:
