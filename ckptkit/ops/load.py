@@ -68,8 +68,7 @@ class Checkpoint:
         targets = [t for t in plan.targets if can_map(reader, t)]
         with ThreadPoolExecutor(max_workers=READ_THREADS) as threads:
             files = map_files(reader, sorted({t.reads[0].file for t in targets}), threads)
-        views = {t.fqn: tensor_of(reader, files, t, torch_dtype(manifest.tensors[t.fqn].dtype)) for t in targets}
-        return {fqn: view for fqn, view in views.items() if view is not None}
+        return {t.fqn: tensor_of(reader, files, t, torch_dtype(manifest.tensors[t.fqn].dtype)) for t in targets}
 
 
 def open(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Checkpoint:  # noqa: A001

@@ -17,7 +17,8 @@ What it costs, said where it is offered:
   process that rewrites a committed payload file in place (ckptkit never does) would change the
   tensors' pages it has not written; deleting the checkpoint does not (the mapping holds the file).
 - Only a tensor held whole by one shard of a local file with block checksums, without patches, at
-  an offset aligned to its item size, is mapped; every other one is read as a plain load reads it.
+  an offset aligned to its item size, is mapped (`can_map`, decided before any file is mapped);
+  every other one is read as a plain load reads it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class Mapped:
 
 def can_map(reader: Reader, target: TargetPlan) -> bool:
     """Whether `target` (a whole tensor) is one shard's bytes in place in a file a mapped load
-    maps: local, with block checksums, not raw-encoded, non-empty, the tensor without patches."""
+    maps: local, with block checksums, not raw-encoded, non-empty, the tensor without patches,
+    its bytes at an offset aligned to its item size (the file's header read first)."""
     if not hasattr(mmap, "MAP_PRIVATE") or not reader.loc.storage.capabilities.local_files:
         return False
     if len(target.reads) != 1 or not target.box.volume:
@@ -69,7 +71,7 @@ def can_map(reader: Reader, target: TargetPlan) -> bool:
     entry = reader.manifest.files[read.file]
     tensor = reader.manifest.tensors[target.fqn]
     return (read.src_box == read.overlap == target.box and entry.blocks is not None and entry.encoding != "raw"
-            and not tensor.patches)
+            and not tensor.patches and reader.begin(read, tensor.dtype) % itemsize(tensor.dtype) == 0)
 
 
 def map_files(reader: Reader, files: Sequence[int], pool: Executor) -> dict[int, Mapped]:
@@ -99,15 +101,12 @@ def map_files(reader: Reader, files: Sequence[int], pool: Executor) -> dict[int,
     return mapped
 
 
-def tensor_of(reader: Reader, mapped: dict[int, Mapped], target: TargetPlan, dtype: torch.dtype) -> torch.Tensor | None:
-    """The tensor `target` as a view of its file's mapping, or None where its bytes are not
-    aligned to its item size there (it is then read)."""
+def tensor_of(reader: Reader, mapped: dict[int, Mapped], target: TargetPlan, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor `target` (one `can_map` accepts) as a view of its file's mapping."""
     read = target.reads[0]
-    size = itemsize(reader.manifest.tensors[target.fqn].dtype)
-    begin = reader.begin(read, reader.manifest.tensors[target.fqn].dtype)
-    if begin % size:
-        return None
-    raw = mapped[read.file].data[begin : begin + target.box.volume * size]
+    saved = reader.manifest.tensors[target.fqn].dtype
+    begin = reader.begin(read, saved)
+    raw = mapped[read.file].data[begin : begin + target.box.volume * itemsize(saved)]
     return raw.view(dtype).view(target.box.lengths)
 
 

@@ -143,3 +143,19 @@ def test_a_mapped_load_copies_no_page(tmp_path: Path) -> None:
     got = ckptkit.load(tmp_path / "step_1", mapped=True)
     assert _is_mapped(got["w"], _payload(tmp_path / "step_1"))
     assert _status_kib("RssAnon") - before < 16 << 10  # KiB: far below the tensor's 64 MiB
+
+
+def test_a_tensor_at_an_unaligned_offset_is_read_not_mapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state()
+    ckptkit.save(state, tmp_path / "step_1", step=1)
+    aligned = mapped_io.Reader.begin
+
+    def begin(self: Any, read: Any, dtype: str) -> int:  # the fp32 "w" as if its bytes began one byte later
+        return aligned(self, read, dtype) + (1 if read.key.endswith("w") and dtype == "float32" else 0)
+
+    monkeypatch.setattr(mapped_io.Reader, "begin", begin)
+    checkpoint = ckptkit.open(tmp_path / "step_1")
+    assert set(checkpoint._mapped_views()) == {"model/b", "model/i", "model/s"}  # "w" refused before any mapping
+    monkeypatch.setattr(mapped_io.Reader, "begin", aligned)
+    got = checkpoint.load(mapped=True)
+    assert all(_bits(got["model"][k]) == _bits(v) for k, v in state["model"].items())
